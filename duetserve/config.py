@@ -1,0 +1,86 @@
+"""Engine configuration and small parsers shared by the CLI and the server."""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+POLICIES = ("chunked", "prefill-first", "duet", "pdmux")
+
+_DURATION = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*(ms|s|us)?\s*$")
+
+
+def parse_duration(text: str | float) -> float:
+    """Parse a duration such as ``"100ms"``, ``"0.1s"``, ``"250us"`` or ``0.1`` into seconds.
+
+    A bare number is taken as seconds.
+
+    Raises:
+        ValueError: the text is not a positive number with an optional ``ms``/``s``/``us`` unit.
+    """
+    if isinstance(text, (int, float)):
+        value, unit = float(text), "s"
+    else:
+        match = _DURATION.match(text)
+        if not match:
+            raise ValueError(f"cannot parse duration {text!r}: use e.g. 100ms or 0.1s")
+        value, unit = float(match.group(1)), match.group(2) or "s"
+    seconds = value * {"s": 1.0, "ms": 1e-3, "us": 1e-6}[unit]
+    if seconds <= 0:
+        raise ValueError(f"duration {text!r} must be positive")
+    return seconds
+
+
+@dataclass
+class EngineConfig:
+    """Everything the engine needs to start.
+
+    Attributes:
+        model: Hugging Face folder, ``.gguf`` file, or None for the embedded SmolLM2-135M-Instruct.
+        load_format: ``auto`` (real weights) or ``dummy`` (random weights with the config's shapes).
+        device: ``cpu``, ``cuda`` or ``cuda:N``.
+        dtype: ``auto`` (float32 on CPU, bfloat16 on CUDA), ``float32``, ``float16`` or ``bfloat16``.
+        max_num_seqs: most sequences running at once.
+        max_num_batched_tokens: token budget of one iteration (prefill chunks + decode tokens).
+        block_size: tokens per KV-cache block.
+        num_kv_blocks: KV-cache blocks; None sizes the cache from ``kv_cache_memory_fraction``.
+        kv_cache_memory_fraction: share of free device memory (CUDA) or of ``cpu_kv_cache_bytes``
+            (CPU) given to the KV cache when ``num_kv_blocks`` is None.
+        cpu_kv_cache_bytes: KV-cache memory pool on the CPU, bytes.
+        max_model_len: longest sequence (prompt + output) in tokens; None takes the model's limit.
+        policy: scheduling policy, one of ``POLICIES``.
+        tbt_slo_s: time-between-tokens SLO in seconds.
+        seed: seed for dummy weights and for unseeded sampling.
+    """
+
+    model: str | None = None
+    load_format: str = "auto"
+    device: str = "cpu"
+    dtype: str = "auto"
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    block_size: int = 16
+    num_kv_blocks: int | None = None
+    kv_cache_memory_fraction: float = 0.9
+    cpu_kv_cache_bytes: int = 2 << 30
+    max_model_len: int | None = None
+    policy: str = "chunked"
+    tbt_slo_s: float = 0.1
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        checks = [
+            (self.policy in POLICIES, "--policy", f"must be one of {', '.join(POLICIES)}"),
+            (self.load_format in ("auto", "dummy"), "--load-format", "must be auto or dummy"),
+            (self.dtype in ("auto", "float32", "float16", "bfloat16"), "--dtype",
+             "must be auto, float32, float16 or bfloat16"),
+            (self.max_num_seqs >= 1, "--max-num-seqs", "must be >= 1"),
+            (self.max_num_batched_tokens >= 1, "--max-num-batched-tokens", "must be >= 1"),
+            (self.block_size >= 1, "--block-size", "must be >= 1"),
+            (self.num_kv_blocks is None or self.num_kv_blocks >= 1, "--num-kv-blocks", "must be >= 1"),
+            (0 < self.kv_cache_memory_fraction <= 1, "--kv-cache-memory-fraction", "must be in (0, 1]"),
+            (self.max_model_len is None or self.max_model_len >= 2, "--max-model-len", "must be >= 2"),
+            (self.tbt_slo_s > 0, "--tbt-slo", "must be positive"),
+        ]
+        for ok, flag, message in checks:
+            if not ok:
+                raise ValueError(f"{flag} {message}")

@@ -1,0 +1,54 @@
+"""Incremental detokenization and stop-string handling for one request."""
+from __future__ import annotations
+
+
+class IncrementalDetokenizer:
+    """Turns a growing list of output token ids into text deltas.
+
+    Each step decodes only a short window: the tokens from ``prefix_offset`` (already
+    emitted, kept for context such as leading spaces) to the end, minus the text of the
+    window's emitted part. A delta ending in an incomplete UTF-8 character (U+FFFD) is held
+    back until the next token completes it. Stop strings end the text before the stop;
+    the last ``len(longest stop) - 1`` characters are held back until they cannot start one.
+    """
+
+    def __init__(self, tokenizer, prompt_ids: list[int], stop: list[str]):
+        self.tokenizer = tokenizer
+        self.stop = stop
+        self.hold = max((len(s) for s in stop), default=1) - 1
+        # A few prompt tokens give the first output token its context (e.g. a leading space).
+        self.ids: list[int] = list(prompt_ids[-5:])
+        self.prefix_offset = 0
+        self.read_offset = len(self.ids)
+        self.text = ""     # all decoded output text
+        self.emitted = 0   # characters of ``text`` already returned
+
+    def add(self, token_ids: list[int]) -> tuple[str, bool]:
+        """Add new tokens; return (text delta to emit, whether a stop string was hit)."""
+        if self.tokenizer is None:
+            return "", False
+        self.ids.extend(token_ids)
+        prefix = self.tokenizer.decode(self.ids[self.prefix_offset:self.read_offset], skip_special_tokens=True)
+        window = self.tokenizer.decode(self.ids[self.prefix_offset:], skip_special_tokens=True)
+        if len(window) > len(prefix) and not window.endswith("\ufffd"):
+            self.text += window[len(prefix):]
+            self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+        return self._flush(final=False)
+
+    def _flush(self, final: bool) -> tuple[str, bool]:
+        for stop in self.stop:
+            at = self.text.find(stop, max(0, self.emitted - len(stop) + 1))
+            if at != -1:
+                self.text = self.text[:at]
+                return self._emit(len(self.text)), True
+        end = len(self.text) if final else max(self.emitted, len(self.text) - self.hold)
+        return self._emit(end), False
+
+    def finish(self) -> str:
+        """Text held back for stop strings, released when the request ends."""
+        return self._flush(final=True)[0]
+
+    def _emit(self, end: int) -> str:
+        delta = self.text[self.emitted:end]
+        self.emitted = max(self.emitted, end)
+        return delta

@@ -1,0 +1,218 @@
+"""The LLM engine: requests in, token and text deltas out, one iteration per ``step()``."""
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from duetserve.config import EngineConfig
+from duetserve.engine.detokenizer import IncrementalDetokenizer
+from duetserve.engine.kv_cache import BlockManager
+from duetserve.engine.model_runner import ModelRunner, allocate_kv_cache, kv_bytes_per_block
+from duetserve.engine.policy import Plan, make_policy
+from duetserve.engine.sampler import Sampler
+from duetserve.engine.scheduler import Scheduler
+from duetserve.engine.sequence import Sequence
+from duetserve.model.attention import TorchAttention
+from duetserve.model.loader import load_model
+from duetserve.sampling import ParamError, SamplingParams
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+@dataclass
+class RequestOutput:
+    """What one iteration produced for one request.
+
+    Attributes:
+        request_id: the caller's id.
+        new_token_ids: tokens generated this iteration (several after a look-ahead plan).
+        new_text: text delta (may be empty while a multi-byte character or stop string is pending).
+        finished: the request ended this iteration.
+        finish_reason: ``stop``, ``length`` or ``abort`` when finished.
+        num_prompt_tokens / num_output_tokens: usage counts so far, tokens.
+    """
+
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str
+    finished: bool
+    finish_reason: str | None
+    num_prompt_tokens: int
+    num_output_tokens: int
+
+
+@dataclass
+class StepStats:
+    """One iteration, for metrics: plan, sizes and wall time (seconds)."""
+
+    plan: Plan
+    num_decodes: int
+    num_prefill_tokens: int
+    duration_s: float
+    num_running: int
+    num_waiting: int
+    kv_usage: float
+    num_preempted: int
+
+
+@dataclass
+class _Request:
+    request_id: str
+    seq: Sequence
+    detok: IncrementalDetokenizer
+    pending_ids: list[int] = field(default_factory=list)
+
+
+class LLMEngine:
+    """Owns the model, the KV cache and the scheduler; not thread-safe (one loop drives it).
+
+    Raises (constructor):
+        FileNotFoundError / KeyError / ValueError: the model cannot be loaded or the config is invalid.
+    """
+
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.device = torch.device(config.device)
+        dtype = config.dtype
+        if dtype == "auto":
+            dtype = "bfloat16" if self.device.type == "cuda" else "float32"
+        self.dtype = _DTYPES[dtype]
+        torch.manual_seed(config.seed)
+        loaded = load_model(config.model, TorchAttention(), self.dtype, self.device, config.load_format,
+                            config.max_model_len, config.seed)
+        self.model, self.tokenizer, self.model_name = loaded.model, loaded.tokenizer, loaded.name
+        self.max_model_len = config.max_model_len or self.model.dims.max_position_embeddings
+        num_blocks = config.num_kv_blocks or self._blocks_from_memory()
+        log.info("KV cache: %d blocks of %d tokens (%d tokens)", num_blocks, config.block_size,
+                 num_blocks * config.block_size)
+        self.block_manager = BlockManager(num_blocks, config.block_size)
+        kv = allocate_kv_cache(self.model, num_blocks, config.block_size, self.dtype, self.device)
+        self.sampler = Sampler(self.device, config.seed)
+        self.runner = ModelRunner(self.model, kv, config.block_size, self.device, self.sampler)
+        self.scheduler = Scheduler(make_policy(config), self.block_manager, config.max_num_seqs,
+                                   config.max_num_batched_tokens, self.max_model_len)
+        self.eos_token_ids = self._eos_ids(loaded.config)
+        self._requests: dict[str, _Request] = {}
+        self._ids = itertools.count()
+        self.last_stats: StepStats | None = None
+
+    def _blocks_from_memory(self) -> int:
+        per_block = kv_bytes_per_block(self.model, self.config.block_size, self.dtype)
+        if self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+        else:
+            free = self.config.cpu_kv_cache_bytes
+        return max(1, int(free * self.config.kv_cache_memory_fraction) // per_block)
+
+    def _eos_ids(self, hf_config) -> frozenset[int]:
+        ids = getattr(hf_config, "eos_token_id", None)
+        ids = set(ids if isinstance(ids, list) else [ids] if ids is not None else [])
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            ids.add(self.tokenizer.eos_token_id)
+        return frozenset(ids)
+
+    # --- requests -------------------------------------------------------------------------
+
+    def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Validate a request before it is queued.
+
+        Raises:
+            ParamError: empty or too long prompt, token ids out of the vocabulary, bad sampling
+                parameters, or ``max_tokens`` beyond the context left after the prompt.
+        """
+        params.validate()
+        n = len(prompt_token_ids)
+        if n == 0:
+            raise ParamError("the prompt is empty", "prompt")
+        vocab = self.model.dims.vocab_size
+        if any(not 0 <= t < vocab for t in prompt_token_ids):
+            raise ParamError(f"prompt token ids must be in [0, {vocab})", "prompt")
+        if n >= self.max_model_len:
+            raise ParamError(f"this model's maximum context length is {self.max_model_len} tokens; the "
+                             f"prompt has {n} tokens, leaving no room for output", "prompt")
+        if n + params.max_tokens > self.max_model_len:
+            raise ParamError(f"max_tokens={params.max_tokens} plus the prompt's {n} tokens exceeds the "
+                             f"maximum context length of {self.max_model_len} tokens", "max_tokens")
+        blocks_needed = -(-(n + params.max_tokens) // self.config.block_size)
+        if blocks_needed > self.block_manager.num_blocks:
+            raise ParamError(f"the request needs {blocks_needed} KV blocks; the cache has "
+                             f"{self.block_manager.num_blocks}", "max_tokens")
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    arrival_time: float | None = None) -> None:
+        """Queue a request (see ``check_request`` for the errors raised)."""
+        if request_id in self._requests:
+            raise ParamError(f"request id {request_id!r} is already running", "request_id")
+        self.check_request(prompt_token_ids, params)
+        seq = Sequence(next(self._ids), list(prompt_token_ids), len(prompt_token_ids), params,
+                       arrival_time if arrival_time is not None else time.monotonic(), self.eos_token_ids)
+        self.scheduler.add(seq)
+        self._requests[request_id] = _Request(request_id, seq, IncrementalDetokenizer(
+            self.tokenizer, prompt_token_ids, params.stop))
+
+    def abort(self, request_id: str) -> None:
+        """Drop a request and free its KV blocks (no-op if it is unknown or finished)."""
+        req = self._requests.pop(request_id, None)
+        if req is not None:
+            self.scheduler.finish(req.seq, "abort")
+            self.sampler.release(req.seq.seq_id)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    @property
+    def num_requests(self) -> int:
+        return len(self._requests)
+
+    # --- the loop -------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Run one iteration and return an output for every request that changed."""
+        start = time.perf_counter()
+        out = self.scheduler.schedule()
+        if out.is_empty:
+            return []
+        sampled = self.runner.execute(out)
+        before = {s.seq.seq_id: s.seq.num_tokens for s in out.scheduled}
+        self.scheduler.postprocess(out, sampled)
+        self.last_stats = StepStats(out.plan, len(out.decodes), out.num_prefill_tokens,
+                                    time.perf_counter() - start, len(self.scheduler.running),
+                                    len(self.scheduler.waiting), self.block_manager.usage, len(out.preempted))
+        outputs = []
+        for req in [r for r in self._requests.values() if r.seq.seq_id in before]:
+            new_ids = req.seq.token_ids[before[req.seq.seq_id]:]
+            if not new_ids and not req.seq.is_finished:
+                continue
+            outputs.append(self._emit(req, new_ids))
+        return outputs
+
+    def _emit(self, req: _Request, new_ids: list[int]) -> RequestOutput:
+        seq = req.seq
+        text, hit_stop = req.detok.add(new_ids)
+        if hit_stop and not seq.is_finished:
+            self.scheduler.finish(seq, "stop")
+        if seq.is_finished:
+            text += req.detok.finish()
+            self._requests.pop(req.request_id, None)
+            self.sampler.release(seq.seq_id)
+        return RequestOutput(req.request_id, new_ids, text, seq.is_finished, seq.finish_reason,
+                             seq.num_prompt_tokens, seq.num_output_tokens)
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[list[int]]:
+        """Run prompts (token ids) to completion together; returns each one's output token ids."""
+        plist = params if isinstance(params, list) else [params] * len(prompts)
+        ids = [f"gen-{next(self._ids)}" for _ in prompts]
+        results: dict[str, list[int]] = {i: [] for i in ids}
+        for rid, prompt, p in zip(ids, prompts, plist):
+            self.add_request(rid, prompt, p)
+        while any(r in self._requests for r in ids):
+            for o in self.step():
+                if o.request_id in results:
+                    results[o.request_id].extend(o.new_token_ids)
+        return [results[i] for i in ids]

@@ -1,0 +1,273 @@
+"""Continuous-batching scheduler shared by the engine and the simulator.
+
+Every iteration: running decodes first, then prefill chunks (partially prefilled sequences,
+then waiting requests in arrival order) under the token budget; admission by free KV
+blocks; preemption by recompute when blocks run out. The policy decides chunking and the
+iteration's plan (temporal, or spatial with ``k`` look-ahead decode steps).
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections import deque
+from dataclasses import dataclass
+
+from duetserve.engine.kv_cache import BlockManager
+from duetserve.engine.policy import Plan, Policy
+from duetserve.engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class ScheduledSeq:
+    """One sequence's share of an iteration: ``q`` query tokens on top of ``c`` cached ones."""
+
+    seq: Sequence
+    num_new_tokens: int
+    num_cached_tokens: int
+
+    @property
+    def samples(self) -> bool:
+        """True when this chunk reaches the sequence's last token, so a token is sampled."""
+        return self.num_cached_tokens + self.num_new_tokens == self.seq.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    """The batch of one iteration and how to run it.
+
+    ``decodes`` run ``plan.k`` steps (one token each per step); ``prefills`` run once.
+    """
+
+    decodes: list[ScheduledSeq]
+    prefills: list[ScheduledSeq]
+    plan: Plan
+    preempted: list[Sequence]
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.decodes and not self.prefills
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.prefills)
+
+    @property
+    def scheduled(self) -> list[ScheduledSeq]:
+        return self.decodes + self.prefills
+
+
+class Scheduler:
+    """Decides, each iteration, which sequences run and with how many tokens.
+
+    Args:
+        policy: chunking rules and plan choice (``duetserve.engine.policy``).
+        block_manager: KV-cache block pool.
+        max_num_seqs: most running sequences.
+        max_num_batched_tokens: token budget per iteration (decode tokens + prefill tokens).
+        max_model_len: longest sequence, tokens.
+        watermark: share of blocks kept free when admitting a new request, to avoid
+            preempting right after admission.
+    """
+
+    def __init__(self, policy: Policy, block_manager: BlockManager, max_num_seqs: int,
+                 max_num_batched_tokens: int, max_model_len: int, watermark: float = 0.01):
+        self.policy = policy
+        self.blocks = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.watermark_blocks = int(watermark * block_manager.num_blocks)
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        """Queue a new request.
+
+        Raises:
+            ValueError: the prompt leaves no room for one output token within ``max_model_len``,
+                or it can never fit in the KV cache.
+        """
+        if seq.num_tokens >= self.max_model_len:
+            raise ValueError(f"prompt has {seq.num_tokens} tokens; the context limit is "
+                             f"{self.max_model_len}, and one output token must fit")
+        if -(-(seq.num_tokens + 1) // self.blocks.block_size) > self.blocks.num_blocks:
+            raise ValueError(f"prompt of {seq.num_tokens} tokens does not fit in the KV cache")
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # --- scheduling -------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        """Form the next iteration's batch (may preempt running sequences)."""
+        preempted: list[Sequence] = []
+        budget = self.max_num_batched_tokens
+        skip_decode = self.policy.prefill_excludes_decode and self._has_prefill_work()
+        decodes: list[ScheduledSeq] = []
+        if not skip_decode:
+            for seq in [s for s in self.running if s.is_decode]:
+                if budget == 0:
+                    break
+                if seq.status is not SequenceStatus.RUNNING:
+                    continue  # preempted to make room for an earlier sequence
+                if not self._make_room(seq, seq.num_tokens, preempted):
+                    continue
+                self.blocks.allocate(seq, seq.num_tokens)
+                decodes.append(ScheduledSeq(seq, 1, seq.num_computed_tokens))
+                budget -= 1
+
+        candidates = self._prefill_candidates(budget, len(decodes) > 0)
+        max_k = max((self._remaining_tokens(d.seq) for d in decodes), default=1)
+        plan = self.policy.plan([(1, d.num_cached_tokens) for d in decodes],
+                                [(q, s.num_computed_tokens) for s, q in candidates], max_k)
+        prefills = self._admit(self._trim(candidates, plan.prefill_token_limit))
+        if plan.spatial and decodes:
+            plan = dataclasses.replace(plan, k=self._reserve_lookahead(decodes, plan.k))
+        elif plan.spatial or plan.k != 1:
+            plan = dataclasses.replace(plan, spatial=False, k=1)
+        return SchedulerOutput(decodes, prefills, plan, preempted)
+
+    def _remaining_tokens(self, seq: Sequence) -> int:
+        return min(seq.params.max_tokens - seq.num_output_tokens, self.max_model_len - seq.num_tokens)
+
+    def _has_prefill_work(self) -> bool:
+        if any(not s.is_decode for s in self.running):
+            return True
+        return bool(self.waiting) and len(self.running) < self.max_num_seqs and \
+            self.blocks.can_allocate(self.waiting[0], self.waiting[0].num_tokens, self.watermark_blocks)
+
+    def _make_room(self, seq: Sequence, num_tokens: int, preempted: list[Sequence]) -> bool:
+        """Preempt the newest other running sequences until ``seq`` can hold ``num_tokens``.
+
+        Returns False (and preempts ``seq`` itself) when no other sequence is left to evict.
+        """
+        while not self.blocks.can_allocate(seq, num_tokens):
+            victims = [s for s in self.running if s is not seq]
+            victim = victims[-1] if victims else seq
+            self._preempt(victim)
+            preempted.append(victim)
+            if victim is seq:
+                return False
+        return True
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.blocks.free(seq)
+        seq.num_computed_tokens = 0
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.running.remove(seq)
+        self.waiting.appendleft(seq)
+
+    def _prefill_candidates(self, budget: int, has_decode: bool) -> list[tuple[Sequence, int]]:
+        """Prefill chunks ``(seq, q)`` that fit the budget and (virtually) the free blocks."""
+        chunked = self.policy.chunked_prefill
+        free = self.blocks.num_free_blocks
+        out: list[tuple[Sequence, int]] = []
+        partial = [s for s in self.running if not s.is_decode]
+        num_seqs = len(self.running)
+        for seq in partial + list(self.waiting):
+            is_new = seq.status is SequenceStatus.WAITING
+            if is_new and num_seqs >= self.max_num_seqs:
+                break
+            q = seq.num_uncomputed_tokens
+            if chunked:
+                q = min(q, budget)
+            elif q > budget and out:
+                break
+            if q <= 0:
+                break
+            need = self.blocks.blocks_needed(seq, seq.num_computed_tokens + q)
+            if need > free - (self.watermark_blocks if is_new else 0):
+                if is_new:
+                    break
+                continue
+            free -= need
+            budget = max(0, budget - q)
+            num_seqs += is_new
+            out.append((seq, q))
+        return out
+
+    @staticmethod
+    def _trim(candidates: list[tuple[Sequence, int]], limit: int | None) -> list[tuple[Sequence, int]]:
+        if limit is None:
+            return candidates
+        out = []
+        for seq, q in candidates:
+            q = min(q, limit)
+            if q <= 0:
+                break
+            out.append((seq, q))
+            limit -= q
+        return out
+
+    def _admit(self, candidates: list[tuple[Sequence, int]]) -> list[ScheduledSeq]:
+        prefills = []
+        for seq, q in candidates:
+            if seq.status is SequenceStatus.WAITING:
+                self.waiting.remove(seq)
+                seq.status = SequenceStatus.RUNNING
+                self.running.append(seq)
+            self.blocks.allocate(seq, seq.num_computed_tokens + q)
+            prefills.append(ScheduledSeq(seq, q, seq.num_computed_tokens))
+        return prefills
+
+    def _reserve_lookahead(self, decodes: list[ScheduledSeq], k: int) -> int:
+        """Reserve KV slots for ``k`` decode steps of every decode; returns the k reserved.
+
+        ``k`` shrinks until the blocks for all steps fit (at least 1, already reserved).
+        """
+        while k > 1:
+            need = sum(self.blocks.blocks_needed(d.seq, d.seq.num_tokens - 1 + k) for d in decodes)
+            if need <= self.blocks.num_free_blocks:
+                break
+            k -= 1
+        for d in decodes:
+            self.blocks.allocate(d.seq, d.seq.num_tokens - 1 + k)
+        return k
+
+    # --- results ----------------------------------------------------------------------
+
+    def postprocess(self, out: SchedulerOutput, sampled: dict[int, list[int]]) -> list[Sequence]:
+        """Advance sequences by the iteration's results and return those that finished.
+
+        Args:
+            out: the iteration's batch.
+            sampled: seq_id -> sampled token ids: one per prefill chunk that ``samples``, and
+                ``plan.k`` per decode (tokens after a finish are dropped).
+        """
+        finished = []
+        for s in out.prefills:
+            if s.seq.is_finished:
+                continue
+            s.seq.num_computed_tokens += s.num_new_tokens
+            if s.samples and self._append(s.seq, sampled[s.seq.seq_id][0]):
+                finished.append(s.seq)
+        for s in out.decodes:
+            for token in sampled.get(s.seq.seq_id, [])[:out.plan.k]:
+                if s.seq.is_finished:
+                    break
+                s.seq.num_computed_tokens += 1
+                if self._append(s.seq, token):
+                    finished.append(s.seq)
+        return finished
+
+    def _append(self, seq: Sequence, token: int) -> bool:
+        reason = seq.append_token(token, self.max_model_len)
+        if reason is not None:
+            self.finish(seq, reason)
+        return reason is not None
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """End ``seq`` now (stop string, abort, finished): free its blocks, drop it from queues."""
+        if seq.is_finished:
+            return
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        self.blocks.free(seq)
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)

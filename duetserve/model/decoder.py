@@ -1,0 +1,143 @@
+"""One decoder for the Llama family (Llama 2/3, SmolLM2) and Qwen3.
+
+Parameter names follow Hugging Face (``model.layers.N.self_attn.q_proj.weight``, ...), so
+safetensors checkpoints load by name. Qwen3 adds a per-head RMSNorm on queries and keys.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from duetserve.model.attention import AttentionBackend, AttentionMetadata
+from duetserve.model.layers import RMSNorm, RotaryEmbedding, SwiGLU
+
+SUPPORTED_MODEL_TYPES = ("llama", "qwen3", "mistral")
+
+
+@dataclass(frozen=True)
+class ModelDims:
+    """Shapes read from a Hugging Face config (``config.json``)."""
+
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qk_norm: bool
+    attention_bias: bool
+    mlp_bias: bool
+
+    @classmethod
+    def from_config(cls, config) -> "ModelDims":
+        """Read a transformers ``PretrainedConfig``.
+
+        Raises:
+            ValueError: the model type is not one of ``SUPPORTED_MODEL_TYPES``.
+        """
+        if config.model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(f"model type {config.model_type!r} is not supported "
+                             f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
+        heads = config.num_attention_heads
+        return cls(
+            hidden_size=config.hidden_size,
+            num_layers=config.num_hidden_layers,
+            num_heads=heads,
+            num_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
+            head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
+            intermediate_size=config.intermediate_size,
+            vocab_size=config.vocab_size,
+            rms_norm_eps=config.rms_norm_eps,
+            max_position_embeddings=config.max_position_embeddings,
+            tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+            qk_norm=config.model_type == "qwen3",
+            attention_bias=bool(getattr(config, "attention_bias", False)),
+            mlp_bias=bool(getattr(config, "mlp_bias", False)),
+        )
+
+
+class Attention(nn.Module):
+    def __init__(self, dims: ModelDims, rotary: RotaryEmbedding, backend: AttentionBackend):
+        super().__init__()
+        d, h, hkv, hd = dims.hidden_size, dims.num_heads, dims.num_kv_heads, dims.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = h, hkv, hd
+        self.q_proj = nn.Linear(d, h * hd, bias=dims.attention_bias)
+        self.k_proj = nn.Linear(d, hkv * hd, bias=dims.attention_bias)
+        self.v_proj = nn.Linear(d, hkv * hd, bias=dims.attention_bias)
+        self.o_proj = nn.Linear(h * hd, d, bias=dims.attention_bias)
+        if dims.qk_norm:
+            self.q_norm = RMSNorm(hd, dims.rms_norm_eps)
+            self.k_norm = RMSNorm(hd, dims.rms_norm_eps)
+        self.qk_norm = dims.qk_norm
+        self.rotary = [rotary]  # shared; a list keeps it out of this module's parameters
+        self.backend = backend
+        self.scale = hd ** -0.5
+
+    def forward(self, x, positions, kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata):
+        t = x.shape[0]
+        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary[0](positions, q, k)
+        o = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
+        return self.o_proj(o.reshape(t, -1))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, dims: ModelDims, rotary: RotaryEmbedding, backend: AttentionBackend):
+        super().__init__()
+        self.self_attn = Attention(dims, rotary, backend)
+        self.mlp = SwiGLU(dims.hidden_size, dims.intermediate_size, dims.mlp_bias)
+        self.input_layernorm = RMSNorm(dims.hidden_size, dims.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(dims.hidden_size, dims.rms_norm_eps)
+
+    def forward(self, x, positions, kv_cache, meta):
+        x = x + self.self_attn(self.input_layernorm(x), positions, kv_cache, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class _Body(nn.Module):
+    def __init__(self, dims: ModelDims, rotary: RotaryEmbedding, backend: AttentionBackend):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(dims.vocab_size, dims.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(dims, rotary, backend) for _ in range(dims.num_layers))
+        self.norm = RMSNorm(dims.hidden_size, dims.rms_norm_eps)
+
+
+class CausalLM(nn.Module):
+    """Decoder-only causal LM over a flattened batch and a paged KV cache.
+
+    Args:
+        config: transformers config of the model.
+        backend: attention backend (``duetserve.model.attention``).
+        max_positions: longest position the RoPE table covers, tokens.
+    """
+
+    def __init__(self, config, backend: AttentionBackend, max_positions: int):
+        super().__init__()
+        self.dims = ModelDims.from_config(config)
+        self.rotary = RotaryEmbedding(config, self.dims.head_dim, max_positions)
+        self.model = _Body(self.dims, self.rotary, backend)
+        self.lm_head = nn.Linear(self.dims.hidden_size, self.dims.vocab_size, bias=False)
+        if self.dims.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata) -> torch.Tensor:
+        """Hidden states ``[T, hidden]`` of ``input_ids`` ``[T]`` (int64) at ``positions`` ``[T]`` (int64)."""
+        x = self.model.embed_tokens(input_ids)
+        for layer, kv in zip(self.model.layers, kv_caches):
+            x = layer(x, positions, kv, meta)
+        return self.model.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits ``[n, vocab]`` in float32 from hidden states ``[n, hidden]``."""
+        return self.lm_head(hidden).float()

@@ -1,0 +1,54 @@
+"""Per-request sampling parameters (OpenAI/vLLM semantics)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+class ParamError(ValueError):
+    """A request parameter is invalid; ``param`` names it (for the OpenAI error body)."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass
+class SamplingParams:
+    """How to pick tokens and when to stop.
+
+    Attributes:
+        max_tokens: most tokens to generate (>= 1).
+        temperature: 0 means greedy; otherwise in (0, 2].
+        top_p: nucleus mass in (0, 1].
+        top_k: keep the k most likely tokens; 0 or -1 keeps all.
+        seed: per-request seed; None draws from the engine's generator.
+        stop: strings that end generation (not included in the output text).
+        stop_token_ids: token ids that end generation (besides EOS).
+        ignore_eos: keep generating past EOS until ``max_tokens``.
+    """
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+    def validate(self) -> None:
+        """Raise ParamError naming the first invalid field."""
+        if self.max_tokens < 1:
+            raise ParamError(f"max_tokens must be at least 1, got {self.max_tokens}", "max_tokens")
+        if not 0.0 <= self.temperature <= 2.0:
+            raise ParamError(f"temperature must be in [0, 2], got {self.temperature}", "temperature")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ParamError(f"top_p must be in (0, 1], got {self.top_p}", "top_p")
+        if self.top_k < -1:
+            raise ParamError(f"top_k must be -1, 0 or positive, got {self.top_k}", "top_k")
+        if any(not s for s in self.stop):
+            raise ParamError("stop strings must not be empty", "stop")
