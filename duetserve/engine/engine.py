@@ -166,9 +166,9 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
-    @property
-    def num_requests(self) -> int:
-        return len(self._requests)
+    def request_ids(self) -> list[str]:
+        """Ids of the requests queued or running."""
+        return list(self._requests)
 
     # --- the loop -------------------------------------------------------------------------
 

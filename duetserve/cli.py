@@ -1,0 +1,101 @@
+"""``duetserve`` command line: ``serve`` (and the offline tools as they land)."""
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from duetserve.config import POLICIES, EngineConfig, parse_duration
+
+
+def _duration(flag: str):
+    def parse(text: str) -> float:
+        try:
+            return parse_duration(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from exc
+    parse.__name__ = flag
+    return parse
+
+
+def _add_serve(sub) -> None:
+    p = sub.add_parser("serve", help="start the OpenAI-compatible HTTP server",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--model", default=None,
+                   help="Hugging Face folder or .gguf file; default: the embedded SmolLM2-135M-Instruct")
+    p.add_argument("--served-model-name", default=None, help="model name in the API (default: from --model)")
+    p.add_argument("--load-format", choices=("auto", "dummy"), default="auto",
+                   help="dummy: random weights with the config's shapes")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--tbt-slo", type=_duration("--tbt-slo"), default=0.1, help="TBT SLO, e.g. 100ms or 0.1s")
+    p.add_argument("--policy", choices=POLICIES, default="duet")
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="token budget per iteration (default: 512 on CPU, 8192 on CUDA)")
+    p.add_argument("--block-size", type=int, default=16)
+    group = p.add_mutually_exclusive_group()
+    group.add_argument("--num-kv-blocks", type=int, default=None, help="KV-cache blocks")
+    group.add_argument("--kv-cache-memory-fraction", type=float, default=0.9,
+                       help="share of free GPU memory (or of --cpu-kv-cache-gb on CPU) for the KV cache")
+    p.add_argument("--cpu-kv-cache-gb", type=float, default=2.0, help="KV-cache pool on the CPU, GiB")
+    p.add_argument("--max-model-len", type=int, default=None, help="context limit, tokens (default: the model's)")
+    p.add_argument("--device", default=None, help="cpu or cuda[:N] (default: cuda if available)")
+    p.add_argument("--dtype", choices=("auto", "float32", "float16", "bfloat16"), default="auto")
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+
+
+def _serve(args, parser: argparse.ArgumentParser) -> int:
+    import torch
+    import uvicorn
+
+    from duetserve.engine.async_engine import AsyncEngine
+    from duetserve.engine.engine import LLMEngine
+    from duetserve.server.api import create_app
+    from duetserve.server.metrics import ServerMetrics
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        parser.error(f"--device {device}: CUDA is not available on this machine")
+    budget = args.max_num_batched_tokens or (8192 if device.startswith("cuda") else 512)
+    try:
+        config = EngineConfig(model=args.model, load_format=args.load_format, device=device, dtype=args.dtype,
+                              max_num_seqs=args.max_num_seqs, max_num_batched_tokens=budget,
+                              block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
+                              kv_cache_memory_fraction=args.kv_cache_memory_fraction,
+                              cpu_kv_cache_bytes=int(args.cpu_kv_cache_gb * (1 << 30)),
+                              max_model_len=args.max_model_len, policy=args.policy, tbt_slo_s=args.tbt_slo,
+                              seed=args.seed)
+        engine = LLMEngine(config)
+    except (ValueError, FileNotFoundError, KeyError) as exc:
+        parser.error(str(exc))
+    name = args.served_model_name or engine.model_name
+    metrics = ServerMetrics(name)
+    async_engine = AsyncEngine(engine, metrics)
+    async_engine.start()
+    app = create_app(async_engine, metrics, name, api_key=args.api_key)
+    logging.getLogger(__name__).info("serving %s on http://%s:%d (policy %s, TBT SLO %.0f ms)", name, args.host,
+                                     args.port, args.policy, args.tbt_slo * 1e3)
+    try:
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    finally:
+        async_engine.shutdown()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="duetserve", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_serve(sub)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=getattr(args, "log_level", "info").upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.command == "serve":
+        return _serve(args, sub.choices["serve"])
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

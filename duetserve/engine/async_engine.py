@@ -1,0 +1,142 @@
+"""Runs the engine loop on its own thread beside an asyncio event loop."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Protocol
+
+from duetserve.engine.engine import LLMEngine, RequestOutput, StepStats
+from duetserve.sampling import SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+class EngineError(RuntimeError):
+    """The engine failed while running this request; the request was dropped."""
+
+
+class StepObserver(Protocol):
+    """Receives every iteration's stats and outputs (e.g. Prometheus metrics)."""
+
+    def on_step(self, stats: StepStats | None, outputs: list[RequestOutput], now: float) -> None: ...
+
+    def on_arrival(self, request_id: str, now: float) -> None: ...
+
+    def forget(self, request_id: str) -> None: ...
+
+
+class AsyncEngine:
+    """Thread-safe front of ``LLMEngine`` for asyncio code.
+
+    One background thread owns the engine: it takes new requests and aborts from a queue,
+    runs ``step()`` while work exists, and hands each ``RequestOutput`` to the request's
+    ``asyncio.Queue`` on the event loop. An exception inside ``step()`` fails the requests
+    in flight (they receive ``EngineError``) and the loop goes on serving new ones.
+    """
+
+    def __init__(self, engine: LLMEngine, observer: StepObserver | None = None):
+        self.engine = engine
+        self.observer = observer
+        self._commands: queue.Queue = queue.Queue()
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="duetserve-engine", daemon=True)
+        self.errored_steps = 0
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def shutdown(self) -> None:
+        self._stop.set()
+        self._commands.put(None)
+        self._thread.join(timeout=10)
+
+    @property
+    def is_alive(self) -> bool:
+        return self._thread.is_alive()
+
+    async def generate(self, request_id: str, prompt_token_ids: list[int],
+                       params: SamplingParams) -> AsyncIterator[RequestOutput]:
+        """Queue a request and yield its outputs until it finishes.
+
+        Raises:
+            ParamError: the request is invalid (raised before anything is queued).
+            EngineError: the engine failed while running it.
+        The request is aborted if the consumer stops iterating (e.g. the client disconnected).
+        """
+        self.engine.check_request(prompt_token_ids, params)
+        stream: asyncio.Queue = asyncio.Queue()
+        self._streams[request_id] = (asyncio.get_running_loop(), stream)
+        if self.observer:
+            self.observer.on_arrival(request_id, time.monotonic())
+        self._commands.put(("add", request_id, prompt_token_ids, params))
+        finished = False
+        try:
+            while not finished:
+                item = await stream.get()
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                finished = item.finished
+                yield item
+        finally:
+            self._streams.pop(request_id, None)
+            if not finished:
+                self._commands.put(("abort", request_id))
+                if self.observer:
+                    self.observer.forget(request_id)
+
+    def abort(self, request_id: str) -> None:
+        self._commands.put(("abort", request_id))
+
+    def _deliver(self, request_id: str, item) -> None:
+        target = self._streams.get(request_id)
+        if target is not None:
+            loop, stream = target
+            loop.call_soon_threadsafe(stream.put_nowait, item)
+
+    def _handle(self, command) -> None:
+        if command[0] == "add":
+            _, request_id, prompt, params = command
+            try:
+                self.engine.add_request(request_id, prompt, params)
+            except Exception as exc:  # validated before queuing; a race (duplicate id) lands here
+                self._deliver(request_id, exc)
+        else:
+            self.engine.abort(command[1])
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            idle = not self.engine.has_unfinished()
+            try:
+                command = self._commands.get(timeout=0.05) if idle else self._commands.get_nowait()
+            except queue.Empty:
+                command = None
+            while command is not None:
+                self._handle(command)
+                try:
+                    command = self._commands.get_nowait()
+                except queue.Empty:
+                    command = None
+            if self._stop.is_set() or not self.engine.has_unfinished():
+                continue
+            try:
+                outputs = self.engine.step()
+            except Exception as exc:
+                self.errored_steps += 1
+                log.exception("engine step failed; failing the requests in flight")
+                self._fail_all(exc)
+                continue
+            if self.observer:
+                self.observer.on_step(self.engine.last_stats, outputs, time.monotonic())
+            for out in outputs:
+                self._deliver(out.request_id, out)
+
+    def _fail_all(self, exc: Exception) -> None:
+        for request_id in self.engine.request_ids():
+            self.engine.abort(request_id)
+            self._deliver(request_id, EngineError(f"engine step failed: {exc}"))

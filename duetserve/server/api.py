@@ -1,0 +1,206 @@
+"""The OpenAI-compatible HTTP server (FastAPI): completions, chat completions, models, health, metrics."""
+from __future__ import annotations
+
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from duetserve.engine.async_engine import AsyncEngine, EngineError
+from duetserve.engine.engine import RequestOutput
+from duetserve.sampling import ParamError, SamplingParams
+from duetserve.server.metrics import ServerMetrics
+from duetserve.server.protocol import ChatCompletionRequest, CompletionRequest
+
+log = logging.getLogger(__name__)
+
+
+def error_response(status: int, message: str, param: str | None = None, err_type: str | None = None) -> JSONResponse:
+    """An OpenAI-style error body ``{"error": {"message", "type", "param", "code"}}``."""
+    kinds = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError", 500: "InternalServerError"}
+    body = {"error": {"message": message, "type": err_type or kinds.get(status, "Error"), "param": param,
+                      "code": status}}
+    return JSONResponse(body, status_code=status)
+
+
+def _sse(payload: dict | str) -> str:
+    return f"data: {payload if isinstance(payload, str) else json.dumps(payload)}\n\n"
+
+
+def create_app(engine: AsyncEngine, metrics: ServerMetrics, model_name: str, api_key: str | None = None,
+               default_max_tokens: int = 16) -> FastAPI:
+    """Build the FastAPI app around a started ``AsyncEngine``.
+
+    Every bad request gets HTTP 400 with an OpenAI error body; a missing or wrong Bearer key
+    (when ``api_key`` is set) gets 401 on ``/v1/*``.
+    """
+    app = FastAPI(title="duetserve")
+    tokenizer = engine.engine.tokenizer
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_: Request, exc: RequestValidationError):
+        first = exc.errors()[0] if exc.errors() else {}
+        loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+        message = first.get("msg", "invalid request")
+        if first.get("type") == "json_invalid":
+            return error_response(400, f"request body is not valid JSON: {message}")
+        return error_response(400, f"{message}{' (' + '.'.join(loc) + ')' if loc else ''}",
+                              loc[0] if loc else None)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, exc: StarletteHTTPException):
+        return error_response(exc.status_code, str(exc.detail))
+
+    @app.exception_handler(ParamError)
+    async def _param(_: Request, exc: ParamError):
+        return error_response(400, str(exc), exc.param)
+
+    @app.middleware("http")
+    async def _auth(request: Request, call_next):
+        if api_key and request.url.path.startswith("/v1"):
+            if request.headers.get("authorization", "") != f"Bearer {api_key}":
+                return error_response(401, "invalid or missing API key (Authorization: Bearer ...)")
+        return await call_next(request)
+
+    def check_model(name: str | None) -> None:
+        if name is not None and name != model_name:
+            raise ParamError(f"the model `{name}` does not exist; this server serves `{model_name}`", "model")
+
+    def need_tokenizer(param: str) -> None:
+        if tokenizer is None:
+            raise ParamError("this model has no tokenizer: send the prompt as token ids", param)
+
+    @app.get("/health")
+    async def health():
+        if not engine.is_alive:
+            return error_response(500, "engine loop is not running")
+        return Response(status_code=200)
+
+    @app.get("/metrics")
+    async def prometheus():
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models():
+        card = {"id": model_name, "object": "model", "created": int(time.time()), "owned_by": "duetserve",
+                "max_model_len": engine.engine.max_model_len}
+        return {"object": "list", "data": [card]}
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        check_model(body.model)
+        params = body.sampling_params(default_max_tokens)
+        prompt = body.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+            if len(prompt) != 1:
+                raise ParamError("send one prompt per request", "prompt")
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            need_tokenizer("prompt")
+            prompt_ids = tokenizer.encode(prompt)
+        else:
+            prompt_ids = list(prompt)
+        return await _respond(request, body, prompt_ids, params, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: ChatCompletionRequest, request: Request):
+        check_model(body.model)
+        if body.max_completion_tokens is not None:
+            body.max_tokens = body.max_completion_tokens
+        params = body.sampling_params(default_max_tokens=_room(engine, 0))
+        need_tokenizer("messages")
+        messages = body.chat_messages()
+        try:
+            prompt_ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        except Exception as exc:  # template errors are the client's (e.g. role order)
+            raise ParamError(f"cannot apply the chat template: {exc}", "messages") from exc
+        if not isinstance(prompt_ids, list):
+            prompt_ids = list(prompt_ids["input_ids"])
+        if body.max_tokens is None:
+            params.max_tokens = _room(engine, len(prompt_ids))
+        return await _respond(request, body, prompt_ids, params, chat=True)
+
+    async def _respond(request: Request, body, prompt_ids: list[int], params: SamplingParams, chat: bool):
+        prefix = "chatcmpl" if chat else "cmpl"
+        request_id = f"{prefix}-{uuid.uuid4().hex}"
+        stream = engine.generate(request_id, prompt_ids, params)
+        try:
+            first = await anext(stream)  # surfaces ParamError as HTTP 400 before any byte is sent
+        except ParamError:
+            await stream.aclose()
+            raise
+        except EngineError as exc:
+            return error_response(500, str(exc))
+        created = int(time.time())
+        if body.stream:
+            return StreamingResponse(_stream_chunks(request_id, created, first, stream, chat, body.include_usage),
+                                     media_type="text/event-stream")
+        return await _full_response(request, request_id, created, first, stream, chat)
+
+    def _choice(chat: bool, text: str, finish: str | None, delta: bool) -> dict:
+        if not chat:
+            return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+        key = "delta" if delta else "message"
+        msg = {"content": text} if delta else {"role": "assistant", "content": text}
+        return {"index": 0, key: msg, "logprobs": None, "finish_reason": finish}
+
+    def _usage(out: RequestOutput) -> dict:
+        return {"prompt_tokens": out.num_prompt_tokens, "completion_tokens": out.num_output_tokens,
+                "total_tokens": out.num_prompt_tokens + out.num_output_tokens}
+
+    async def _stream_chunks(request_id: str, created: int, first: RequestOutput, stream: AsyncIterator,
+                             chat: bool, include_usage: bool) -> AsyncIterator[str]:
+        obj = "chat.completion.chunk" if chat else "text_completion"
+        head = {"id": request_id, "object": obj, "created": created, "model": model_name}
+        last = first
+        try:
+            if chat:
+                yield _sse({**head, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                                 "logprobs": None, "finish_reason": None}]})
+            out = first
+            while True:
+                if out.new_text or out.finished:
+                    yield _sse({**head, "choices": [_choice(chat, out.new_text, out.finish_reason, True)]})
+                last = out
+                if out.finished:
+                    break
+                out = await anext(stream)
+            if include_usage:
+                yield _sse({**head, "choices": [], "usage": _usage(last)})
+            yield _sse("[DONE]")
+        except EngineError as exc:
+            yield _sse({"error": {"message": str(exc), "type": "InternalServerError", "param": None, "code": 500}})
+        finally:
+            await stream.aclose()
+
+    async def _full_response(request: Request, request_id: str, created: int, first: RequestOutput,
+                             stream: AsyncIterator, chat: bool):
+        text, out = [first.new_text], first
+        try:
+            while not out.finished:
+                if await request.is_disconnected():
+                    return Response(status_code=499)
+                out = await anext(stream)
+                text.append(out.new_text)
+        except EngineError as exc:
+            return error_response(500, str(exc))
+        finally:
+            await stream.aclose()
+        body = {"id": request_id, "object": "chat.completion" if chat else "text_completion", "created": created,
+                "model": model_name, "choices": [_choice(chat, "".join(text), out.finish_reason, False)],
+                "usage": _usage(out)}
+        return body
+
+    return app
+
+
+def _room(engine: AsyncEngine, prompt_len: int) -> int:
+    """Default ``max_tokens`` for chat: the context left after the prompt (vLLM's behaviour), at least 1."""
+    return max(1, engine.engine.max_model_len - prompt_len)

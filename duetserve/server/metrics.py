@@ -1,0 +1,96 @@
+"""Prometheus metrics: vLLM's names where the meaning is the same, plus duetserve's own."""
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from duetserve.engine.engine import RequestOutput, StepStats
+
+_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0,
+                    2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
+
+
+class ServerMetrics:
+    """Holds the metrics of one server in its own registry and updates them from the engine loop.
+
+    Times are seconds on the monotonic clock; TTFT counts from the request's arrival at the
+    engine front to its first token, ITL between consecutive outputs of one request.
+    """
+
+    def __init__(self, model_name: str):
+        self.registry = CollectorRegistry()
+        r, label = self.registry, {"model_name": model_name}
+        self._label = label
+        names = ["model_name"]
+        self.running = Gauge("vllm:num_requests_running", "Requests in the running batch.", names, registry=r)
+        self.waiting = Gauge("vllm:num_requests_waiting", "Requests waiting to be scheduled.", names, registry=r)
+        self.kv_usage = Gauge("vllm:kv_cache_usage_perc", "KV-cache usage, 0 to 1.", names, registry=r)
+        self.prompt_tokens = Counter("vllm:prompt_tokens", "Prompt tokens of finished requests.", names, registry=r)
+        self.generation_tokens = Counter("vllm:generation_tokens", "Generated tokens.", names, registry=r)
+        self.preemptions = Counter("vllm:num_preemptions", "Preemptions (recompute).", names, registry=r)
+        self.success = Counter("vllm:request_success", "Finished requests.", names + ["finished_reason"], registry=r)
+        self.ttft = Histogram("vllm:time_to_first_token_seconds", "Time to first token.", names,
+                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("vllm:inter_token_latency_seconds", "Time between output chunks of a request.",
+                             names, buckets=_LATENCY_BUCKETS, registry=r)
+        self.e2e = Histogram("vllm:e2e_request_latency_seconds", "Arrival to finish.", names,
+                             buckets=_LATENCY_BUCKETS, registry=r)
+        self.iterations = Counter("duetserve:iterations", "Engine iterations by plan.", names + ["plan"], registry=r)
+        self.spatial = Counter("duetserve:spatial_iterations", "Iterations run with a spatial plan.", names,
+                               registry=r)
+        self.slo_risk = Counter("duetserve:slo_risk_iterations", "Iterations no plan was predicted to keep "
+                                "within the TBT SLO.", names, registry=r)
+        self.partition_sms = Gauge("duetserve:partition_sms", "SMs given to each stream in the last iteration.",
+                                   names + ["stream"], registry=r)
+        self.lookahead = Gauge("duetserve:lookahead_steps", "Decode look-ahead steps k of the last iteration.",
+                               names, registry=r)
+        self.predicted_vs_measured = Gauge("duetserve:predicted_vs_measured_seconds",
+                                           "Last iteration's predicted and measured time.", names + ["kind"],
+                                           registry=r)
+        self.iteration_time = Histogram("duetserve:iteration_duration_seconds", "Wall time of an iteration.",
+                                        names, buckets=_LATENCY_BUCKETS, registry=r)
+        self._arrival: dict[str, float] = {}
+        self._last: dict[str, float] = {}
+
+    def on_arrival(self, request_id: str, now: float) -> None:
+        self._arrival[request_id] = now
+
+    def on_step(self, stats: StepStats | None, outputs: list[RequestOutput], now: float) -> None:
+        lab = self._label
+        if stats is not None:
+            plan = stats.plan
+            self.running.labels(**lab).set(stats.num_running)
+            self.waiting.labels(**lab).set(stats.num_waiting)
+            self.kv_usage.labels(**lab).set(stats.kv_usage)
+            self.preemptions.labels(**lab).inc(stats.num_preempted)
+            self.iterations.labels(plan="spatial" if plan.spatial else "temporal", **lab).inc()
+            self.iteration_time.labels(**lab).observe(stats.duration_s)
+            if plan.spatial:
+                self.spatial.labels(**lab).inc()
+            if plan.slo_risk:
+                self.slo_risk.labels(**lab).inc()
+            self.partition_sms.labels(stream="prefill", **lab).set(plan.s_prefill)
+            self.partition_sms.labels(stream="decode", **lab).set(plan.s_decode)
+            self.lookahead.labels(**lab).set(plan.k)
+            self.predicted_vs_measured.labels(kind="measured", **lab).set(stats.duration_s)
+            if plan.predicted_s is not None:
+                self.predicted_vs_measured.labels(kind="predicted", **lab).set(plan.predicted_s)
+        for out in outputs:
+            rid = out.request_id
+            if out.new_token_ids:
+                self.generation_tokens.labels(**lab).inc(len(out.new_token_ids))
+                if rid in self._last:
+                    self.itl.labels(**lab).observe(now - self._last[rid])
+                elif rid in self._arrival:
+                    self.ttft.labels(**lab).observe(now - self._arrival[rid])
+                self._last[rid] = now
+            if out.finished:
+                self.success.labels(finished_reason=out.finish_reason or "abort", **lab).inc()
+                self.prompt_tokens.labels(**lab).inc(out.num_prompt_tokens)
+                if rid in self._arrival:
+                    self.e2e.labels(**lab).observe(now - self._arrival[rid])
+                self.forget(rid)
+
+    def forget(self, request_id: str) -> None:
+        """Drop timing state of a request that ended without a finished output (e.g. aborted)."""
+        self._arrival.pop(request_id, None)
+        self._last.pop(request_id, None)
