@@ -1,0 +1,211 @@
+"""GPU hardware profiles: SM-dependent compute rate Pi(S) and memory bandwidth BW(S).
+
+A profile is a JSON file (shipped ones live in ``duetserve/planner/profiles/``) holding the
+facts the cost model needs (DESIGN section 3 and 5): the SM count, measured or estimated
+points of ``Pi(S)`` (FLOP/s reachable with S SMs) and ``BW(S)`` (bytes/s reachable with S
+SMs), memory and interconnect figures, the partition granularity of each SM-partitioning
+backend, the slowdown measured when decode and prefill share the GPU, and for every number
+whether it was measured or taken from a datasheet.
+
+Which curve means what:
+
+* ``compute_points`` come from a large bf16 GEMM (8192^3 on the H200); every FLOP in the
+  cost model (linear layers, attention, norms) is priced at this rate.
+* ``bandwidth_points`` price every byte. On the H200 they are the pointwise minimum of
+  the tensor-copy curve and the decode-gemv curve: the slower of two streaming workloads,
+  which keeps decode predictions conservative as DESIGN section 3 asks.
+
+Between points both curves are interpolated linearly, starting from ``(0, 0)``: below the
+first measured point the rate is the straight line from the origin. Bandwidth is concave in
+S (DESIGN section 5), so that chord lies under the true curve and over-predicts decode time
+at very small S, the safe direction. S <= 0 or S > num_sms raises ``ValueError``; there is
+no extrapolation and no clamping.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, fields
+from importlib import resources
+from pathlib import Path
+from typing import Mapping
+
+import numpy as np
+from numpy.typing import ArrayLike
+
+Points = tuple[tuple[float, float], ...]
+"""Curve points ``((S, rate), ...)`` with S in SMs, strictly increasing, the last at num_sms."""
+
+PROVENANCE_VALUES = ("measured", "datasheet")
+
+
+@dataclass(frozen=True)
+class HardwareProfile:
+    """One GPU model as the cost model sees it.
+
+    Units: SMs for S, FLOP/s for compute, bytes/s for bandwidth, bytes for memory,
+    seconds for latency. ``compute_efficiency`` and ``bandwidth_efficiency`` (both in
+    (0, 1], default 1) scale the whole curve; they express assumptions such as "50% MFU"
+    without editing the points (the seed ``000_...txt`` estimate uses 0.5 and 0.85).
+
+    ``decode_interference`` and ``prefill_interference`` (>= 1) multiply the predicted
+    time of the decode and prefill side of a spatial plan, for the memory bandwidth and L2
+    the two sides still share (DESIGN section 5 measured decode +39%, GEMM +9%).
+
+    ``provenance`` maps every number field to ``"measured"`` or ``"datasheet"``.
+
+    Raises:
+        ValueError: on inconsistent fields (unsorted or out-of-range points, a curve
+            above the datasheet peak, missing or unknown provenance entries).
+    """
+
+    name: str
+    description: str
+    num_sms: int
+    num_tpcs: int
+    compute_capability_major: int
+    peak_flops: float
+    peak_bandwidth: float
+    compute_points: Points
+    bandwidth_points: Points
+    hbm_bytes: float
+    nvlink_bandwidth: float
+    allreduce_alpha_s: float
+    partition_granularity: Mapping[str, int]
+    partition_min_sms: Mapping[str, int]
+    decode_interference: float
+    prefill_interference: float
+    provenance: Mapping[str, str]
+    notes: str = ""
+    compute_efficiency: float = 1.0
+    bandwidth_efficiency: float = 1.0
+
+    def __post_init__(self) -> None:
+        self._check_points("compute_points", self.compute_points, self.peak_flops)
+        self._check_points("bandwidth_points", self.bandwidth_points, self.peak_bandwidth)
+        for eff in ("compute_efficiency", "bandwidth_efficiency"):
+            if not 0.0 < getattr(self, eff) <= 1.0:
+                raise ValueError(f"{self.name}: {eff} must be in (0, 1]")
+        if min(self.decode_interference, self.prefill_interference) < 1.0:
+            raise ValueError(f"{self.name}: interference factors must be >= 1")
+        if set(self.partition_granularity) != set(self.partition_min_sms):
+            raise ValueError(f"{self.name}: granularity and min SMs name different backends")
+        expected = set(_PROVENANCE_FIELDS)
+        if set(self.provenance) != expected:
+            raise ValueError(
+                f"{self.name}: provenance must cover exactly {sorted(expected)}; "
+                f"missing {sorted(expected - set(self.provenance))}, "
+                f"unknown {sorted(set(self.provenance) - expected)}"
+            )
+        bad = {k: v for k, v in self.provenance.items() if v not in PROVENANCE_VALUES}
+        if bad:
+            raise ValueError(f"{self.name}: provenance values must be in {PROVENANCE_VALUES}: {bad}")
+
+    def _check_points(self, label: str, points: Points, peak: float) -> None:
+        sms = [p[0] for p in points]
+        if not points or sms[0] <= 0 or any(b <= a for a, b in zip(sms, sms[1:])):
+            raise ValueError(f"{self.name}: {label} need strictly increasing S > 0")
+        if sms[-1] != self.num_sms:
+            raise ValueError(f"{self.name}: {label} must end at num_sms={self.num_sms}")
+        if any(not 0 < rate <= peak for _, rate in points):
+            raise ValueError(f"{self.name}: {label} rates must be in (0, datasheet peak {peak:g}]")
+
+    def compute_rate(self, sms: ArrayLike) -> np.ndarray:
+        """Pi(S): FLOP/s reachable with ``sms`` SMs (scalar or array), times compute_efficiency.
+
+        Linear interpolation between ``compute_points`` from (0, 0). Raises ValueError
+        for S <= 0 or S > num_sms.
+        """
+        return self._interpolate(self.compute_points, sms) * self.compute_efficiency
+
+    def bandwidth(self, sms: ArrayLike) -> np.ndarray:
+        """BW(S): memory bytes/s reachable with ``sms`` SMs (scalar or array), times
+        bandwidth_efficiency.
+
+        Linear interpolation between ``bandwidth_points`` from (0, 0). Raises ValueError
+        for S <= 0 or S > num_sms.
+        """
+        return self._interpolate(self.bandwidth_points, sms) * self.bandwidth_efficiency
+
+    def _interpolate(self, points: Points, sms: ArrayLike) -> np.ndarray:
+        s = np.asarray(sms, dtype=float)
+        if np.any(s <= 0) or np.any(s > self.num_sms):
+            raise ValueError(f"{self.name}: S must be in (0, {self.num_sms}] SMs, got {sms}")
+        xs = [0.0] + [p[0] for p in points]
+        ys = [0.0] + [p[1] for p in points]
+        return np.interp(s, xs, ys)
+
+    def granularity(self, backend: str) -> int:
+        """SM step of partitions under ``backend`` (``"greenctx"`` or ``"tpcmask"``).
+
+        Raises ValueError for a backend the profile does not know.
+        """
+        return self._backend_value(self.partition_granularity, backend)
+
+    def min_partition_sms(self, backend: str) -> int:
+        """Smallest partition, in SMs, that ``backend`` can create. Raises ValueError as above."""
+        return self._backend_value(self.partition_min_sms, backend)
+
+    def _backend_value(self, table: Mapping[str, int], backend: str) -> int:
+        if backend not in table:
+            raise ValueError(f"{self.name}: unknown partition backend {backend!r}; known {sorted(table)}")
+        return table[backend]
+
+
+_PROVENANCE_FIELDS = tuple(
+    f.name
+    for f in fields(HardwareProfile)
+    if f.name not in ("name", "description", "provenance", "notes", "compute_efficiency", "bandwidth_efficiency")
+)
+
+
+def saturating_points(peak: float, s_sat: float, num_sms: int) -> Points:
+    """Curve points for ``rate(S) = peak * min(1, S / s_sat)`` on a GPU of ``num_sms`` SMs.
+
+    With the profile's interpolation from (0, 0) these points reproduce the formula exactly;
+    ``s_sat = num_sms`` gives a rate linear in S. The seed ``000_...txt`` ("Is it worth it")
+    models decode bandwidth this way. Units follow ``peak`` (FLOP/s or bytes/s).
+
+    Raises ValueError if ``s_sat`` or ``num_sms`` is not positive.
+    """
+    if s_sat <= 0 or num_sms <= 0:
+        raise ValueError("s_sat and num_sms must be positive")
+    if s_sat >= num_sms:
+        return ((num_sms, peak * num_sms / s_sat),)
+    return ((s_sat, peak), (num_sms, peak))
+
+
+def available_profiles() -> list[str]:
+    """Names of the profiles shipped with duetserve (``load_profile`` accepts them)."""
+    return sorted(p.name[:-5] for p in _profile_dir().iterdir() if p.name.endswith(".json"))
+
+
+def load_profile(name_or_path: str | Path) -> HardwareProfile:
+    """Load a shipped profile by name (``h200``, ``h100``, ``a100``, ``h20``, any case) or a
+    JSON file by path.
+
+    Raises ValueError if it is neither a shipped name nor an existing file, or if the file
+    does not describe a valid profile (unknown or missing keys included).
+    """
+    shipped = _profile_dir() / f"{str(name_or_path).lower()}.json"
+    if shipped.is_file():
+        text = shipped.read_text()
+    elif Path(name_or_path).is_file():
+        text = Path(name_or_path).read_text()
+    else:
+        raise ValueError(f"no profile {name_or_path!r}: not one of {available_profiles()} and not a file")
+    raw = json.loads(text)
+    known = {f.name for f in fields(HardwareProfile)}
+    if set(raw) - known:
+        raise ValueError(f"profile {name_or_path!r}: unknown keys {sorted(set(raw) - known)}")
+    for key in ("compute_points", "bandwidth_points"):
+        if key in raw:
+            raw[key] = tuple((float(s), float(r)) for s, r in raw[key])
+    try:
+        return HardwareProfile(**raw)
+    except TypeError as exc:  # missing required keys
+        raise ValueError(f"profile {name_or_path!r}: {exc}") from exc
+
+
+def _profile_dir():
+    return resources.files("duetserve.planner") / "profiles"

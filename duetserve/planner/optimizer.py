@@ -1,0 +1,148 @@
+"""Per-iteration partition optimizer: temporal or spatial (S_p, S_d, k) under a TBT SLO.
+
+DESIGN section 4 and the DuetServe paper's Algorithm 1 (Chinese seed, section 6):
+
+1. If the mixed batch on all SMs meets the SLO, ``t_mixed(S) <= tau``, run it temporally.
+2. Otherwise enumerate the decode partition ``S_d`` over the backend's granularity, skip
+   those with ``t_d(S_d) > tau``, give prefill ``S_p = S - S_d``, try
+   ``k in {floor(t_p / t_d), floor(t_p / t_d) + 1}`` (at least 1, at most ``max_k``) and keep
+   the plan with the highest token rate ``(k T_decode + T_prefill) / max(k t_d, t_p)``.
+3. If no ``S_d`` is feasible, fall back to a temporal batch with the largest prefill token
+   count whose prediction fits ``tau`` (``trim_prefill`` gives the rule), flagged ``slo_risk``.
+
+Beyond the paper:
+
+* ``t_d`` and ``t_p`` include the interference of the other stream and the decode margin
+  (``CostModel.predict_spatial``), measured on the H200 in DESIGN section 5.
+* ``k`` is capped by ``max_k``, the decode tokens still wanted: steps past it produce nothing.
+* Tail gap: when decode finishes its k steps before prefill (``k t_d < t_p``), its next
+  token waits for the prefill to end and for one more step, a gap of
+  ``t_p - k t_d + t_d`` seconds. A ``k`` whose gap exceeds ``tau`` breaks the SLO for that
+  token and is skipped, unless ``k == max_k`` (no decode token is left to wait).
+  ``k = floor + 1`` never leaves a gap, so a feasible ``S_d`` always keeps a candidate.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+from duetserve.planner.cost_model import CostModel, Request
+
+
+@dataclass(frozen=True)
+class Plan:
+    """One iteration's execution plan.
+
+    Temporal plans (``spatial=False``) run the whole batch on all SMs once:
+    ``s_prefill == s_decode == total_sms``, ``k == 1`` and the three predicted times are
+    the mixed batch's. Spatial plans run ``k`` decode steps on ``s_decode`` SMs beside one
+    prefill batch on ``s_prefill`` SMs; ``predicted_decode_s`` is one decode step,
+    ``predicted_prefill_s`` the prefill batch and ``predicted_s = max(k t_d, t_p)``.
+    All times in seconds, SMs as counts.
+
+    ``prefill_token_limit`` is set only by the fallback: the caller must cut the
+    iteration's prefill tokens to at most this many (``trim_prefill``); ``slo_risk``
+    marks that fallback (and a decode-only batch that alone exceeds tau).
+    """
+
+    spatial: bool
+    s_prefill: int
+    s_decode: int
+    k: int
+    predicted_s: float
+    predicted_decode_s: float
+    predicted_prefill_s: float
+    prefill_token_limit: int | None = None
+    slo_risk: bool = False
+
+
+def trim_prefill(prefill_reqs: Sequence[Request], token_limit: int) -> list[Request]:
+    """The prefill chunks kept under ``token_limit`` tokens: requests keep their order,
+    each keeps its first tokens (q shrinks, c is unchanged), and requests left with
+    zero tokens are dropped. Raises ValueError for a negative limit."""
+    if token_limit < 0:
+        raise ValueError("token_limit must be >= 0")
+    kept, left = [], token_limit
+    for q, c in prefill_reqs:
+        if left <= 0:
+            break
+        kept.append((min(q, left), c))
+        left -= kept[-1][0]
+    return kept
+
+
+def plan_iteration(cost_model: CostModel, decode_reqs: Sequence[Request], prefill_reqs: Sequence[Request],
+                   tau: float, total_sms: int, granularity: int, min_sms: int | None = None,
+                   max_k: int | None = None) -> Plan:
+    """Choose this iteration's plan (DESIGN section 4; see the module docstring).
+
+    Args:
+        cost_model: latency predictor.
+        decode_reqs: (q, c) of the decode requests (q is 1 for plain decode).
+        prefill_reqs: (q, c) of the prefill chunks scheduled this iteration.
+        tau: TBT SLO in seconds.
+        total_sms: SMs available to the iteration.
+        granularity: SM step of partitions (8 for green contexts on Hopper, 2 for TPC masks).
+        min_sms: smallest partition for either side; defaults to ``granularity``.
+        max_k: most decode steps worth running ahead (e.g. the longest remaining output
+            among the decode requests); None for no cap.
+
+    Raises:
+        ValueError: for tau <= 0, granularity < 1, min_sms < 1, max_k < 1, or SM counts
+            the cost model rejects.
+    """
+    if tau <= 0 or granularity < 1 or (min_sms is not None and min_sms < 1) or (max_k is not None and max_k < 1):
+        raise ValueError("tau, granularity, min_sms and max_k must be positive")
+    min_sms = granularity if min_sms is None else min_sms
+    t_mixed = float(cost_model.predict_total(list(decode_reqs) + list(prefill_reqs), total_sms))
+    if t_mixed <= tau or not prefill_reqs:
+        return _temporal(t_mixed, total_sms, slo_risk=t_mixed > tau)
+    if not decode_reqs:  # no token waits on this batch, so there is no TBT to protect
+        return _temporal(t_mixed, total_sms, slo_risk=False)
+    first = -(-min_sms // granularity) * granularity
+    s_d = np.arange(first, total_sms - min_sms + 1, granularity)
+    plan = _best_spatial(cost_model, decode_reqs, prefill_reqs, tau, total_sms, s_d, max_k) if s_d.size else None
+    return plan or _fallback(cost_model, decode_reqs, prefill_reqs, tau, total_sms)
+
+
+def _temporal(t: float, total_sms: int, slo_risk: bool, token_limit: int | None = None) -> Plan:
+    return Plan(False, total_sms, total_sms, 1, t, t, t, token_limit, slo_risk)
+
+
+def _best_spatial(cost_model: CostModel, decode_reqs: Sequence[Request], prefill_reqs: Sequence[Request],
+                  tau: float, total_sms: int, s_d: np.ndarray, max_k: int | None) -> Plan | None:
+    """Enumerate S_d x {floor, floor+1} in one vectorised pass; None if nothing is feasible."""
+    t_d, t_p = cost_model.predict_spatial(decode_reqs, prefill_reqs, s_d, total_sms)
+    tokens_d = sum(q for q, _ in decode_reqs)
+    tokens_p = sum(q for q, _ in prefill_reqs)
+    floor = np.floor(t_p / t_d)
+    k = np.stack([np.maximum(floor, 1), floor + 1])  # shape (2, len(s_d))
+    if max_k is not None:
+        k = np.minimum(k, max_k)
+    span = np.maximum(k * t_d, t_p)
+    tail_gap = np.maximum(t_p - k * t_d, 0) + t_d
+    ok = (t_d <= tau) & ((tail_gap <= tau) | (k == max_k if max_k is not None else False))
+    if not ok.any():
+        return None
+    rate = np.where(ok, (k * tokens_d + tokens_p) / span, -np.inf)
+    row, col = np.unravel_index(np.argmax(rate), rate.shape)
+    return Plan(True, int(total_sms - s_d[col]), int(s_d[col]), int(k[row, col]), float(span[row, col]),
+                float(t_d[col]), float(t_p[col]))
+
+
+def _fallback(cost_model: CostModel, decode_reqs: Sequence[Request], prefill_reqs: Sequence[Request],
+              tau: float, total_sms: int) -> Plan:
+    """Largest prefill token count (binary search; the prediction grows with tokens) whose
+    temporal mixed batch fits tau; 0 if even decode alone does not fit."""
+
+    def t_mixed(limit: int) -> float:
+        return float(cost_model.predict_total(list(decode_reqs) + trim_prefill(prefill_reqs, limit), total_sms))
+
+    lo, hi = 0, sum(q for q, _ in prefill_reqs)  # t_mixed(hi) > tau is known
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if t_mixed(mid) <= tau else (lo, mid)
+    return _temporal(t_mixed(lo), total_sms, slo_risk=True, token_limit=lo)
