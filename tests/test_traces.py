@@ -1,0 +1,190 @@
+"""Trace readers, synthetic traces and arrival transforms (duetserve.traces)."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from duetserve.traces import (
+    FixedLength,
+    LognormalLength,
+    TraceRequest,
+    TraceSpec,
+    UniformLength,
+    gamma_arrivals,
+    load_trace,
+    parse_length,
+    read_azure_csv,
+    read_mooncake_jsonl,
+)
+
+REPO = Path(__file__).resolve().parents[1]
+TRACE_DIRS = [REPO.parent / "shared" / "traces", Path("/work/shared/traces")]
+
+
+def real_trace(name: str) -> Path:
+    """Path of a shared trace file, or skip the test when it is absent."""
+    for d in TRACE_DIRS:
+        if (d / name).is_file():
+            return d / name
+    pytest.skip(f"{name} not found in {[str(d) for d in TRACE_DIRS]}")
+
+
+AZURE = """TIMESTAMP,ContextTokens,GeneratedTokens
+2023-11-16 18:17:03.9799600,4808,10
+2023-11-16 18:17:04.0319600,3180,8
+2023-11-16 18:17:05.0000001,110,27
+2023-11-16 18:18:03.9799600,50,2"""
+
+
+def write(tmp_path: Path, name: str, text: str) -> Path:
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+def test_azure_seven_digit_timestamps(tmp_path: Path) -> None:
+    reqs = read_azure_csv(write(tmp_path, "a.csv", AZURE))
+    assert [r.input_len for r in reqs] == [4808, 3180, 110, 50]
+    assert [r.output_len for r in reqs] == [10, 8, 27, 2]
+    assert reqs[0].arrival_s == 0.0
+    assert reqs[1].arrival_s == pytest.approx(0.052, abs=1e-9)
+    assert reqs[2].arrival_s == pytest.approx(1.0200401, abs=1e-9)
+    assert reqs[3].arrival_s == pytest.approx(60.0, abs=1e-9)
+    assert all(r.hash_ids is None for r in reqs)
+
+
+def test_azure_rejects_bad_rows(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="missing columns"):
+        read_azure_csv(write(tmp_path, "b.csv", "TIMESTAMP,Tokens\n2023-11-16 18:17:03.1,5"))
+    with pytest.raises(ValueError, match=r"c.csv:3"):
+        read_azure_csv(write(tmp_path, "c.csv", AZURE.replace("3180", "x")))
+    with pytest.raises(ValueError, match=">= 1"):
+        read_azure_csv(write(tmp_path, "d.csv", AZURE.replace(",8\n", ",0\n")))
+
+
+def test_mooncake_reader(tmp_path: Path) -> None:
+    lines = [
+        {"timestamp": 0, "input_length": 1000, "output_length": 5, "hash_ids": [0, 1]},
+        {"timestamp": 1500, "input_length": 600, "output_length": 7, "hash_ids": [0, 2]},
+        {"timestamp": 1500, "input_length": 10, "output_length": 1, "hash_ids": [3]},
+    ]
+    path = write(tmp_path, "m.jsonl", "\n".join(json.dumps(x) for x in lines) + "\n\n")
+    reqs = read_mooncake_jsonl(path)
+    assert reqs == [
+        TraceRequest(0.0, 1000, 5, [0, 1]),
+        TraceRequest(1.5, 600, 7, [0, 2]),
+        TraceRequest(1.5, 10, 1, [3]),
+    ]
+    assert load_trace(path) == reqs  # format inferred from the suffix
+    with pytest.raises(ValueError, match="m2.jsonl:1"):
+        read_mooncake_jsonl(write(tmp_path, "m2.jsonl", '{"timestamp": 0}\n'))
+
+
+def test_window_first_n_and_caps(tmp_path: Path) -> None:
+    path = write(tmp_path, "a.csv", AZURE)
+    reqs = load_trace(path, TraceSpec(window_s=(0.5, 61.0)))
+    assert [r.input_len for r in reqs] == [110, 50]
+    assert reqs[0].arrival_s == pytest.approx(0.5200401)  # measured from the window start
+    reqs = load_trace(path, TraceSpec(num_requests=2, max_input_len=4000, max_output_len=9))
+    assert [(r.input_len, r.output_len) for r in reqs] == [(4000, 9), (3180, 8)]
+    with pytest.raises(ValueError, match="empty window"):
+        load_trace(path, TraceSpec(window_s=(5.0, 5.0)))
+    with pytest.raises(ValueError, match="caps"):
+        load_trace(path, TraceSpec(max_input_len=0))
+
+
+def test_cap_trims_hash_ids(tmp_path: Path) -> None:
+    rec = {"timestamp": 0, "input_length": 1500, "output_length": 5, "hash_ids": [7, 8, 9]}
+    path = write(tmp_path, "m.jsonl", json.dumps(rec))
+    (req,) = load_trace(path, TraceSpec(max_input_len=600))
+    assert req.input_len == 600 and req.hash_ids == [7, 8]
+
+
+def test_arrival_transforms(tmp_path: Path) -> None:
+    path = write(tmp_path, "a.csv", AZURE)
+    scaled = load_trace(path, TraceSpec(arrival="scale", qps=3.0))
+    assert scaled[0].arrival_s == 0.0
+    assert scaled[-1].arrival_s == pytest.approx(1.0)  # 3 gaps at 3 req/s
+    raw = load_trace(path)
+    ratios = [s.arrival_s / r.arrival_s for s, r in zip(scaled[1:], raw[1:])]
+    assert ratios == pytest.approx([ratios[0]] * 3)  # shape kept
+    redrawn = load_trace(path, TraceSpec(arrival="poisson", qps=2.0, seed=1))
+    assert [r.input_len for r in redrawn] == [r.input_len for r in raw]
+    assert redrawn == load_trace(path, TraceSpec(arrival="poisson", qps=2.0, seed=1))
+    assert all(r.arrival_s == 0 for r in load_trace(path, TraceSpec(arrival="scale", qps=math.inf)))
+    with pytest.raises(ValueError, match="qps"):
+        load_trace(path, TraceSpec(qps=2.0))  # keeping timestamps and a rate conflict
+    with pytest.raises(ValueError, match="qps"):
+        load_trace(path, TraceSpec(arrival="scale"))
+
+
+def test_gamma_arrivals_rate_and_cv() -> None:
+    rng = np.random.default_rng(0)
+    for cv in (0.5, 1.0, 3.0):
+        t = gamma_arrivals(20000, 5.0, cv, rng)
+        gaps = np.diff(t)
+        assert t[0] == 0.0 and np.all(gaps >= 0)
+        assert gaps.mean() == pytest.approx(0.2, rel=0.05)
+        assert gaps.std() / gaps.mean() == pytest.approx(cv, rel=0.08)
+    assert np.allclose(np.diff(gamma_arrivals(5, 4.0, 0.0, rng)), 0.25)
+    with pytest.raises(ValueError):
+        gamma_arrivals(5, 0.0, 1.0, rng)
+
+
+def test_synthetic_trace() -> None:
+    spec = TraceSpec(qps=10.0, num_requests=500, input_len=UniformLength(10, 20),
+                     output_len=LognormalLength(100.0, 0.5), seed=3)
+    reqs = load_trace(None, spec)
+    assert len(reqs) == 500
+    assert {r.input_len for r in reqs} <= set(range(10, 21))
+    assert np.mean([r.output_len for r in reqs]) == pytest.approx(100, rel=0.1)
+    assert reqs == load_trace(None, spec)
+    faster = load_trace(None, replace(spec, qps=20.0))
+    assert [r.input_len for r in faster] == [r.input_len for r in reqs]  # lengths kept
+    assert faster[-1].arrival_s < reqs[-1].arrival_s
+    with pytest.raises(ValueError, match="num_requests and qps"):
+        load_trace(None, TraceSpec(qps=1.0))
+
+
+def test_parse_length() -> None:
+    assert parse_length("64") == FixedLength(64)
+    assert parse_length("8:16") == UniformLength(8, 16)
+    assert parse_length("lognormal:300:1.2") == LognormalLength(300.0, 1.2)
+    for bad in ("0", "16:8", "x", "lognormal:1", "1:2:3"):
+        with pytest.raises(ValueError):
+            parse_length(bad)
+
+
+@pytest.mark.parametrize(
+    "name, rows, in_mean, out_mean, duration",
+    [
+        ("AzureLLMInferenceTrace_code.csv", 8819, 2047.8, 27.9, 3435.9),
+        ("AzureLLMInferenceTrace_conv.csv", 19366, 1154.7, 211.1, 3501.7),
+        ("mooncake_conversation_trace.jsonl", 12031, 12035.1, 342.6, 3537.0),
+    ],
+)
+def test_real_traces(name: str, rows: int, in_mean: float, out_mean: float, duration: float) -> None:
+    reqs = load_trace(real_trace(name))
+    assert len(reqs) == rows
+    assert np.mean([r.input_len for r in reqs]) == pytest.approx(in_mean, abs=0.05)
+    assert np.mean([r.output_len for r in reqs]) == pytest.approx(out_mean, abs=0.05)
+    assert reqs[-1].arrival_s - reqs[0].arrival_s == pytest.approx(duration, abs=0.05)
+    assert all(a.arrival_s <= b.arrival_s for a, b in zip(reqs, reqs[1:]))
+
+
+def test_real_mooncake_hash_ids() -> None:
+    reqs = load_trace(real_trace("mooncake_conversation_trace.jsonl"), TraceSpec(num_requests=500))
+    assert all(len(r.hash_ids or []) == math.ceil(r.input_len / 512) for r in reqs)
+
+
+def test_real_azure_window() -> None:
+    spec = TraceSpec(window_s=(0.0, 60.0), max_input_len=256, max_output_len=16)
+    reqs = load_trace(real_trace("AzureLLMInferenceTrace_code.csv"), spec)
+    assert len(reqs) > 10
+    assert all(0 <= r.arrival_s < 60 and r.input_len <= 256 and r.output_len <= 16 for r in reqs)
