@@ -1,0 +1,17 @@
+"""``python -m duetserve.bench ...``: the ``duetserve bench`` command without the main CLI."""
+
+import argparse
+import sys
+
+from duetserve.bench.cli import configure_parser, run
+
+
+def main() -> int:
+    """Parse ``sys.argv`` and run the benchmark; returns the exit status."""
+    parser = argparse.ArgumentParser(prog="python -m duetserve.bench")
+    configure_parser(parser)
+    return run(parser.parse_args())
+
+
+if __name__ == "__main__":
+    sys.exit(main())

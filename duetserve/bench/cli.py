@@ -1,0 +1,297 @@
+"""``duetserve bench``: replay a trace (or synthetic load) against an OpenAI-compatible server.
+
+Wire into a main CLI with :func:`add_parser` and :func:`run`; ``python -m duetserve.bench``
+runs it standalone.
+
+Results: a ``vllm bench serve``-style table is printed per run; ``--result-file R.json``
+saves the metrics (vLLM's keys), the run's settings and per-request records. With
+``--sweep-qps`` each load is one run and one file, ``R_qps{Q}.json`` (e.g. ``R_qps2.json``),
+and ``--plot`` overlays all loads in one image. Exit status: 0 when every run produced a
+report (failed requests are counted in it), 1 on a setup error (server, trace, files).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import math
+import re
+import sys
+from dataclasses import fields, is_dataclass, replace
+from datetime import datetime, timezone
+from functools import wraps
+from pathlib import Path
+from typing import Any, Callable, TypeVar
+
+from duetserve.bench.launch import LaunchConfig, ServerProcess
+from duetserve.bench.metrics import Slos, compute_metrics, format_comparison, format_report
+from duetserve.bench.plot import plot_results, read_iteration_log
+from duetserve.bench.prompts import Tokenizer
+from duetserve.bench.runner import BenchConfig, BenchRun, run_benchmark
+from duetserve.traces import TraceSpec, load_trace, parse_length
+
+T = TypeVar("T")
+_UNITS_S = {"us": 1e-6, "ms": 1e-3, "s": 1.0, "min": 60.0}
+_DURATION = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*(us|ms|s|min)?\s*$")
+_GOODPUT_KEYS = ("ttft", "tpot", "e2el")
+
+
+def parse_duration(text: str, bare_unit: str = "s") -> float:
+    """Seconds in a duration such as ``"100ms"``, ``"0.1s"``, ``"250us"`` or ``"2min"``.
+
+    A bare number is in ``bare_unit`` (one of ``us``, ``ms``, ``s``, ``min``).
+
+    Raises:
+        ValueError: not a non-negative number with an optional known unit.
+    """
+    match = _DURATION.match(text)
+    if not match:
+        raise ValueError(f"bad duration {text!r}: expected e.g. 100ms, 0.1s, 2min")
+    return float(match.group(1)) * _UNITS_S[match.group(2) or bare_unit]
+
+
+def parse_goodput(items: list[str]) -> Slos:
+    """Goodput SLOs from ``KEY:VALUE`` items, KEY in ttft/tpot/e2el, VALUE a duration whose
+    bare numbers are milliseconds (as in vLLM's ``--goodput ttft:200``).
+
+    Raises:
+        ValueError: an unknown key, a repeated key, or a bad value.
+    """
+    slos: dict[str, float] = {}
+    for item in items:
+        key, _, value = item.partition(":")
+        if key not in _GOODPUT_KEYS or key in slos:
+            raise ValueError(f"bad goodput item {item!r}: keys are {', '.join(_GOODPUT_KEYS)}")
+        slos[key] = parse_duration(value, "ms")
+    return Slos(**{f"{k}_s": v for k, v in slos.items()})
+
+
+def _pair(text: str, parse: Callable[[str], T]) -> tuple[T, T]:
+    low, sep, high = text.partition(":")
+    if not sep:
+        raise ValueError(f"expected A:B, got {text!r}")
+    return parse(low), parse(high)
+
+
+def _argtype(parse: Callable[[str], Any]) -> Callable[[str], Any]:
+    """``parse`` with its ValueError turned into argparse's error message."""
+
+    @wraps(parse)
+    def wrapped(text: str) -> Any:
+        try:
+            return parse(text)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from e
+
+    return wrapped
+
+
+def _float_list(text: str) -> list[float]:
+    return [float(x) for x in text.split(",") if x.strip()]
+
+
+def configure_parser(p: argparse.ArgumentParser) -> None:
+    """Add every ``duetserve bench`` option to ``p``."""
+    t = p.add_argument_group("trace")
+    t.add_argument("--trace", help="trace file (Azure .csv or Mooncake .jsonl); omit for synthetic")
+    t.add_argument("--trace-format", default="auto",
+                   choices=["auto", "azure", "mooncake", "synthetic"])
+    t.add_argument("--arrival", default="trace", choices=["trace", "scale", "poisson"],
+                   help="trace: keep timestamps; scale: stretch to --qps; poisson: re-draw at "
+                        "--qps with gamma gaps of CV --cv (default: trace)")
+    t.add_argument("--qps", type=float, help="request rate, req/s ('inf': all at once)")
+    t.add_argument("--cv", type=float, default=1.0,
+                   help="CV of generated inter-arrival gaps (1 = Poisson)")
+    t.add_argument("--window", type=_argtype(lambda s: _pair(s, parse_duration)),
+                   metavar="START:END", help="keep arrivals in [START, END) s of the trace")
+    t.add_argument("--num-requests", type=int, metavar="N",
+                   help="first N requests (synthetic: how many)")
+    t.add_argument("--max-input-len", type=int, metavar="TOKENS", help="cap prompt lengths")
+    t.add_argument("--max-output-len", type=int, metavar="TOKENS", help="cap output lengths")
+    t.add_argument("--input-len", type=_argtype(parse_length), default=parse_length("512"),
+                   metavar="SPEC", help="synthetic: N, LOW:HIGH or lognormal:MEAN:SIGMA")
+    t.add_argument("--output-len", type=_argtype(parse_length), default=parse_length("128"),
+                   metavar="SPEC", help="synthetic: N, LOW:HIGH or lognormal:MEAN:SIGMA")
+    t.add_argument("--seed", type=int, default=0, help="seed for lengths, arrivals and prompts")
+
+    s = p.add_argument_group("server")
+    s.add_argument("--base-url", default="http://127.0.0.1:8000")
+    s.add_argument("--endpoint", default="/v1/completions",
+                   help="/v1/completions (token-id prompts) or /v1/chat/completions (text)")
+    s.add_argument("--model", help="model name (default: first id of /v1/models)")
+    s.add_argument("--api-key", help="sent as 'Authorization: Bearer KEY'")
+    s.add_argument("--max-concurrency", type=int, help="most requests in flight")
+    s.add_argument("--request-timeout", type=_argtype(parse_duration), default=600.0,
+                   metavar="DURATION", help="limit per request (default 600s)")
+    s.add_argument("--tokenizer", metavar="PATH",
+                   help="tokenizer (HF folder) that chat text prompts are checked against")
+    s.add_argument("--token-id-range", type=_argtype(lambda x: _pair(x, int)),
+                   default=(1000, 32000), metavar="LOW:HIGH",
+                   help="ids of token-id prompts are drawn from [LOW, HIGH) (default 1000:32000)")
+    s.add_argument("--launch", metavar="CMD",
+                   help="start this server command first, wait for /health, stop it after")
+    s.add_argument("--launch-timeout", type=_argtype(parse_duration), default=600.0,
+                   metavar="DURATION", help="longest wait for /health (default 600s)")
+    s.add_argument("--launch-log", type=Path, metavar="PATH", help="server output file")
+
+    r = p.add_argument_group("results")
+    r.add_argument("--goodput", nargs="+", default=[], metavar="KEY:MS",
+                   help="goodput SLOs, e.g. ttft:500 tpot:100ms e2el:10s (bare numbers: ms)")
+    r.add_argument("--tbt-slo", type=_argtype(lambda x: parse_duration(x, "ms")),
+                   metavar="DURATION", help="TBT SLO for tbt_slo_attainment, e.g. 100ms")
+    r.add_argument("--percentiles", type=_argtype(_float_list), default=[90.0, 99.0],
+                   metavar="P,P", help="reported percentiles (default 90,99)")
+    r.add_argument("--result-file", type=Path, metavar="PATH", help="save results as JSON")
+    r.add_argument("--sweep-qps", type=_argtype(_float_list), metavar="Q,Q,...",
+                   help="one run per rate (needs --arrival scale|poisson for trace files)")
+    r.add_argument("--plot", type=Path, metavar="PNG", help="draw TTFT/TBT CDFs, TBT over time")
+    r.add_argument("--iteration-log", type=Path, metavar="JSONL",
+                   help='server iteration log {"t": unix_s, "spatial": bool} to mark in --plot')
+    r.add_argument("--compare", nargs=2, type=Path, metavar=("A.json", "B.json"),
+                   help="print two saved results side by side (no run)")
+    r.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Register the ``bench`` subcommand on an ``argparse`` subparsers object.
+
+    Returns:
+        The subcommand's parser (its ``func`` default is :func:`run`).
+    """
+    p = subparsers.add_parser(
+        "bench",
+        help="replay a trace against an OpenAI-compatible server",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    configure_parser(p)
+    p.set_defaults(func=run)
+    return p
+
+
+def _load_tokenizer(path: str) -> Tokenizer:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)
+
+
+def _json_number(x: float | None) -> float | str | None:
+    return "inf" if x is not None and math.isinf(x) else x
+
+
+def _spec_json(spec: TraceSpec) -> dict[str, Any]:
+    """``spec`` as JSON values: length distributions by their repr, ``inf`` as a string."""
+    out: dict[str, Any] = {}
+    for f in fields(spec):
+        value = getattr(spec, f.name)
+        if isinstance(value, float):
+            value = _json_number(value)
+        elif is_dataclass(value):
+            value = repr(value)
+        out[f.name] = value
+    return out
+
+
+def _build_result(args: argparse.Namespace, spec: TraceSpec, run: BenchRun,
+                  slos: Slos) -> dict[str, Any]:
+    """The saved JSON: settings, vLLM-style metrics, then per-request records."""
+    return {
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "base_url": args.base_url,
+        "endpoint": args.endpoint,
+        "model_id": run.model,
+        "trace": args.trace,
+        "trace_spec": _spec_json(spec),
+        "num_prompts": len(run.records),
+        "request_rate": _json_number(spec.qps),
+        "max_concurrency": args.max_concurrency,
+        "goodput_slo_ms": {k: v * 1000 for k in _GOODPUT_KEYS
+                           if (v := getattr(slos, f"{k}_s")) is not None} or None,
+        "start_time_unix": run.start_time_unix,
+        **compute_metrics(run.records, run.duration_s, slos, args.percentiles),
+        "requests": [r.to_json() for r in run.records],
+    }
+
+
+def _result_path(path: Path, qps: float | None, sweep: bool) -> Path:
+    return path.with_name(f"{path.stem}_qps{qps:g}{path.suffix}") if sweep else path
+
+
+def _compare(args: argparse.Namespace) -> int:
+    a, b = (json.loads(p.read_text()) for p in args.compare)
+    print(format_comparison(a, b, (args.compare[0].stem, args.compare[1].stem)))
+    if args.plot:
+        plot_results([a, b], [p.stem for p in args.compare], args.plot, _spatial_times(args))
+        print(f"plot: {args.plot}")
+    return 0
+
+
+def _spatial_times(args: argparse.Namespace) -> list[float]:
+    return read_iteration_log(args.iteration_log) if args.iteration_log else []
+
+
+def _bench(args: argparse.Namespace) -> int:
+    if args.sweep_qps and args.qps is not None:
+        raise ValueError("give either --qps or --sweep-qps")
+    slos = replace(parse_goodput(args.goodput), tbt_s=args.tbt_slo)
+    tokenizer = _load_tokenizer(args.tokenizer) if args.tokenizer else None
+    config = BenchConfig(
+        base_url=args.base_url,
+        endpoint=args.endpoint,
+        model=args.model,
+        api_key=args.api_key,
+        max_concurrency=args.max_concurrency,
+        request_timeout_s=args.request_timeout,
+        seed=args.seed,
+        token_id_range=args.token_id_range,
+        progress=not args.no_progress,
+    )
+    spec = TraceSpec(
+        format=args.trace_format, arrival=args.arrival, qps=args.qps, cv=args.cv,
+        window_s=args.window, num_requests=args.num_requests,
+        max_input_len=args.max_input_len, max_output_len=args.max_output_len,
+        input_len=args.input_len, output_len=args.output_len, seed=args.seed,
+    )
+    loads = args.sweep_qps or [args.qps]
+    specs = [replace(spec, qps=q) for q in loads]
+    traces = [load_trace(args.trace, s) for s in specs]
+    server: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
+    if args.launch:
+        server = ServerProcess(LaunchConfig(
+            args.launch, args.base_url.rstrip("/") + "/health",
+            startup_timeout_s=args.launch_timeout, log_path=args.launch_log,
+        ))
+    results = []
+    with server:
+        for qps, spec_q, trace in zip(loads, specs, traces):
+            print(f"duetserve bench: {len(trace)} requests, rate {qps or 'from trace'} req/s, "
+                  f"{config.base_url}{config.endpoint}", file=sys.stderr)
+            run = asyncio.run(run_benchmark(trace, config, tokenizer))
+            result = _build_result(args, spec_q, run, slos)
+            results.append(result)
+            print(format_report(result, f"Serving Benchmark Result (qps {qps or 'trace'})"))
+            if args.result_file:
+                path = _result_path(args.result_file, qps, bool(args.sweep_qps))
+                path.write_text(json.dumps(result))
+                print(f"results: {path}")
+    if args.plot:
+        labels = [f"qps {q:g}" if q else "trace timing" for q in loads]
+        plot_results(results, labels, args.plot, _spatial_times(args))
+        print(f"plot: {args.plot}")
+    return 0
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run ``duetserve bench`` with parsed arguments.
+
+    Returns:
+        0 when every run produced a report (even with failed requests), 1 on a setup error
+        (bad options, unreadable trace, server not reachable or not starting).
+    """
+    try:
+        return _compare(args) if args.compare else _bench(args)
+    except (ValueError, RuntimeError, TimeoutError, OSError) as e:
+        print(f"duetserve bench: error: {e}", file=sys.stderr)
+        return 1
