@@ -1,0 +1,102 @@
+"""Hardware profiles: shipped JSON, interpolation of Pi(S) and BW(S), range errors."""
+
+import json
+from importlib import resources
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+from duetserve.planner.hardware import available_profiles, load_profile, saturating_points
+
+
+def test_shipped_profiles_load_with_provenance():
+    assert available_profiles() == ["a100", "h100", "h20", "h200"]
+    for name in available_profiles():
+        p = load_profile(name)
+        assert p.name == name
+        assert p.num_tpcs * 2 == p.num_sms
+        assert p.bandwidth(p.num_sms) <= p.peak_bandwidth and p.compute_rate(p.num_sms) <= p.peak_flops
+    h200 = load_profile("H200")
+    assert h200.provenance["bandwidth_points"] == "measured"
+    assert h200.provenance["peak_flops"] == "datasheet"
+    assert set(load_profile("h100").provenance.values()) == {"datasheet"}
+    assert (load_profile("a100").num_sms, load_profile("h20").num_sms) == (108, 78)
+
+
+def test_h200_curves_are_the_probe_measurements():
+    p = load_profile("h200")
+    # GEMM TFLOP/s and the lower of copy / gemv GB/s at each measured S (h200-probe.json)
+    assert p.compute_rate(16) == pytest.approx(111e12)
+    assert p.compute_rate(132) == pytest.approx(797e12)
+    assert p.bandwidth(32) == pytest.approx(2204e9)  # copy 2204 < gemv 2638
+    assert p.bandwidth(96) == pytest.approx(3636e9)  # gemv 3636 < copy 3867
+    assert p.granularity("greenctx") == 8 and p.granularity("tpcmask") == 2
+    assert p.decode_interference == pytest.approx(0.124 / 0.089, rel=1e-3)
+
+
+def test_linear_interpolation_between_points_and_from_zero():
+    p = load_profile("h200")
+    # halfway between (48, 333) and (64, 430) TFLOP/s
+    assert p.compute_rate(56) == pytest.approx(381.5e12)
+    # 40 SMs: 2204 + (3029 - 2204) * 8 / 16 GB/s
+    assert p.bandwidth(40) == pytest.approx(2616.5e9)
+    # below the first measured point: the chord from (0, 0) to (16, 1197 GB/s)
+    assert p.bandwidth(8) == pytest.approx(598.5e9)
+    np.testing.assert_allclose(p.compute_rate(np.array([16, 132])), [111e12, 797e12])
+
+
+@pytest.mark.parametrize("sms", [0, -8, 133, 200, 132.5])
+def test_out_of_range_sms_raise(sms):
+    p = load_profile("h200")
+    with pytest.raises(ValueError):
+        p.compute_rate(sms)
+    with pytest.raises(ValueError):
+        p.bandwidth(sms)
+
+
+def test_efficiencies_and_saturating_curve():
+    p = replace(load_profile("h100"), bandwidth_points=saturating_points(3.35e12, 66, 132),
+                bandwidth_efficiency=0.85, compute_efficiency=0.5,
+                compute_points=saturating_points(989e12, 132, 132))
+    assert p.bandwidth(33) == pytest.approx(3.35e12 * 0.85 * 0.5)
+    assert p.bandwidth(100) == pytest.approx(3.35e12 * 0.85)
+    assert p.compute_rate(80) == pytest.approx(989e12 * 0.5 * 80 / 132)
+    assert saturating_points(1.0, 264, 132) == ((132, 0.5),)
+    with pytest.raises(ValueError):
+        replace(p, compute_efficiency=1.5)
+
+
+def test_invalid_profiles_are_rejected(tmp_path):
+    raw = _raw("h200")
+    raw["bandwidth_points"][-1][0] = 120  # curve no longer ends at num_sms
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps(raw))
+    with pytest.raises(ValueError, match="num_sms"):
+        load_profile(path)
+    raw = _raw("h200")
+    del raw["provenance"]["hbm_bytes"]
+    path.write_text(json.dumps(raw))
+    with pytest.raises(ValueError, match="provenance"):
+        load_profile(path)
+    raw = _raw("h200")
+    raw["compute_points"][0][1] = 2e15  # above the datasheet peak: a unit error
+    path.write_text(json.dumps(raw))
+    with pytest.raises(ValueError, match="peak"):
+        load_profile(path)
+    with pytest.raises(ValueError, match="no profile"):
+        load_profile("b200")
+    with pytest.raises(ValueError, match="backend"):
+        load_profile("h200").granularity("mig")
+
+
+def test_profile_from_a_path(tmp_path):
+    raw = _raw("h20")
+    raw["name"] = "my-h20"
+    path = tmp_path / "mine.json"
+    path.write_text(json.dumps(raw))
+    assert load_profile(str(path)).name == "my-h20"
+
+
+def _raw(name):
+    return json.loads((resources.files("duetserve.planner") / "profiles" / f"{name}.json").read_text())

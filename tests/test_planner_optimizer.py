@@ -1,0 +1,136 @@
+"""Partition optimizer: hand-checked plans on a stand-in cost model, then the real model.
+
+``RoundCost`` stands in for ``CostModel`` with times that are easy to follow by hand on a
+100-SM GPU: a decode step on S_d SMs takes 0.4 / S_d s (10 SMs: 40 ms, 20 SMs: 20 ms), the
+prefill batch on S_p SMs 9.0 / S_p s (80 SMs: 112.5 ms), and a temporal mixed batch on all
+SMs 10 ms + 0.1 ms per prefill token. Batches: 4 decode requests, one 1000-token prefill.
+"""
+
+import math
+
+import numpy as np
+import pytest
+
+from duetserve.planner.cost_model import CostModel, ModelShape
+from duetserve.planner.hardware import load_profile
+from duetserve.planner.optimizer import Plan, plan_iteration, trim_prefill
+
+DECODE = [(1, 500)] * 4
+PREFILL = [(1000, 0)]
+
+
+class RoundCost:
+    def predict_total(self, reqs, sms):
+        return np.asarray(0.01 + 1e-4 * sum(q for q, _ in reqs if q > 1))
+
+    def predict_spatial(self, decode_reqs, prefill_reqs, s_decode, total_sms):
+        return 0.4 / s_decode, 9.0 / (total_sms - s_decode)
+
+
+def plan(tau, **kw):
+    return plan_iteration(RoundCost(), DECODE, PREFILL, tau, total_sms=100, granularity=10, **kw)
+
+
+def test_temporal_when_mixed_batch_meets_tau():
+    # mixed: 10 ms + 1000 * 0.1 ms = 110 ms <= 120 ms
+    assert plan(0.120) == Plan(False, 100, 100, 1, 0.11, 0.11, 0.11)
+
+
+def test_infeasible_decode_partition_is_skipped_and_floor_k_chosen():
+    # tau = 45 ms. S_d = 10: t_d = 40 ms, t_p(90) = 100 ms, k = 2 would give (8 + 1000) / 0.100 =
+    #   10080 tok/s, but its tail gap 100 - 80 + 40 = 60 ms > tau; k = 3: 1012 / 0.120 = 8433.
+    # S_d = 20: t_d = 20 ms, t_p(80) = 112.5 ms, floor = 5: gap 32.5 ms, 1020 / 0.1125 = 9067 (best);
+    #   k = 6: 1024 / 0.120 = 8533.  S_d = 30: k = 9: 1036 / 0.12857 = 8058.
+    p = plan(0.045)
+    assert (p.spatial, p.s_decode, p.s_prefill, p.k) == (True, 20, 80, 5)
+    assert p.predicted_s == pytest.approx(0.1125)
+    assert (p.predicted_decode_s, p.predicted_prefill_s) == pytest.approx((0.020, 0.1125))
+    assert not p.slo_risk and p.prefill_token_limit is None
+
+
+def test_decode_partition_over_tau_is_never_chosen():
+    # tau = 25 ms: S_d = 10 (40 ms) is infeasible although its rate would be the highest.
+    # S_d = 20: k = 5 leaves a 32.5 ms tail gap > tau, so k = floor + 1 = 6: 1024 / 0.120 = 8533;
+    # S_d = 30: k = 9, gap 128.57 - 120 + 13.33 = 21.9 ms: 1036 / 0.12857 = 8058.
+    p = plan(0.025)
+    assert (p.s_decode, p.k) == (20, 6)
+    assert p.predicted_s == pytest.approx(0.120)
+
+
+def test_k_is_capped_by_max_k():
+    # tau = 25 ms, max_k = 3: S_d = 20 runs 3 steps beside 112.5 ms of prefill (no tokens left to
+    # wait, so no tail-gap check): 1012 / 0.1125 = 8996; S_d = 30: 1012 / 0.12857 = 7871.
+    p = plan(0.025, max_k=3)
+    assert (p.s_decode, p.k) == (20, 3)
+    assert p.predicted_s == pytest.approx(0.1125)
+
+
+def test_min_sms_limits_the_enumeration():
+    p = plan(0.045, min_sms=30)
+    assert p.s_decode == 30 and p.k == 9  # 1036 / 0.12857 beats k = 10: 1040 / 0.1333
+
+
+def test_fallback_when_no_partition_meets_tau():
+    # tau = 3 ms: even S_d = 90 gives 4.4 ms. Temporal fallback: 10 ms + 0.1 ms * m <= 50.5 ms -> m = 405
+    p = plan_iteration(RoundCost(), DECODE, PREFILL, 0.0505, total_sms=100, granularity=10, min_sms=90)
+    assert (p.spatial, p.prefill_token_limit, p.slo_risk) == (False, 405, True)
+    p = plan(0.003)
+    assert (p.prefill_token_limit, p.slo_risk) == (0, True)  # decode alone (10 ms) already breaks tau
+
+
+def test_trim_prefill():
+    assert trim_prefill([(300, 0), (500, 100), (200, 0)], 600) == [(300, 0), (300, 100)]
+    assert trim_prefill([(300, 0)], 0) == []
+    assert trim_prefill([(300, 0)], 1000) == [(300, 0)]
+
+
+@pytest.fixture(scope="module")
+def qwen_h200():
+    return CostModel(ModelShape.preset("qwen3-8b"), load_profile("h200"))
+
+
+def test_real_model_plan_matches_brute_force(qwen_h200):
+    cm, tau, total = qwen_h200, 0.030, 132
+    decode = [(1, 1000 + 50 * i) for i in range(64)]
+    prefill = [(8192, 0)]
+    assert cm.predict_total(decode + prefill, total) > tau
+    p = plan_iteration(cm, decode, prefill, tau, total, granularity=8)
+    assert p.spatial and p.s_decode % 8 == 0 and p.s_decode + p.s_prefill == total
+    t_d, t_p = cm.predict_spatial(decode, prefill, p.s_decode, total)
+    assert p.k in (max(1, math.floor(t_p / t_d)), math.floor(t_p / t_d) + 1)
+    # brute force over every S_d and every k from 1 to 200 under the same constraints
+    best = None
+    for s_d in range(8, total - 8 + 1, 8):
+        t_d, t_p = (float(x) for x in cm.predict_spatial(decode, prefill, s_d, total))
+        for k in range(1, 201):
+            if t_d > tau or max(t_p - k * t_d, 0) + t_d > tau:
+                continue
+            rate = (k * 64 + 8192) / max(k * t_d, t_p)
+            if best is None or rate > best[0]:
+                best = (rate, s_d, k)
+    assert (p.s_decode, p.k) == best[1:]
+
+
+def test_real_model_fallback_limit_fits_tau(qwen_h200):
+    cm, tau = qwen_h200, 0.030
+    decode = [(1, 8192)] * 64  # 64 long decodes: about 23 ms on all SMs, too slow on any partition
+    prefill = [(2048, 0), (2048, 1024)]
+    p = plan_iteration(cm, decode, prefill, tau, 132, granularity=8)
+    assert not p.spatial and p.slo_risk
+    limit = p.prefill_token_limit
+    assert 0 < limit < 4096
+    assert cm.predict_total(decode + trim_prefill(prefill, limit), 132) <= tau
+    assert cm.predict_total(decode + trim_prefill(prefill, limit + 1), 132) > tau
+    assert p.predicted_s == pytest.approx(float(cm.predict_total(decode + trim_prefill(prefill, limit), 132)))
+
+
+def test_edge_batches_and_bad_arguments(qwen_h200):
+    only_prefill = plan_iteration(qwen_h200, [], [(16384, 0)], 0.05, 132, 8)
+    assert not only_prefill.spatial and not only_prefill.slo_risk
+    heavy = [(1, 32768)] * 128
+    only_decode = plan_iteration(qwen_h200, heavy, [], 0.01, 132, 8)
+    assert not only_decode.spatial and only_decode.slo_risk and only_decode.prefill_token_limit is None
+    for kw in ({"tau": 0}, {"granularity": 0}, {"max_k": 0}, {"min_sms": 0}):
+        args = {"tau": 0.05, "granularity": 8, **kw}
+        with pytest.raises(ValueError):
+            plan_iteration(qwen_h200, DECODE, PREFILL, total_sms=132, **args)
