@@ -1,0 +1,288 @@
+"""duetserve bench against fake OpenAI-compatible servers on 127.0.0.1 (uvicorn in a thread).
+
+Run as a script (``python test_bench_client.py --serve PORT``) this file serves the
+well-behaved fake server, for the ``--launch`` tests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import itertools
+import json
+import re
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any, AsyncIterator, Iterator
+
+import pytest
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from duetserve.bench.cli import configure_parser, run
+from duetserve.bench.plot import read_iteration_log
+from duetserve.bench.prompts import COMMON_WORDS, PromptBuilder
+from duetserve.traces import MOONCAKE_BLOCK_TOKENS, TraceRequest
+
+MISBEHAVIOURS = ("ok", "http500", "abort", "truncate", "short", "hang")
+
+
+def fake_app(misbehave: bool = False, token_gap_s: float = 0.002) -> FastAPI:
+    """A streaming OpenAI-style server. Misbehaving, the n-th request gets
+    ``MISBEHAVIOURS[n % 6]``: ok, HTTP 500, connection dropped mid-stream, stream ended
+    without [DONE], one token short, or no answer at all."""
+    app = FastAPI()
+    counter = itertools.count()
+    app.state.in_flight = 0
+    app.state.max_in_flight = 0
+
+    @app.get("/health")
+    async def health() -> dict[str, str]:
+        return {}
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [{"id": "fake-model", "object": "model"}]}
+
+    async def tokens(body: dict[str, Any], mode: str, chat: bool) -> AsyncIterator[str]:
+        app.state.in_flight += 1
+        app.state.max_in_flight = max(app.state.max_in_flight, app.state.in_flight)
+        try:
+            n = body["max_tokens"]
+            prompt = body["messages"][0]["content"].split() if chat else body["prompt"]
+            sent = n - 1 if mode == "short" else n
+            if chat:  # like vLLM: a first chunk with the role and no text
+                yield _sse({"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]})
+            for i in range(sent):
+                if i == n // 2 and mode == "abort":
+                    raise RuntimeError("connection dropped by the fake server")
+                if i == n // 2 and mode == "truncate":
+                    return
+                await asyncio.sleep(token_gap_s)
+                piece = {"delta": {"content": " tok"}} if chat else {"text": " tok"}
+                yield _sse({"choices": [{"index": 0, **piece, "finish_reason": None}]})
+            usage = {"prompt_tokens": len(prompt), "completion_tokens": sent}
+            yield _sse({"choices": [], "usage": usage})
+            yield "data: [DONE]\n\n"
+        finally:
+            app.state.in_flight -= 1
+
+    async def respond(request: Request, chat: bool) -> Any:
+        body = await request.json()
+        mode = MISBEHAVIOURS[next(counter) % len(MISBEHAVIOURS)] if misbehave else "ok"
+        wanted = body.get("stream") and body.get("ignore_eos") and body["stream_options"]["include_usage"]
+        if not wanted or body["model"] != "fake-model":
+            return JSONResponse({"error": {"message": "bad request"}}, 400)
+        if mode == "http500":
+            return JSONResponse({"error": {"message": "internal error"}}, 500)
+        if mode == "hang":
+            await asyncio.sleep(30)
+        return StreamingResponse(tokens(body, mode, chat), media_type="text/event-stream")
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Any:
+        return await respond(request, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> Any:
+        return await respond(request, chat=True)
+
+    return app
+
+
+def _sse(obj: dict[str, Any]) -> str:
+    return f"data: {json.dumps(obj)}\n\n"
+
+
+@contextlib.contextmanager
+def serving(app: FastAPI) -> Iterator[str]:
+    """Serve ``app`` on a free 127.0.0.1 port in a thread; yields the base URL."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    config = uvicorn.Config(app, log_level="critical", timeout_graceful_shutdown=1)
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while not server.started and time.monotonic() < deadline:
+        time.sleep(0.01)
+    try:
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        thread.join(10)
+        sock.close()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def bench(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser()
+    configure_parser(parser)
+    return run(parser.parse_args(["--no-progress", *argv]))
+
+
+SYNTHETIC = ["--qps", "50", "--num-requests", "12", "--input-len", "16:64", "--output-len", "4:12"]
+
+
+def test_misbehaving_server_failures_are_counted(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    out = tmp_path / "r.json"
+    with serving(fake_app(misbehave=True)) as url:
+        code = bench(["--base-url", url, *SYNTHETIC, "--request-timeout", "1s", "--result-file", str(out)])
+    assert code == 0
+    result = json.loads(out.read_text())
+    assert result["completed"] == 2 and result["failed"] == 10
+    reasons = " | ".join(r["error"] for r in result["requests"] if r["error"])
+    for expected in ("HTTP 500", "RemoteProtocolError", "before data: [DONE]", "output tokens, got",
+                     "timeout after 1 s"):
+        assert reasons.count(expected) == 2, expected
+    assert sum(result["failure_reasons"].values()) == 10
+    report = capsys.readouterr().out
+    assert re.search(r"failed\s+10", report) and "Failures" in report
+
+
+def test_well_behaved_server_completions(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    out, png = tmp_path / "r.json", tmp_path / "r.png"
+    args = [*SYNTHETIC, "--goodput", "ttft:1s", "tpot:100", "--tbt-slo", "100ms",
+            "--result-file", str(out), "--plot", str(png)]
+    with serving(fake_app()) as url:
+        assert bench(["--base-url", url, *args]) == 0
+    result = json.loads(out.read_text())
+    for key in ("completed", "failed", "duration", "total_input_tokens", "total_output_tokens",
+                "request_throughput", "output_throughput", "total_token_throughput",
+                "request_goodput", "tbt_slo_attainment", "model_id", "start_time_unix", "requests"):
+        assert result[key] is not None, key
+    for metric in ("ttft", "tpot", "itl", "e2el"):
+        for stat in ("mean", "median", "std", "p90", "p99"):
+            assert isinstance(result[f"{stat}_{metric}_ms"], float)
+    assert result["completed"] == 12 and result["failed"] == 0
+    assert result["model_id"] == "fake-model"
+    assert result["request_goodput"] == pytest.approx(result["request_throughput"])
+    assert result["tbt_slo_attainment"] == 1.0
+    for r in result["requests"]:
+        assert r["output_tokens"] == r["output_len"] and r["prompt_tokens"] == r["input_len"]
+        assert 0 < r["ttft_s"] < r["e2el_s"]
+        assert len(r["itls_s"]) == r["output_len"] - 1
+    assert result["total_output_tokens"] == sum(r["output_len"] for r in result["requests"])
+    assert png.stat().st_size > 10_000
+    assert "Time to First Token" in capsys.readouterr().out
+
+
+def test_concurrency_cap(tmp_path: Path) -> None:
+    app = fake_app(token_gap_s=0.01)
+    with serving(app) as url:
+        assert bench(["--base-url", url, "--qps", "inf", "--num-requests", "8",
+                      "--max-concurrency", "2", "--output-len", "5"]) == 0
+    assert app.state.max_in_flight == 2
+
+
+def test_chat_with_tokenizer(tmp_path: Path) -> None:
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"[UNK]": 0, **{w: i + 1 for i, w in enumerate(COMMON_WORDS)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]").save_pretrained(tmp_path / "tok")
+    out = tmp_path / "r.json"
+    with serving(fake_app()) as url:
+        code = bench(["--base-url", url, "--endpoint", "/v1/chat/completions", *SYNTHETIC,
+                      "--tokenizer", str(tmp_path / "tok"), "--result-file", str(out)])
+    assert code == 0
+    result = json.loads(out.read_text())
+    assert result["failed"] == 0
+    assert all(r["prompt_tokens"] == r["input_len"] for r in result["requests"])
+
+
+def test_sweep_compare_and_iteration_log(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    out = tmp_path / "sweep.json"
+    with serving(fake_app()) as url:
+        args = ["--base-url", url, "--num-requests", "6", "--output-len", "4", "--input-len", "8"]
+        assert bench([*args, "--sweep-qps", "20,40", "--result-file", str(out)]) == 0
+    a, b = tmp_path / "sweep_qps20.json", tmp_path / "sweep_qps40.json"
+    assert json.loads(a.read_text())["request_rate"] == 20.0
+    assert json.loads(b.read_text())["request_rate"] == 40.0
+    start = json.loads(a.read_text())["start_time_unix"]
+    log = tmp_path / "iterations.jsonl"
+    log.write_text("\n".join(json.dumps({"t": start + i * 0.01, "spatial": i % 2 == 0}) for i in range(20)))
+    assert len(read_iteration_log(log)) == 10
+    capsys.readouterr()
+    png = tmp_path / "cmp.png"
+    assert bench(["--compare", str(a), str(b), "--plot", str(png), "--iteration-log", str(log)]) == 0
+    text = capsys.readouterr().out
+    assert "sweep_qps20" in text and "B/A" in text and re.search(r"completed\s+6\s+6\s+1.000", text)
+    assert png.is_file()
+
+
+def test_unreachable_server_is_a_setup_error(capsys: pytest.CaptureFixture) -> None:
+    port = free_port()
+    assert bench(["--base-url", f"http://127.0.0.1:{port}", *SYNTHETIC]) == 1
+    assert "could not read a model id" in capsys.readouterr().err
+
+
+def test_launch_runs_and_stops_the_server(tmp_path: Path) -> None:
+    port = free_port()
+    out = tmp_path / "r.json"
+    command = f"{sys.executable} {Path(__file__)} --serve {port}"
+    assert bench(["--launch", command, "--base-url", f"http://127.0.0.1:{port}", *SYNTHETIC,
+                  "--launch-timeout", "60s", "--result-file", str(out)]) == 0
+    assert json.loads(out.read_text())["completed"] == 12
+    with socket.socket() as s:  # the server is gone
+        assert s.connect_ex(("127.0.0.1", port)) != 0
+
+
+def test_launch_failure_is_reported(capsys: pytest.CaptureFixture) -> None:
+    command = f"{sys.executable} -c \"print('no model here'); raise SystemExit(3)\""
+    assert bench(["--launch", command, "--base-url", f"http://127.0.0.1:{free_port()}", *SYNTHETIC]) == 1
+    err = capsys.readouterr().err
+    assert "exited with code 3" in err and "no model here" in err
+
+
+def test_module_entry_point() -> None:
+    done = subprocess.run([sys.executable, "-m", "duetserve.bench", "--help"],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and "--sweep-qps" in done.stdout
+
+
+def test_token_id_prompts_exact_and_prefix_shared() -> None:
+    builder = PromptBuilder(seed=7, token_id_range=(100, 200))
+    a = builder.token_ids(0, TraceRequest(0.0, 1200, 1, hash_ids=[5, 6, 7]))
+    b = builder.token_ids(1, TraceRequest(0.0, 700, 1, hash_ids=[5, 9]))
+    c = builder.token_ids(2, TraceRequest(0.0, 700, 1))
+    assert (len(a), len(b), len(c)) == (1200, 700, 700)
+    assert all(100 <= t < 200 for t in a + b + c)
+    assert a[:MOONCAKE_BLOCK_TOKENS] == b[:MOONCAKE_BLOCK_TOKENS]  # shared first block
+    assert a[MOONCAKE_BLOCK_TOKENS:700] != b[MOONCAKE_BLOCK_TOKENS:]
+    assert c != b and c == PromptBuilder(7, (100, 200)).token_ids(2, TraceRequest(0.0, 700, 1))
+
+
+class MergingTokenizer:
+    """Whitespace words, except that 'of the' is one token and 'people' is two."""
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        words = text.replace("of the", "of_the").split()
+        return [hash(w) for w in words for _ in range(2 if w == "people" else 1)]
+
+
+def test_text_prompts_exact_under_tokenizer() -> None:
+    builder = PromptBuilder(seed=0, token_id_range=(0, 10), tokenizer=MergingTokenizer())
+    assert "people" not in builder.words
+    for i, n in enumerate([1, 2, 5, 17, 64, 300]):
+        text = builder.text(i, TraceRequest(0.0, n, 1))
+        assert len(MergingTokenizer().encode(text)) == n
+
+
+if __name__ == "__main__":
+    cli = argparse.ArgumentParser()
+    cli.add_argument("--serve", type=int, required=True, metavar="PORT")
+    uvicorn.run(fake_app(), host="127.0.0.1", port=cli.parse_args().serve, log_level="warning")
