@@ -1,0 +1,95 @@
+"""Greedy tokens from our engine equal Hugging Face transformers' ``generate``, token for token."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from duetserve.config import EngineConfig
+from duetserve.engine.engine import LLMEngine
+from duetserve.sampling import SamplingParams
+
+pytestmark = pytest.mark.slow
+
+GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+
+
+def hf_greedy(folder, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None  # generate past EOS, like ignore_eos
+    outs = []
+    for ids in prompts:
+        x = torch.tensor([ids])
+        y = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=max_new_tokens, do_sample=False,
+                           pad_token_id=0)
+        outs.append(y[0, len(ids):].tolist())
+    return outs
+
+
+@pytest.fixture(scope="module")
+def smollm_prompts(smollm_folder):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(smollm_folder)
+    texts = ["The capital of France is", "def fibonacci(n):",
+             "Once upon a time, in a small village by the sea, there lived an old fisherman who",
+             "1, 2, 3, 5, 8,"]
+    prompts = [tok.encode(t) for t in texts]
+    chat = tok.apply_chat_template([{"role": "user", "content": "Write a haiku about GPUs."}],
+                                   add_generation_prompt=True, tokenize=True)
+    prompts.append(list(chat) if isinstance(chat, list) else list(chat["input_ids"]))
+    long_text = " ".join(f"Item {i} is a {['red', 'green', 'blue'][i % 3]} box." for i in range(40))
+    prompts.append(tok.encode(long_text + " The colour of item 41 is"))
+    return prompts
+
+
+@pytest.fixture(scope="module")
+def smollm_reference(smollm_folder, smollm_prompts):
+    return hf_greedy(smollm_folder, smollm_prompts, GREEDY.max_tokens)
+
+
+def test_smollm_batched_and_chunked_equal_hf(smollm_folder, smollm_prompts, smollm_reference):
+    # A 64-token budget splits the ~400-token prompt into many prefill chunks, and prompts of
+    # different lengths run batched together with decodes of the others.
+    assert max(len(p) for p in smollm_prompts) > 4 * 64
+    engine = LLMEngine(EngineConfig(model=str(smollm_folder), max_num_batched_tokens=64, num_kv_blocks=256))
+    assert engine.generate(smollm_prompts, GREEDY) == smollm_reference
+
+
+def test_smollm_with_preemption_equal_hf(smollm_folder, smollm_prompts, smollm_reference):
+    # 30 blocks of 16 tokens cannot hold all six sequences at once: some are preempted and
+    # recomputed, and the tokens must not change.
+    engine = LLMEngine(EngineConfig(model=str(smollm_folder), max_num_batched_tokens=128, num_kv_blocks=30))
+    assert engine.generate(smollm_prompts, GREEDY) == smollm_reference
+    assert engine.scheduler.num_preemptions > 0
+    assert engine.block_manager.num_free_blocks == 30
+
+
+def test_tiny_qwen3_equal_hf(tiny_qwen3_folder):
+    gen = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, 320, (n,), generator=gen).tolist() for n in (5, 17, 33, 70)]
+    engine = LLMEngine(EngineConfig(model=str(tiny_qwen3_folder), max_num_batched_tokens=32, num_kv_blocks=64,
+                                    block_size=8))
+    params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+    assert engine.generate(prompts, params) == hf_greedy(tiny_qwen3_folder, prompts, 20)
+
+
+def test_tiny_qwen3_lookahead_plan_equals_single_steps(tiny_qwen3_folder):
+    """A plan with k look-ahead decode steps yields the tokens of k ordinary iterations."""
+    import dataclasses
+
+    gen = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(3, 320, (n,), generator=gen).tolist() for n in (9, 30, 41)]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    config = EngineConfig(model=str(tiny_qwen3_folder), max_num_batched_tokens=16, num_kv_blocks=64, block_size=8)
+    expected = LLMEngine(config).generate(prompts, params)
+
+    engine = LLMEngine(config)
+    policy = engine.scheduler.policy
+    lookahead = dataclasses.replace(engine.scheduler.policy.plan([], [], 1), spatial=True, s_prefill=8, s_decode=8, k=4)
+    engine.scheduler.policy = type("Forced", (), {"name": "forced", "chunked_prefill": True,
+                                                  "prefill_excludes_decode": False,
+                                                  "plan": staticmethod(lambda d, p, k: lookahead if d else
+                                                                       policy.plan(d, p, k))})()
+    assert engine.generate(prompts, params) == expected
