@@ -18,7 +18,8 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any, AsyncIterator, Iterator
+from typing import Any
+from collections.abc import AsyncIterator, Iterator
 
 import pytest
 import uvicorn

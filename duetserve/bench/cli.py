@@ -23,7 +23,8 @@ from dataclasses import fields, is_dataclass, replace
 from datetime import datetime, timezone
 from functools import wraps
 from pathlib import Path
-from typing import Any, Callable, TypeVar
+from typing import Any, TypeVar
+from collections.abc import Callable
 
 from duetserve.bench.launch import LaunchConfig, ServerProcess
 from duetserve.bench.metrics import Slos, compute_metrics, format_comparison, format_report
@@ -131,7 +132,8 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
                    default=(1000, 32000), metavar="LOW:HIGH",
                    help="ids of token-id prompts are drawn from [LOW, HIGH) (default 1000:32000)")
     s.add_argument("--launch", metavar="CMD",
-                   help="start this server command first, wait for /health, stop it after")
+                   help="start this server command first (it must listen at --base-url), "
+                        "wait for /health, stop it after")
     s.add_argument("--launch-timeout", type=_argtype(parse_duration), default=600.0,
                    metavar="DURATION", help="longest wait for /health (default 600s)")
     s.add_argument("--launch-log", type=Path, metavar="PATH", help="server output file")
@@ -143,7 +145,8 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
                    metavar="DURATION", help="TBT SLO for tbt_slo_attainment, e.g. 100ms")
     r.add_argument("--percentiles", type=_argtype(_float_list), default=[90.0, 99.0],
                    metavar="P,P", help="reported percentiles (default 90,99)")
-    r.add_argument("--result-file", type=Path, metavar="PATH", help="save results as JSON")
+    r.add_argument("--result-file", type=Path, metavar="PATH",
+                   help="save results as JSON (with --sweep-qps: one PATH_qps{Q}.json per load)")
     r.add_argument("--sweep-qps", type=_argtype(_float_list), metavar="Q,Q,...",
                    help="one run per rate (needs --arrival scale|poisson for trace files)")
     r.add_argument("--plot", type=Path, metavar="PNG", help="draw TTFT/TBT CDFs, TBT over time")
@@ -172,12 +175,14 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 
 def _load_tokenizer(path: str) -> Tokenizer:
+    """A Hugging Face tokenizer from a local folder (transformers is imported only if needed)."""
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(path)
 
 
 def _json_number(x: float | None) -> float | str | None:
+    """``x``, with infinity as the string ``"inf"`` (JSON has no infinity)."""
     return "inf" if x is not None and math.isinf(x) else x
 
 
@@ -194,28 +199,29 @@ def _spec_json(spec: TraceSpec) -> dict[str, Any]:
     return out
 
 
-def _build_result(args: argparse.Namespace, spec: TraceSpec, run: BenchRun,
+def _build_result(args: argparse.Namespace, spec: TraceSpec, outcome: BenchRun,
                   slos: Slos) -> dict[str, Any]:
     """The saved JSON: settings, vLLM-style metrics, then per-request records."""
     return {
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "base_url": args.base_url,
         "endpoint": args.endpoint,
-        "model_id": run.model,
+        "model_id": outcome.model,
         "trace": args.trace,
         "trace_spec": _spec_json(spec),
-        "num_prompts": len(run.records),
+        "num_prompts": len(outcome.records),
         "request_rate": _json_number(spec.qps),
         "max_concurrency": args.max_concurrency,
         "goodput_slo_ms": {k: v * 1000 for k in _GOODPUT_KEYS
                            if (v := getattr(slos, f"{k}_s")) is not None} or None,
-        "start_time_unix": run.start_time_unix,
-        **compute_metrics(run.records, run.duration_s, slos, args.percentiles),
-        "requests": [r.to_json() for r in run.records],
+        "start_time_unix": outcome.start_time_unix,
+        **compute_metrics(outcome.records, outcome.duration_s, slos, args.percentiles),
+        "requests": [r.to_json() for r in outcome.records],
     }
 
 
 def _result_path(path: Path, qps: float | None, sweep: bool) -> Path:
+    """``path``, or ``STEM_qps{Q}.SUFFIX`` for one load of a sweep."""
     return path.with_name(f"{path.stem}_qps{qps:g}{path.suffix}") if sweep else path
 
 
@@ -257,6 +263,8 @@ def _bench(args: argparse.Namespace) -> int:
     loads = args.sweep_qps or [args.qps]
     specs = [replace(spec, qps=q) for q in loads]
     traces = [load_trace(args.trace, s) for s in specs]
+    if not traces[0]:
+        raise ValueError("the trace selection holds no requests")
     server: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
     if args.launch:
         server = ServerProcess(LaunchConfig(
@@ -268,8 +276,8 @@ def _bench(args: argparse.Namespace) -> int:
         for qps, spec_q, trace in zip(loads, specs, traces):
             print(f"duetserve bench: {len(trace)} requests, rate {qps or 'from trace'} req/s, "
                   f"{config.base_url}{config.endpoint}", file=sys.stderr)
-            run = asyncio.run(run_benchmark(trace, config, tokenizer))
-            result = _build_result(args, spec_q, run, slos)
+            outcome = asyncio.run(run_benchmark(trace, config, tokenizer))
+            result = _build_result(args, spec_q, outcome, slos)
             results.append(result)
             print(format_report(result, f"Serving Benchmark Result (qps {qps or 'trace'})"))
             if args.result_file:

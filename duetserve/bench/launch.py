@@ -63,7 +63,7 @@ class ServerProcess:
         """The last few thousand characters of the server's log."""
         return self.log_path.read_text(errors="replace")[-_LOG_TAIL_CHARS:]
 
-    def __enter__(self) -> "ServerProcess":
+    def __enter__(self) -> ServerProcess:
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(
                 shlex.split(self.config.command),

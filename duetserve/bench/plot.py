@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
+from collections.abc import Sequence
 
 import numpy as np
 from matplotlib.figure import Figure
@@ -97,5 +98,6 @@ def plot_results(
     ax_time.set(title="TBT over time", xlabel="time since start (s)", ylabel="TBT (ms)")
     for ax in (ax_ttft, ax_tbt, ax_time):
         ax.grid(alpha=0.3)
-        ax.legend(fontsize="small")
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize="small")
     fig.savefig(out_path, dpi=120)
