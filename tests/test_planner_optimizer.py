@@ -23,6 +23,9 @@ class RoundCost:
     def predict_total(self, reqs, sms):
         return np.asarray(0.01 + 1e-4 * sum(q for q, _ in reqs if q > 1))
 
+    def predict_variants(self, fixed_reqs, q, c, sms):
+        return 0.01 + 1e-4 * q.sum(axis=0)
+
     def predict_spatial(self, decode_reqs, prefill_reqs, s_decode, total_sms):
         return 0.4 / s_decode, 9.0 / (total_sms - s_decode)
 
@@ -134,3 +137,25 @@ def test_edge_batches_and_bad_arguments(qwen_h200):
         args = {"tau": 0.05, "granularity": 8, **kw}
         with pytest.raises(ValueError):
             plan_iteration(qwen_h200, DECODE, PREFILL, total_sms=132, **args)
+
+
+def test_fallback_matches_a_scan_of_trimmed_batches(qwen_h200):
+    cm, rng = qwen_h200, np.random.default_rng(7)
+    for _ in range(5):
+        decode = [(1, int(c)) for c in rng.integers(6000, 12000, size=int(rng.integers(100, 160)))]
+        prefill = [(int(q), int(c)) for q, c in zip(rng.integers(1, 3000, size=3), rng.integers(0, 4000, size=3))]
+        tau = float(cm.predict_total(decode, 132)) * rng.uniform(0.9, 1.6)
+        p = plan_iteration(cm, decode, prefill, tau, 132, granularity=8)
+        assert not p.spatial and p.slo_risk  # long decodes: no partition keeps decode under tau
+        fits = [m for m in range(sum(q for q, _ in prefill) + 1)
+                if cm.predict_total(decode + trim_prefill(prefill, m), 132) <= tau]
+        assert p.prefill_token_limit == (max(fits) if fits else 0)
+
+
+def test_predict_variants_equals_trimmed_batches(qwen_h200):
+    decode, prefill = [(1, 3000)] * 8, [(700, 0), (500, 1200)]
+    limits = [0, 1, 699, 700, 701, 1200]
+    q = np.array([[min(700, m), min(500, max(0, m - 700))] for m in limits]).T
+    got = qwen_h200.predict_variants(decode, q, np.array([0, 1200]), 100)
+    want = [float(qwen_h200.predict_total(decode + trim_prefill(prefill, m), 100)) for m in limits]
+    np.testing.assert_allclose(got, want, rtol=1e-12)

@@ -122,26 +122,10 @@ class Breakdown:
         return self.linear + self.attention + self.norm_act + self.communication + self.lm_head
 
 
-class _TokenOps:
-    """Token-level operators as ``F = n * flops_per_token``, ``B = n * bytes_per_token + fixed_bytes``."""
-
-    def __init__(self, flops_per_token: Sequence[float], bytes_per_token: Sequence[float],
-                 fixed_bytes: Sequence[float]) -> None:
-        self.f = np.asarray(flops_per_token, dtype=float)[:, None]
-        self.bt = np.asarray(bytes_per_token, dtype=float)[:, None]
-        self.bf = np.asarray(fixed_bytes, dtype=float)[:, None]
-
-    @classmethod
-    def linears(cls, dims: Sequence[tuple[float, float]], b: int) -> "_TokenOps":
-        """Linear layers ``(d_i, d_o)``: F = 2 n d_i d_o, B = b (n d_i + d_i d_o + n d_o)."""
-        return cls([2 * di * do for di, do in dims], [b * (di + do) for di, do in dims],
-                   [b * di * do for di, do in dims])
-
-    def time(self, n: float, pi: np.ndarray, bw: np.ndarray) -> np.ndarray:
-        """Sum over the operators of max(F/Pi, B/BW), for each S in the rate arrays."""
-        if n == 0:
-            return np.zeros_like(pi)
-        return np.maximum(n * self.f / pi, (n * self.bt + self.bf) / bw).sum(axis=0)
+def _linear_op(d_in: float, d_out: float, b: int) -> tuple[float, float, float]:
+    """(FLOPs per token, bytes per token, fixed bytes) of a linear layer:
+    F = 2 n d_i d_o, B = b (n d_i + d_i d_o + n d_o)."""
+    return 2 * d_in * d_out, b * (d_in + d_out), b * d_in * d_out
 
 
 class CostModel:
@@ -186,11 +170,18 @@ class CostModel:
         self._hq = shape.q_heads // tp
         self._hkv = max(1, shape.kv_heads // tp)
         inter = shape.intermediate // tp
-        self._linear = _TokenOps.linears(
-            [(d, (self._hq + 2 * self._hkv) * dh), (self._hq * dh, d), (d, 2 * inter), (inter, d)], b)
-        self._norm_act = _TokenOps([4 * d, 4 * d, 5 * inter], [2 * b * d, 2 * b * d, 3 * b * inter],
-                                   [b * d, b * d, 0])
-        self._lm_head = _TokenOps.linears([(d, shape.vocab / tp)], b)
+        linear = [_linear_op(d, (self._hq + 2 * self._hkv) * dh, b), _linear_op(self._hq * dh, d, b),
+                  _linear_op(d, 2 * inter, b), _linear_op(inter, d, b)]
+        norm_act = [(4 * d, 2 * b * d, b * d)] * 2 + [(5 * inter, 3 * b * inter, 0)]  # 2 RMSNorms, SiLU-mul
+        lm_head = [_linear_op(d, shape.vocab / tp, b)]
+        # Token-level operators, one row each: F = n * f, B = n * bytes_per_token + fixed_bytes.
+        table = np.array(linear + norm_act + lm_head, dtype=float)
+        self._tok_f, self._tok_bt, self._tok_bf = (table[:, i:i + 1] for i in range(3))
+        self._tok_is_lm_head = np.arange(len(table))[:, None] == len(table) - 1
+        # Sums the rows into the Breakdown fields linear, norm_act, lm_head; layer ops count L times.
+        self._tok_groups = np.zeros((3, len(table)))
+        self._tok_groups[0, :4] = self._tok_groups[1, 4:7] = shape.layers
+        self._tok_groups[2, 7] = 1
 
         grid = np.arange(1, profile.num_sms + 1)
         self._pi = np.concatenate(([np.nan], profile.compute_rate(grid)))
@@ -203,7 +194,7 @@ class CostModel:
         overrides how many tokens go through lm_head. Raises ValueError for q < 1, c < 0,
         or ``sms`` outside 1..num_sms.
         """
-        parts = self._components(reqs, np.asarray([sms]), lm_head_tokens)[:, 0]
+        parts = self._components([_columns(reqs)], np.asarray([sms]), lm_head_tokens)[:, 0]
         return Breakdown(*(float(x) for x in parts))
 
     def predict_total(self, reqs: Sequence[Request] | np.ndarray, sms: ArrayLike,
@@ -213,7 +204,22 @@ class CostModel:
         Same arguments and errors as ``predict``; returns an array shaped like ``sms``.
         """
         s = np.asarray(sms)
-        return self._components(reqs, s.reshape(-1), lm_head_tokens).sum(axis=0).reshape(s.shape)
+        return self._components([_columns(reqs)], s.reshape(-1), lm_head_tokens).sum(axis=0).reshape(s.shape)
+
+    def predict_variants(self, fixed_reqs: Sequence[Request] | np.ndarray, q: np.ndarray, c: np.ndarray,
+                         sms: int) -> np.ndarray:
+        """Predicted seconds on ``sms`` SMs of M variants of one batch: ``fixed_reqs`` (q, c)
+        run in every variant; J more requests with ``c`` (J,) cached tokens run ``q`` (J, M)
+        query tokens in variant m, 0 where a request sits it out. lm_head counts follow the
+        ``lm_head`` mode. Sizes prefill chunks (the optimizer's fallback). Returns M seconds.
+
+        Raises ValueError for invalid ``fixed_reqs``, negative ``q`` or ``c``, or ``sms``
+        outside 1..num_sms.
+        """
+        q, c = np.asarray(q, dtype=np.int64), np.asarray(c, dtype=np.int64)
+        if q.size and (q.min() < 0 or c.min() < 0):
+            raise ValueError("token counts must be >= 0")
+        return self._components([_columns(fixed_reqs), (q, c[:, None])], np.asarray([sms]), None).sum(axis=0)
 
     def predict_spatial(self, decode_reqs: Sequence[Request] | np.ndarray,
                         prefill_reqs: Sequence[Request] | np.ndarray,
@@ -230,56 +236,53 @@ class CostModel:
         t_p = self.predict_total(prefill_reqs, total_sms - s_d) * self.profile.prefill_interference
         return t_d, t_p
 
-    def _components(self, reqs: Sequence[Request] | np.ndarray, sms: np.ndarray,
+    def _components(self, groups: list[tuple[np.ndarray, np.ndarray]], sms: np.ndarray,
                     lm_head_tokens: int | None) -> np.ndarray:
-        """Rows linear, attention, norm_act, communication, lm_head; one column per S."""
-        if sms.size and (not np.issubdtype(sms.dtype, np.integer) or sms.min() < 1
-                         or sms.max() > self.profile.num_sms):
+        """Rows linear, attention, norm_act, communication, lm_head; one column per variant.
+
+        ``groups`` hold the batch's requests as (q, c) with q (R, X) or (R, 1) and c (R, 1);
+        ``sms`` is (X,) or (1,). The columns are one batch on X SM counts, or X variants of
+        a batch on one SM count (a group with q (R, 1) takes part in every variant).
+        """
+        if sms.dtype.kind not in "iu" or sms.min() < 1 or sms.max() > self.profile.num_sms:
             raise ValueError(f"SM counts must be integers in 1..{self.profile.num_sms}, got {sms}")
-        arr = np.asarray(reqs, dtype=np.int64).reshape(-1, 2)
-        q, c = arr[:, 0], arr[:, 1]
-        if arr.size and (q.min() < 1 or c.min() < 0):
-            raise ValueError("every request needs q >= 1 new tokens and c >= 0 cached tokens")
         pi, bw = self._pi[sms], self._bw[sms]
-        n = int(q.sum())
-        if lm_head_tokens is None:
-            lm_head_tokens = n if self.lm_head == "all" else len(q)
-        layers = self.shape.layers
-        out = np.empty((5, sms.size))
-        out[0] = layers * self._linear.time(n, pi, bw)
-        out[1] = layers * self._attention_time(q, c, pi, bw)
-        out[2] = layers * self._norm_act.time(n, pi, bw)
-        out[3] = layers * self._allreduce_time(n, pi)
-        out[4] = self._lm_head.time(lm_head_tokens, pi, bw)
-        return out
+        n = sum(q.sum(axis=0) for q, _ in groups)
+        if lm_head_tokens is not None:
+            lm_tokens = np.asarray(lm_head_tokens)
+        else:
+            lm_tokens = n if self.lm_head == "all" else sum(np.count_nonzero(q, axis=0) for q, _ in groups)
+        tokens = np.where(self._tok_is_lm_head, lm_tokens, n)
+        token_ops = np.maximum(tokens * self._tok_f / pi, (tokens * self._tok_bt + self._tok_bf) / bw) * (tokens > 0)
+        linear, norm_act, lm_head = self._tok_groups @ token_ops
+        attention = self.shape.layers * sum(self._attention_time(q, c, pi, bw) for q, c in groups)
+        communication = self.shape.layers * self._allreduce_time(n, pi)
+        return np.vstack([linear, attention, norm_act, communication, lm_head])
 
     def _attention_time(self, q: np.ndarray, c: np.ndarray, pi: np.ndarray, bw: np.ndarray) -> np.ndarray:
-        """One layer: sum over requests of max(F_r/Pi, B_r/BW), for each S.
-
-        A request is compute-bound at S exactly when its intensity F_r/B_r exceeds
-        Pi(S)/BW(S); with requests sorted by intensity and prefix sums of F and B, each S
-        costs one binary search instead of a pass over the requests.
-        """
-        if q.size == 0:
-            return np.zeros_like(pi)
-        qf, cf = q.astype(float), c.astype(float)
+        """One layer: the sum over requests (rows) of max(F_r/Pi, B_r/BW), per column.
+        Requests with q = 0 cost nothing."""
+        qf = q.astype(float)
         dh, b = self.shape.head_dim, self.dtype_bytes
-        pairs = qf * cf + qf * (qf + 1) / 2 if self.causal else qf * (qf + cf)
+        pairs = qf * c + qf * (qf + 1) / 2 if self.causal else qf * (qf + c)
         flops = (4 * dh + 2) * self._hq * pairs
-        nbytes = b * dh * (2 * self._hq * qf + 2 * self._hkv * (qf + cf))
-        order = np.argsort(flops / nbytes)
-        intensity = (flops / nbytes)[order]
-        cum_f = np.concatenate(([0.0], np.cumsum(flops[order])))
-        cum_b = np.concatenate(([0.0], np.cumsum(nbytes[order])))
-        memory_bound = np.searchsorted(intensity, pi / bw, side="right")
-        return cum_b[memory_bound] / bw + (cum_f[-1] - cum_f[memory_bound]) / pi
+        nbytes = (b * dh) * (2 * self._hq * qf + 2 * self._hkv * (qf + c)) * (q > 0)
+        return np.maximum(flops / pi, nbytes / bw).sum(axis=0)
 
-    def _allreduce_time(self, n: int, pi: np.ndarray) -> np.ndarray:
+    def _allreduce_time(self, n: np.ndarray, pi: np.ndarray) -> np.ndarray:
         """Two all-reduces of the block output per layer (DESIGN section 3), 0 when tp == 1."""
-        if self.tp == 1 or n == 0:
-            return np.zeros_like(pi)
+        if self.tp == 1:
+            return np.zeros(np.broadcast(n, pi).shape)
         N, p = self.tp, self.profile
         out_bytes = n * self.shape.hidden * self.dtype_bytes
         one = 2 * (N - 1) * p.allreduce_alpha_s + 2 * (N - 1) * out_bytes / (N * p.nvlink_bandwidth) \
             + N * (N - 1) * out_bytes / pi
-        return 2 * one
+        return 2 * one * (n > 0)
+
+
+def _columns(reqs: Sequence[Request] | np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(q, c) of a request list as (R, 1) columns; raises ValueError unless q >= 1 and c >= 0."""
+    arr = np.asarray(reqs, dtype=np.int64).reshape(-1, 2)
+    if arr.size and (arr[:, 0].min() < 1 or arr[:, 1].min() < 0):
+        raise ValueError("every request needs q >= 1 new tokens and c >= 0 cached tokens")
+    return arr[:, :1], arr[:, 1:]

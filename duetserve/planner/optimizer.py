@@ -24,6 +24,7 @@ Beyond the paper:
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -97,52 +98,64 @@ def plan_iteration(cost_model: CostModel, decode_reqs: Sequence[Request], prefil
     if tau <= 0 or granularity < 1 or (min_sms is not None and min_sms < 1) or (max_k is not None and max_k < 1):
         raise ValueError("tau, granularity, min_sms and max_k must be positive")
     min_sms = granularity if min_sms is None else min_sms
-    t_mixed = float(cost_model.predict_total(list(decode_reqs) + list(prefill_reqs), total_sms))
-    if t_mixed <= tau or not prefill_reqs:
+    decode, prefill = _as_array(decode_reqs), _as_array(prefill_reqs)
+    t_mixed = float(cost_model.predict_total(np.concatenate([decode, prefill]), total_sms))
+    if t_mixed <= tau or not len(prefill):
         return _temporal(t_mixed, total_sms, slo_risk=t_mixed > tau)
-    if not decode_reqs:  # no token waits on this batch, so there is no TBT to protect
+    if not len(decode):  # no token waits on this batch, so there is no TBT to protect
         return _temporal(t_mixed, total_sms, slo_risk=False)
     first = -(-min_sms // granularity) * granularity
     s_d = np.arange(first, total_sms - min_sms + 1, granularity)
-    plan = _best_spatial(cost_model, decode_reqs, prefill_reqs, tau, total_sms, s_d, max_k) if s_d.size else None
-    return plan or _fallback(cost_model, decode_reqs, prefill_reqs, tau, total_sms)
+    plan = _best_spatial(cost_model, decode, prefill, tau, total_sms, s_d, max_k) if s_d.size else None
+    return plan or _fallback(cost_model, decode, prefill, tau, total_sms)
+
+
+def _as_array(reqs: Sequence[Request] | np.ndarray) -> np.ndarray:
+    return np.asarray(reqs, dtype=np.int64).reshape(-1, 2)
 
 
 def _temporal(t: float, total_sms: int, slo_risk: bool, token_limit: int | None = None) -> Plan:
     return Plan(False, total_sms, total_sms, 1, t, t, t, token_limit, slo_risk)
 
 
-def _best_spatial(cost_model: CostModel, decode_reqs: Sequence[Request], prefill_reqs: Sequence[Request],
-                  tau: float, total_sms: int, s_d: np.ndarray, max_k: int | None) -> Plan | None:
+def _best_spatial(cost_model: CostModel, decode: np.ndarray, prefill: np.ndarray, tau: float, total_sms: int,
+                  s_d: np.ndarray, max_k: int | None) -> Plan | None:
     """Enumerate S_d x {floor, floor+1} in one vectorised pass; None if nothing is feasible."""
-    t_d, t_p = cost_model.predict_spatial(decode_reqs, prefill_reqs, s_d, total_sms)
-    tokens_d = sum(q for q, _ in decode_reqs)
-    tokens_p = sum(q for q, _ in prefill_reqs)
+    t_d, t_p = cost_model.predict_spatial(decode, prefill, s_d, total_sms)
     floor = np.floor(t_p / t_d)
     k = np.stack([np.maximum(floor, 1), floor + 1])  # shape (2, len(s_d))
     if max_k is not None:
         k = np.minimum(k, max_k)
     span = np.maximum(k * t_d, t_p)
-    tail_gap = np.maximum(t_p - k * t_d, 0) + t_d
-    ok = (t_d <= tau) & ((tail_gap <= tau) | (k == max_k if max_k is not None else False))
+    tail_ok = np.maximum(t_p - k * t_d, 0) + t_d <= tau
+    if max_k is not None:
+        tail_ok |= k == max_k
+    ok = (t_d <= tau) & tail_ok
     if not ok.any():
         return None
-    rate = np.where(ok, (k * tokens_d + tokens_p) / span, -np.inf)
+    rate = np.where(ok, (k * decode[:, 0].sum() + prefill[:, 0].sum()) / span, -np.inf)
     row, col = np.unravel_index(np.argmax(rate), rate.shape)
     return Plan(True, int(total_sms - s_d[col]), int(s_d[col]), int(k[row, col]), float(span[row, col]),
                 float(t_d[col]), float(t_p[col]))
 
 
-def _fallback(cost_model: CostModel, decode_reqs: Sequence[Request], prefill_reqs: Sequence[Request],
-              tau: float, total_sms: int) -> Plan:
-    """Largest prefill token count (binary search; the prediction grows with tokens) whose
-    temporal mixed batch fits tau; 0 if even decode alone does not fit."""
-
-    def t_mixed(limit: int) -> float:
-        return float(cost_model.predict_total(list(decode_reqs) + trim_prefill(prefill_reqs, limit), total_sms))
-
-    lo, hi = 0, sum(q for q, _ in prefill_reqs)  # t_mixed(hi) > tau is known
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if t_mixed(mid) <= tau else (lo, mid)
-    return _temporal(t_mixed(lo), total_sms, slo_risk=True, token_limit=lo)
+def _fallback(cost_model: CostModel, decode: np.ndarray, prefill: np.ndarray, tau: float, total_sms: int) -> Plan:
+    """Largest prefill token count whose temporal mixed batch fits tau (0 if even decode alone
+    does not fit). The prediction grows with the token count, so each round evaluates a grid
+    of counts at once (``CostModel.predict_variants``) and keeps the bracket where it crosses
+    tau; a grid of sqrt(tokens) points finishes in two rounds."""
+    q_pre = prefill[:, 0]
+    before = np.cumsum(q_pre) - q_pre  # prefill tokens of the requests ahead of each one
+    lo, hi = 0, int(q_pre.sum())  # hi is known not to fit
+    grid = math.isqrt(hi) + 1
+    while True:
+        limits = np.unique(np.linspace(lo, hi, grid + 1).astype(np.int64))[:-1]
+        q_trim = np.clip(limits[None, :] - before[:, None], 0, q_pre[:, None])  # trim_prefill per column
+        t = cost_model.predict_variants(decode, q_trim, prefill[:, 1], total_sms)
+        fits = np.flatnonzero(t <= tau)
+        if not fits.size:  # only in the first round: every later round re-evaluates a lo that fits
+            return _temporal(float(t[0]), total_sms, slo_risk=True, token_limit=0)
+        i = fits[-1]
+        lo, hi = int(limits[i]), int(limits[i + 1]) if i + 1 < limits.size else hi
+        if hi - lo <= 1:
+            return _temporal(float(t[i]), total_sms, slo_risk=True, token_limit=lo)
