@@ -1,13 +1,17 @@
 """Hardware profiles: shipped JSON, interpolation of Pi(S) and BW(S), range errors."""
 
 import json
-from importlib import resources
 from dataclasses import replace
+from importlib import resources
 
 import numpy as np
 import pytest
 
-from duetserve.planner.hardware import available_profiles, load_profile, saturating_points
+from duetserve.planner.hardware import (
+    available_profiles,
+    load_profile,
+    saturating_points,
+)
 
 
 def test_shipped_profiles_load_with_provenance():

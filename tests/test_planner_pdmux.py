@@ -4,8 +4,13 @@ import math
 
 import pytest
 
-from duetserve.planner.pdmux import (PdmuxConfig, choose_group, prefill_layers_per_round, split_levels,
-                                     stream_groups)
+from duetserve.planner.pdmux import (
+    PdmuxConfig,
+    choose_group,
+    prefill_layers_per_round,
+    split_levels,
+    stream_groups,
+)
 
 H100_GROUPS = [(132, 0), (112, 20), (104, 28), (96, 36), (88, 44), (80, 52), (72, 60), (0, 132)]
 

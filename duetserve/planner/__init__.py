@@ -2,14 +2,36 @@
 partition optimizer and SGLang's PD-multiplexing rules (DESIGN sections 3-5)."""
 
 from duetserve.planner.cost_model import Breakdown, CostModel, ModelShape, Request
-from duetserve.planner.hardware import HardwareProfile, available_profiles, load_profile, saturating_points
+from duetserve.planner.hardware import (
+    HardwareProfile,
+    available_profiles,
+    load_profile,
+    saturating_points,
+)
 from duetserve.planner.optimizer import Plan, plan_iteration, trim_prefill
-from duetserve.planner.pdmux import (PdmuxConfig, choose_group, prefill_layers_per_round, split_levels,
-                                     stream_groups)
+from duetserve.planner.pdmux import (
+    PdmuxConfig,
+    choose_group,
+    prefill_layers_per_round,
+    split_levels,
+    stream_groups,
+)
 
 __all__ = [
-    "Breakdown", "CostModel", "ModelShape", "Request",
-    "HardwareProfile", "available_profiles", "load_profile", "saturating_points",
-    "Plan", "plan_iteration", "trim_prefill",
-    "PdmuxConfig", "choose_group", "prefill_layers_per_round", "split_levels", "stream_groups",
+    "Breakdown",
+    "CostModel",
+    "HardwareProfile",
+    "ModelShape",
+    "PdmuxConfig",
+    "Plan",
+    "Request",
+    "available_profiles",
+    "choose_group",
+    "load_profile",
+    "plan_iteration",
+    "prefill_layers_per_round",
+    "saturating_points",
+    "split_levels",
+    "stream_groups",
+    "trim_prefill",
 ]

@@ -34,8 +34,9 @@ caller knows better (a prefill chunk that does not finish its prompt needs none)
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Literal, Mapping, Sequence
+from typing import Literal
 
 import numpy as np
 from numpy.typing import ArrayLike
@@ -46,14 +47,14 @@ Request = tuple[int, int]
 """One request in a batch: (q new/query tokens, c cached tokens). q=1 decode, c=0 prefill."""
 
 _PRESET_CONFIGS: dict[str, dict[str, object]] = {
-    "qwen3-8b": dict(hidden_size=4096, num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
-                     head_dim=128, intermediate_size=12288, vocab_size=151936, tie_word_embeddings=False),
-    "qwen3-14b": dict(hidden_size=5120, num_hidden_layers=40, num_attention_heads=40, num_key_value_heads=8,
-                      head_dim=128, intermediate_size=17408, vocab_size=151936, tie_word_embeddings=False),
-    "llama3-8b": dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
-                      intermediate_size=14336, vocab_size=128256, tie_word_embeddings=False),
-    "smollm2-135m": dict(hidden_size=576, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
-                         intermediate_size=1536, vocab_size=49152, tie_word_embeddings=True),
+    "qwen3-8b": {"hidden_size": 4096, "num_hidden_layers": 36, "num_attention_heads": 32, "num_key_value_heads": 8,
+                 "head_dim": 128, "intermediate_size": 12288, "vocab_size": 151936, "tie_word_embeddings": False},
+    "qwen3-14b": {"hidden_size": 5120, "num_hidden_layers": 40, "num_attention_heads": 40, "num_key_value_heads": 8,
+                  "head_dim": 128, "intermediate_size": 17408, "vocab_size": 151936, "tie_word_embeddings": False},
+    "llama3-8b": {"hidden_size": 4096, "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+                  "intermediate_size": 14336, "vocab_size": 128256, "tie_word_embeddings": False},
+    "smollm2-135m": {"hidden_size": 576, "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3,
+                     "intermediate_size": 1536, "vocab_size": 49152, "tie_word_embeddings": True},
 }
 
 
@@ -74,7 +75,7 @@ class ModelShape:
     tie_embeddings: bool = False
 
     @classmethod
-    def from_hf_config(cls, config: Mapping[str, object]) -> "ModelShape":
+    def from_hf_config(cls, config: Mapping[str, object]) -> ModelShape:
         """Build from a Hugging Face ``config.json`` dict.
 
         ``num_key_value_heads`` defaults to the query heads, ``head_dim`` to
@@ -98,7 +99,7 @@ class ModelShape:
         )
 
     @classmethod
-    def preset(cls, name: str) -> "ModelShape":
+    def preset(cls, name: str) -> ModelShape:
         """Shapes of known models: ``qwen3-8b``, ``qwen3-14b``, ``llama3-8b``, ``smollm2-135m``
         (values from their published config.json). Raises ValueError for other names."""
         if name.lower() not in _PRESET_CONFIGS:

@@ -25,10 +25,11 @@ no extrapolation and no clamping.
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from importlib import resources
+from itertools import pairwise
 from pathlib import Path
-from typing import Mapping
 
 import numpy as np
 from numpy.typing import ArrayLike
@@ -103,7 +104,7 @@ class HardwareProfile:
 
     def _check_points(self, label: str, points: Points, peak: float) -> None:
         sms = [p[0] for p in points]
-        if not points or sms[0] <= 0 or any(b <= a for a, b in zip(sms, sms[1:])):
+        if not points or sms[0] <= 0 or any(b <= a for a, b in pairwise(sms)):
             raise ValueError(f"{self.name}: {label} need strictly increasing S > 0")
         if sms[-1] != self.num_sms:
             raise ValueError(f"{self.name}: {label} must end at num_sms={self.num_sms}")
