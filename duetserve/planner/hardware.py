@@ -188,9 +188,9 @@ def load_profile(name_or_path: str | Path) -> HardwareProfile:
     Raises ValueError if it is neither a shipped name nor an existing file, or if the file
     does not describe a valid profile (unknown or missing keys included).
     """
-    shipped = _profile_dir() / f"{str(name_or_path).lower()}.json"
-    if shipped.is_file():
-        text = shipped.read_text()
+    name = str(name_or_path).lower()
+    if name in available_profiles():
+        text = (_profile_dir() / f"{name}.json").read_text()
     elif Path(name_or_path).is_file():
         text = Path(name_or_path).read_text()
     else:
@@ -208,5 +208,5 @@ def load_profile(name_or_path: str | Path) -> HardwareProfile:
         raise ValueError(f"profile {name_or_path!r}: {exc}") from exc
 
 
-def _profile_dir():
+def _profile_dir():  # a Traversable (importlib.resources)
     return resources.files("duetserve.planner") / "profiles"
