@@ -73,6 +73,7 @@ def _serve(args, parser: argparse.ArgumentParser) -> int:
         parser.error(str(exc))
     name = args.served_model_name or engine.model_name
     metrics = ServerMetrics(name)
+    metrics.watch_engine(engine)
     async_engine = AsyncEngine(engine, metrics)
     async_engine.start()
     app = create_app(async_engine, metrics, name, api_key=args.api_key)

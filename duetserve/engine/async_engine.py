@@ -84,14 +84,17 @@ class AsyncEngine:
                 finished = item.finished
                 yield item
         finally:
-            self._streams.pop(request_id, None)
-            if not finished:
-                self._commands.put(("abort", request_id))
-                if self.observer:
-                    self.observer.forget(request_id)
+            if finished:
+                self._streams.pop(request_id, None)
+            else:
+                self.abort(request_id)
 
     def abort(self, request_id: str) -> None:
+        """Drop a request (thread-safe, returns at once); its KV blocks are freed by the engine loop."""
+        self._streams.pop(request_id, None)
         self._commands.put(("abort", request_id))
+        if self.observer:
+            self.observer.forget(request_id)
 
     def _deliver(self, request_id: str, item) -> None:
         target = self._streams.get(request_id)

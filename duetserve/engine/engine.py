@@ -55,9 +55,6 @@ class StepStats:
     num_decodes: int
     num_prefill_tokens: int
     duration_s: float
-    num_running: int
-    num_waiting: int
-    kv_usage: float
     num_preempted: int
 
 
@@ -182,8 +179,7 @@ class LLMEngine:
         before = {s.seq.seq_id: s.seq.num_tokens for s in out.scheduled}
         self.scheduler.postprocess(out, sampled)
         self.last_stats = StepStats(out.plan, len(out.decodes), out.num_prefill_tokens,
-                                    time.perf_counter() - start, len(self.scheduler.running),
-                                    len(self.scheduler.waiting), self.block_manager.usage, len(out.preempted))
+                                    time.perf_counter() - start, len(out.preempted))
         outputs = []
         for req in [r for r in self._requests.values() if r.seq.seq_id in before]:
             new_ids = req.seq.token_ids[before[req.seq.seq_id]:]

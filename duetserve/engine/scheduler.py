@@ -139,13 +139,12 @@ class Scheduler:
             self.blocks.can_allocate(self.waiting[0], self.waiting[0].num_tokens, self.watermark_blocks)
 
     def _make_room(self, seq: Sequence, num_tokens: int, preempted: list[Sequence]) -> bool:
-        """Preempt the newest other running sequences until ``seq`` can hold ``num_tokens``.
+        """Preempt lower-priority (later admitted) running sequences until ``seq`` can hold ``num_tokens``.
 
-        Returns False (and preempts ``seq`` itself) when no other sequence is left to evict.
+        Returns False (and preempts ``seq`` itself) when no lower-priority sequence is left.
         """
         while not self.blocks.can_allocate(seq, num_tokens):
-            victims = [s for s in self.running if s is not seq]
-            victim = victims[-1] if victims else seq
+            victim = self.running[-1]
             self._preempt(victim)
             preempted.append(victim)
             if victim is seq:

@@ -166,7 +166,7 @@ def create_app(engine: AsyncEngine, metrics: ServerMetrics, model_name: str, api
                                                  "logprobs": None, "finish_reason": None}]})
             out = first
             while True:
-                if out.new_text or out.finished:
+                if out.new_token_ids or out.finished:
                     yield _sse({**head, "choices": [_choice(chat, out.new_text, out.finish_reason, True)]})
                 last = out
                 if out.finished:
@@ -178,7 +178,8 @@ def create_app(engine: AsyncEngine, metrics: ServerMetrics, model_name: str, api
         except EngineError as exc:
             yield _sse({"error": {"message": str(exc), "type": "InternalServerError", "param": None, "code": 500}})
         finally:
-            await stream.aclose()
+            if not last.finished:  # client went away: no await here, the task may be cancelled
+                engine.abort(request_id)
 
     async def _full_response(request: Request, request_id: str, created: int, first: RequestOutput,
                              stream: AsyncIterator, chat: bool):
@@ -192,7 +193,8 @@ def create_app(engine: AsyncEngine, metrics: ServerMetrics, model_name: str, api
         except EngineError as exc:
             return error_response(500, str(exc))
         finally:
-            await stream.aclose()
+            if not out.finished:
+                engine.abort(request_id)
         body = {"id": request_id, "object": "chat.completion" if chat else "text_completion", "created": created,
                 "model": model_name, "choices": [_choice(chat, "".join(text), out.finish_reason, False)],
                 "usage": _usage(out)}

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from duetserve.engine.engine import RequestOutput, StepStats
+from duetserve.engine.engine import LLMEngine, RequestOutput, StepStats
 
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0,
                     2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
@@ -51,6 +51,13 @@ class ServerMetrics:
         self._arrival: dict[str, float] = {}
         self._last: dict[str, float] = {}
 
+    def watch_engine(self, engine: LLMEngine) -> None:
+        """Read running/waiting counts and KV usage from ``engine`` at every scrape."""
+        lab = self._label
+        self.running.labels(**lab).set_function(lambda: len(engine.scheduler.running))
+        self.waiting.labels(**lab).set_function(lambda: len(engine.scheduler.waiting))
+        self.kv_usage.labels(**lab).set_function(lambda: engine.block_manager.usage)
+
     def on_arrival(self, request_id: str, now: float) -> None:
         self._arrival[request_id] = now
 
@@ -58,9 +65,6 @@ class ServerMetrics:
         lab = self._label
         if stats is not None:
             plan = stats.plan
-            self.running.labels(**lab).set(stats.num_running)
-            self.waiting.labels(**lab).set(stats.num_waiting)
-            self.kv_usage.labels(**lab).set(stats.kv_usage)
             self.preemptions.labels(**lab).inc(stats.num_preempted)
             self.iterations.labels(plan="spatial" if plan.spatial else "temporal", **lab).inc()
             self.iteration_time.labels(**lab).observe(stats.duration_s)

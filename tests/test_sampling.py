@@ -1,0 +1,99 @@
+"""Sampler filters and seeds, sampling-parameter validation, duration parsing, detokenizer."""
+from __future__ import annotations
+
+
+import pytest
+import torch
+
+from duetserve.config import EngineConfig, parse_duration
+from duetserve.engine.detokenizer import IncrementalDetokenizer
+from duetserve.engine.sampler import Sampler, _top_k, _top_p
+from duetserve.sampling import ParamError, SamplingParams
+
+
+def test_top_k_keeps_k_largest():
+    logits = torch.tensor([[1.0, 4.0, 3.0, 2.0], [0.0, 0.0, 5.0, 1.0]])
+    out = _top_k(logits, [2, 1])
+    assert torch.isinf(out[0]).tolist() == [True, False, False, True]
+    assert torch.isinf(out[1]).tolist() == [True, True, False, True]
+
+
+def test_top_p_keeps_smallest_set_reaching_p():
+    # probabilities 0.5, 0.25, 0.125, 0.125: top_p=0.6 needs the first two; 0.5 needs only the first.
+    logits = torch.log(torch.tensor([[0.5, 0.25, 0.125, 0.125], [0.125, 0.5, 0.125, 0.25]]))
+    out = _top_p(logits, [0.6, 0.5])
+    assert torch.isinf(out[0]).tolist() == [False, False, True, True]
+    assert torch.isinf(out[1]).tolist() == [True, False, True, True]
+
+
+def test_greedy_and_seeded_sampling_repeat():
+    sampler = Sampler(torch.device("cpu"), seed=0)
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(0))
+    greedy = SamplingParams(temperature=0.0)
+    assert sampler(logits, [0, 1, 2], [greedy] * 3) == logits.argmax(-1).tolist()
+    seeded = SamplingParams(temperature=1.0, seed=123)
+    a = [Sampler(torch.device("cpu"))(logits[:1], [5], [seeded])[0] for _ in range(3)]
+    assert len(set(a)) == 1
+    # The same seeded request gives the same token whatever batch it is in.
+    b = Sampler(torch.device("cpu"))(logits, [9, 5, 8], [greedy, seeded, greedy])[1]
+    assert b == Sampler(torch.device("cpu"))(logits[1:2], [5], [seeded])[0]
+
+
+def test_sampling_follows_distribution():
+    sampler = Sampler(torch.device("cpu"), seed=0)
+    probs = torch.tensor([0.7, 0.2, 0.1])
+    logits = torch.log(probs).repeat(4000, 1)
+    tokens = torch.tensor(sampler(logits, list(range(4000)), [SamplingParams(temperature=1.0)] * 4000))
+    freq = torch.bincount(tokens, minlength=3).float() / 4000
+    assert torch.allclose(freq, probs, atol=0.03)
+
+
+@pytest.mark.parametrize("field,value", [("max_tokens", 0), ("temperature", -0.1), ("temperature", 2.5),
+                                         ("top_p", 0.0), ("top_p", 1.5), ("top_k", -2)])
+def test_invalid_params_name_the_field(field, value):
+    with pytest.raises(ParamError) as err:
+        SamplingParams(**{field: value}).validate()
+    assert err.value.param == field
+
+
+def test_parse_duration():
+    assert parse_duration("100ms") == pytest.approx(0.1)
+    assert parse_duration("0.1s") == pytest.approx(0.1)
+    assert parse_duration("250us") == pytest.approx(250e-6)
+    assert parse_duration("2") == 2.0
+    for bad in ("fast", "-5ms", "0ms", "10 minutes"):
+        with pytest.raises(ValueError):
+            parse_duration(bad)
+
+
+def test_engine_config_names_the_flag():
+    with pytest.raises(ValueError, match="--policy"):
+        EngineConfig(policy="fastest")
+    with pytest.raises(ValueError, match="--block-size"):
+        EngineConfig(block_size=0)
+
+
+class CharTokenizer:
+    """Token i is chr(i); ids 0xE9 and 0x301 form an 'é' only together (like a split UTF-8 byte pair)."""
+
+    def decode(self, ids, skip_special_tokens=True):
+        text = "".join(chr(i) for i in ids)
+        return text.replace(chr(0xE000), "\ufffd")
+
+
+def test_detokenizer_streams_deltas_and_stops():
+    det = IncrementalDetokenizer(CharTokenizer(), [ord("x")], stop=["END"])
+    deltas = [det.add([ord(c)]) for c in "abcEN"]
+    # "END" is 3 characters: the last 2 are held back until they cannot start a stop string.
+    assert "".join(d for d, _ in deltas) == "abc"
+    delta, hit = det.add([ord("D")])
+    assert hit and delta == "" and det.text == "abc"
+
+
+def test_detokenizer_holds_incomplete_characters():
+    det = IncrementalDetokenizer(CharTokenizer(), [], stop=[])
+    assert det.add([0xE000]) == ("", False)      # decodes to U+FFFD: wait for more
+    delta, _ = det.add([ord("z")])
+    assert delta == "\ufffdz"
+    assert det.finish() == ""
+    assert det.text == "\ufffdz"

@@ -1,0 +1,183 @@
+"""Scheduler and KV-block accounting, without a model: tokens are made up, counts are exact."""
+from __future__ import annotations
+
+import random
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from duetserve.engine.kv_cache import BlockManager
+from duetserve.engine.policy import ChunkedPolicy, Plan, PrefillFirstPolicy
+from duetserve.engine.scheduler import Scheduler
+from duetserve.engine.sequence import Sequence, SequenceStatus
+from duetserve.sampling import SamplingParams
+
+EOS = 2
+
+
+def make_seq(i: int, prompt_len: int, max_tokens: int) -> Sequence:
+    return Sequence(i, list(range(10, 10 + prompt_len)), prompt_len, SamplingParams(max_tokens=max_tokens),
+                    eos_token_ids=frozenset({EOS}))
+
+
+def fake_sample(out) -> dict[int, list[int]]:
+    sampled = {s.seq.seq_id: [7] for s in out.prefills if s.samples}
+    sampled.update({s.seq.seq_id: [7] * out.plan.k for s in out.decodes})
+    return sampled
+
+
+def check_blocks(sched: Scheduler) -> None:
+    owned = [b for s in sched.running for b in s.block_table]
+    assert len(owned) == len(set(owned)), "a block is owned twice"
+    assert len(owned) + sched.blocks.num_free_blocks == sched.blocks.num_blocks
+    assert all(not s.block_table for s in sched.waiting)
+
+
+def run_to_end(sched: Scheduler, seqs: list[Sequence], max_steps: int = 10_000) -> list:
+    for s in seqs:
+        sched.add(s)
+    outs = []
+    for _ in range(max_steps):
+        if not sched.has_unfinished():
+            break
+        out = sched.schedule()
+        outs.append(out)
+        check_blocks(sched)
+        sched.postprocess(out, fake_sample(out))
+        check_blocks(sched)
+    assert not sched.has_unfinished()
+    return outs
+
+
+def test_block_slots_and_counts():
+    bm = BlockManager(num_blocks=10, block_size=4)
+    seq = make_seq(0, 9, 4)
+    assert bm.blocks_needed(seq, 9) == 3          # ceil(9 / 4)
+    bm.allocate(seq, 9)
+    assert seq.block_table == [0, 1, 2] and bm.num_free_blocks == 7
+    assert bm.blocks_needed(seq, 12) == 0 and bm.blocks_needed(seq, 13) == 1
+    assert not bm.can_allocate(seq, 13, reserve=7)
+    bm.free(seq)
+    assert bm.num_free_blocks == 10 and seq.block_table == []
+    with pytest.raises(RuntimeError):
+        bm.allocate(seq, 41)
+
+
+def test_chunked_prefill_respects_budget_and_decode_first():
+    sched = Scheduler(ChunkedPolicy(), BlockManager(200, 16), max_num_seqs=8, max_num_batched_tokens=64,
+                      max_model_len=4096)
+    outs = run_to_end(sched, [make_seq(0, 30, 5), make_seq(1, 200, 5), make_seq(2, 10, 5)])
+    for out in outs:
+        assert len(out.decodes) + out.num_prefill_tokens <= 64
+    # Iteration 1: all of seq 0 (30) and the first 34 tokens of seq 1.
+    first = outs[0]
+    assert [(s.seq.seq_id, s.num_new_tokens, s.num_cached_tokens) for s in first.prefills] == [(0, 30, 0), (1, 34, 0)]
+    # Iteration 2: seq 0 decodes first, then seq 1 continues (63 tokens at offset 34).
+    second = outs[1]
+    assert [s.seq.seq_id for s in second.decodes] == [0]
+    assert [(s.seq.seq_id, s.num_new_tokens, s.num_cached_tokens) for s in second.prefills] == [(1, 63, 34)]
+
+
+def test_prefill_first_runs_whole_prompts_without_decode():
+    sched = Scheduler(PrefillFirstPolicy(), BlockManager(200, 16), max_num_seqs=8, max_num_batched_tokens=64,
+                      max_model_len=4096)
+    sched.add(make_seq(0, 20, 4))
+    out = sched.schedule()
+    sched.postprocess(out, fake_sample(out))
+    sched.add(make_seq(1, 150, 4))                # longer than the budget: runs whole anyway
+    out = sched.schedule()
+    assert out.decodes == [] and [(s.seq.seq_id, s.num_new_tokens) for s in out.prefills] == [(1, 150)]
+    sched.postprocess(out, fake_sample(out))
+    out = sched.schedule()                        # no prefill left: both decode
+    assert sorted(s.seq.seq_id for s in out.decodes) == [0, 1] and out.prefills == []
+
+
+def test_preemption_frees_and_recomputes_without_leaks():
+    # 12 blocks of 4 tokens = 48 token slots; four sequences of 10 + 12 tokens cannot all fit.
+    sched = Scheduler(ChunkedPolicy(), BlockManager(12, 4), max_num_seqs=4, max_num_batched_tokens=32,
+                      max_model_len=100, watermark=0.0)
+    seqs = [make_seq(i, 10, 12) for i in range(4)]
+    run_to_end(sched, seqs)
+    assert sched.num_preemptions > 0
+    assert sched.blocks.num_free_blocks == 12
+    assert all(s.status is SequenceStatus.FINISHED and s.num_output_tokens == 12 for s in seqs)
+
+
+def test_eos_and_max_model_len_finish():
+    sched = Scheduler(ChunkedPolicy(), BlockManager(50, 4), max_num_seqs=4, max_num_batched_tokens=32,
+                      max_model_len=14)
+    a, b = make_seq(0, 6, 100), make_seq(1, 6, 100)
+    sched.add(a)
+    sched.add(b)
+    out = sched.schedule()
+    sched.postprocess(out, {0: [EOS], 1: [7]})
+    assert a.finish_reason == "stop" and not b.is_finished
+    while sched.has_unfinished():
+        out = sched.schedule()
+        sched.postprocess(out, fake_sample(out))
+    assert b.finish_reason == "length" and b.num_tokens == 14
+
+
+class _Spatial:
+    """Asks for a spatial plan with k look-ahead steps whenever there is a decode."""
+
+    name, chunked_prefill, prefill_excludes_decode = "spatial", True, False
+
+    def __init__(self, k: int):
+        self.k = k
+        self.max_k_seen: list[int] = []
+
+    def plan(self, decodes, prefills, max_k):
+        self.max_k_seen.append(max_k)
+        return Plan(spatial=True, s_prefill=100, s_decode=32, k=self.k) if decodes else Plan()
+
+
+def test_lookahead_reserves_slots_and_drops_tokens_after_finish():
+    policy = _Spatial(k=5)
+    sched = Scheduler(policy, BlockManager(64, 4), max_num_seqs=4, max_num_batched_tokens=64, max_model_len=100)
+    a, b = make_seq(0, 5, 3), make_seq(1, 5, 20)
+    sched.add(a)
+    sched.add(b)
+    out = sched.schedule()
+    sched.postprocess(out, fake_sample(out))     # prefill: one token each
+    out = sched.schedule()
+    assert out.plan.spatial and out.plan.k == 5 and policy.max_k_seen[-1] == 19
+    # KV for 5 steps is reserved up front: 6 tokens -> 10 tokens of KV = 3 blocks of 4.
+    assert len(b.block_table) == 3
+    sched.postprocess(out, {0: [7, 7, 7, 7, 7], 1: [7, 7, 7, 7, 7]})
+    assert a.is_finished and a.num_output_tokens == 3 and a.block_table == []
+    assert b.num_output_tokens == 6 and b.num_computed_tokens == 10
+
+
+def test_lookahead_shrinks_to_free_blocks():
+    sched = Scheduler(_Spatial(k=8), BlockManager(5, 4), max_num_seqs=2, max_num_batched_tokens=64,
+                      max_model_len=100, watermark=0.0)
+    seq = make_seq(0, 7, 50)
+    sched.add(seq)
+    out = sched.schedule()
+    sched.postprocess(out, fake_sample(out))
+    out = sched.schedule()                        # 8 tokens; 5 blocks hold 20 tokens -> k <= 13 fits 8
+    assert out.plan.k == 8
+    sched.postprocess(out, fake_sample(out))
+    sched.add(make_seq(1, 7, 5))                  # takes 2 blocks: 1 block left for seq 0
+    out = sched.schedule()
+    assert out.plan.k < 8
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 60), st.integers(1, 30)), min_size=1, max_size=12),
+       st.integers(8, 40), st.integers(1, 6), st.integers(1, 6), st.sampled_from(["chunked", "prefill-first", "k"]))
+def test_random_workloads_never_leak(reqs, num_blocks, block_size, max_seqs, kind):
+    policy = {"chunked": ChunkedPolicy(), "prefill-first": PrefillFirstPolicy(), "k": _Spatial(3)}[kind]
+    blocks = BlockManager(num_blocks, block_size)
+    sched = Scheduler(policy, blocks, max_num_seqs=max_seqs, max_num_batched_tokens=48, max_model_len=10_000,
+                      watermark=0.0)
+    seqs = []
+    for i, (p, m) in enumerate(reqs):
+        if -(-(p + m) // block_size) <= num_blocks:   # what check_request enforces
+            seqs.append(make_seq(i, p, m))
+    random.Random(0).shuffle(seqs)
+    run_to_end(sched, seqs)
+    assert blocks.num_free_blocks == num_blocks
+    assert all(s.num_output_tokens == s.params.max_tokens for s in seqs)

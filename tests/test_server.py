@@ -1,0 +1,184 @@
+"""A real ``duetserve serve`` process on loopback, driven over HTTP."""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+pytestmark = pytest.mark.slow
+
+KEY = "test-key"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(smollm_folder):
+    port = free_port()
+    cmd = [sys.executable, "-m", "duetserve.cli", "serve", "--port", str(port), "--api-key", KEY,
+           "--max-num-batched-tokens", "256", "--num-kv-blocks", "1024", "--policy", "chunked"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 300
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            pytest.fail(f"server exited: {proc.stdout.read()[-3000:]}")
+        try:
+            if httpx.get(f"{base}/health", timeout=1).status_code == 200:
+                break
+        except httpx.HTTPError:
+            time.sleep(0.5)
+    else:
+        proc.kill()
+        pytest.fail("server did not become healthy")
+    yield base
+    proc.terminate()
+    try:
+        proc.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
+@pytest.fixture(scope="module")
+def tokenizer(smollm_folder):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(smollm_folder)
+
+
+def metric(base: str, name: str) -> float:
+    text = httpx.get(f"{base}/metrics").text
+    return sum(float(m.group(1)) for m in re.finditer(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", text, re.M))
+
+
+async def stream_chat(client: httpx.AsyncClient, base: str, content: str, max_tokens: int) -> tuple[list[dict], dict]:
+    body = {"messages": [{"role": "user", "content": content}], "max_tokens": max_tokens, "ignore_eos": True,
+            "temperature": 0.7, "stream": True, "stream_options": {"include_usage": True}}
+    chunks, done = [], False
+    async with client.stream("POST", f"{base}/v1/chat/completions", json=body, headers=AUTH) as resp:
+        assert resp.status_code == 200
+        async for line in resp.aiter_lines():
+            if not line:
+                continue
+            assert line.startswith("data: ")
+            if line == "data: [DONE]":
+                done = True
+                continue
+            chunks.append(json.loads(line[6:]))
+    assert done
+    return chunks[:-1], chunks[-1]
+
+
+def test_16_concurrent_streaming_chats(server, tokenizer):
+    before = metric(server, "vllm:generation_tokens_total")
+    contents = [f"Tell me fact number {i} about the sea." for i in range(16)]
+
+    async def run():
+        async with httpx.AsyncClient(timeout=300) as client:
+            return await asyncio.gather(*(stream_chat(client, server, c, 12 + i) for i, c in enumerate(contents)))
+
+    results = asyncio.run(run())
+    for i, (chunks, usage_chunk) in enumerate(results):
+        prompt = tokenizer.apply_chat_template([{"role": "user", "content": contents[i]}], add_generation_prompt=True,
+                                               tokenize=True)
+        prompt = prompt if isinstance(prompt, list) else prompt["input_ids"]
+        assert usage_chunk["choices"] == []
+        assert usage_chunk["usage"] == {"prompt_tokens": len(prompt), "completion_tokens": 12 + i,
+                                        "total_tokens": len(prompt) + 12 + i}
+        assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+        assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+        assert all(c["object"] == "chat.completion.chunk" for c in chunks)
+    assert metric(server, "vllm:generation_tokens_total") - before == sum(12 + i for i in range(16))
+    assert metric(server, "vllm:request_success_total") >= 16
+
+
+def test_non_streaming_completion(server):
+    r = httpx.post(f"{server}/v1/completions", headers=AUTH, timeout=120,
+                   json={"prompt": "The capital of France is", "max_tokens": 5, "temperature": 0})
+    assert r.status_code == 200
+    body = r.json()
+    assert body["object"] == "text_completion"
+    assert body["choices"][0]["text"].strip().startswith("Paris")
+    assert body["usage"]["completion_tokens"] == 5 and body["choices"][0]["finish_reason"] == "length"
+    # token-id prompt and a stop string
+    r = httpx.post(f"{server}/v1/completions", headers=AUTH, timeout=120,
+                   json={"prompt": [504, 3575, 282, 4649, 314], "max_tokens": 20, "temperature": 0, "stop": ["."]})
+    assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "stop"
+    assert "." not in r.json()["choices"][0]["text"]
+
+
+BAD = [
+    ("/v1/completions", {"prompt": "hi " * 9000, "max_tokens": 5}, "prompt"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 0}, "max_tokens"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 10**6}, "max_tokens"),
+    ("/v1/completions", {"prompt": "hi", "temperature": 3.0}, "temperature"),
+    ("/v1/completions", {"prompt": "hi", "top_p": 1.5}, "top_p"),
+    ("/v1/completions", {"prompt": "hi", "model": "gpt-17"}, "model"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": "ten"}, "max_tokens"),
+    ("/v1/completions", {"prompt": {"text": "hi"}}, "prompt"),
+    ("/v1/completions", {"prompt": [1, 2, -5]}, "prompt"),
+    ("/v1/chat/completions", {"messages": []}, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}, "messages"),
+    ("/v1/chat/completions", {"messages": "hello"}, "messages"),
+]
+
+
+def test_bad_inputs_get_400_while_a_stream_completes(server):
+    async def run():
+        async with httpx.AsyncClient(timeout=300) as client:
+            long_stream = asyncio.create_task(stream_chat(client, server, "Count to one hundred.", 150))
+            await asyncio.sleep(1.0)
+            answers = []
+            for path, body, param in BAD:
+                r = await client.post(f"{server}{path}", json=body, headers=AUTH)
+                answers.append((r, param))
+            r = await client.post(f"{server}/v1/completions", content=b'{"prompt": "hi",', headers=AUTH)
+            answers.append((r, None))
+            assert not long_stream.done(), "the long request should still be streaming"
+            return answers, await long_stream
+
+    answers, (chunks, usage_chunk) = asyncio.run(run())
+    for r, param in answers:
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert set(err) == {"message", "type", "param", "code"} and err["code"] == 400 and err["message"]
+        if param:
+            assert err["param"] == param, err
+    assert usage_chunk["usage"]["completion_tokens"] == 150
+
+
+def test_api_key_required(server):
+    r = httpx.post(f"{server}/v1/completions", json={"prompt": "hi"})
+    assert r.status_code == 401 and r.json()["error"]["code"] == 401
+    assert httpx.get(f"{server}/v1/models", headers={"Authorization": "Bearer wrong"}).status_code == 401
+    models = httpx.get(f"{server}/v1/models", headers=AUTH).json()
+    assert models["data"][0]["id"] == "SmolLM2-135M-Instruct"
+
+
+def test_disconnect_frees_the_request(server):
+    body = {"prompt": "Once upon a time", "max_tokens": 2000, "ignore_eos": True, "stream": True}
+    with httpx.Client(timeout=60) as client:
+        with client.stream("POST", f"{server}/v1/completions", json=body, headers=AUTH) as resp:
+            lines = resp.iter_lines()
+            assert next(lines).startswith("data: ")
+    deadline = time.time() + 30
+    while time.time() < deadline:
+        if metric(server, "vllm:num_requests_running") == 0 and metric(server, "vllm:kv_cache_usage_perc") == 0:
+            break
+        time.sleep(0.5)
+    assert metric(server, "vllm:num_requests_running") == 0
+    assert metric(server, "vllm:kv_cache_usage_perc") == 0
+    assert metric(server, 'vllm:request_success_total') >= 1
