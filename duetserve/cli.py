@@ -5,15 +5,19 @@ import argparse
 import logging
 import sys
 
+from duetserve.bench import cli as bench_cli
 from duetserve.config import POLICIES, EngineConfig, parse_duration
 
 
 def _duration(flag: str):
     def parse(text: str) -> float:
         try:
-            return parse_duration(text)
+            seconds = parse_duration(text)
         except ValueError as exc:
             raise argparse.ArgumentTypeError(str(exc)) from exc
+        if seconds <= 0:
+            raise argparse.ArgumentTypeError(f"{flag} must be positive, got {text!r}")
+        return seconds
     parse.__name__ = flag
     return parse
 
@@ -90,12 +94,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="duetserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     _add_serve(sub)
+    bench_cli.add_parser(sub)
     args = parser.parse_args(argv)
     logging.basicConfig(level=getattr(args, "log_level", "info").upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.command == "serve":
         return _serve(args, sub.choices["serve"])
-    return 2
+    return args.func(args)
 
 
 if __name__ == "__main__":

@@ -6,28 +6,24 @@ from dataclasses import dataclass
 
 POLICIES = ("chunked", "prefill-first", "duet", "pdmux")
 
-_DURATION = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*(ms|s|us)?\s*$")
+_DURATION = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*(us|ms|s|min)?\s*$")
+_UNITS_S = {"us": 1e-6, "ms": 1e-3, "s": 1.0, "min": 60.0}
 
 
-def parse_duration(text: str | float) -> float:
-    """Parse a duration such as ``"100ms"``, ``"0.1s"``, ``"250us"`` or ``0.1`` into seconds.
+def parse_duration(text: str | float, bare_unit: str = "s") -> float:
+    """Seconds in a duration such as ``"100ms"``, ``"0.1s"``, ``"250us"`` or ``"2min"``.
 
-    A bare number is taken as seconds.
+    A bare number is in ``bare_unit`` (``us``, ``ms``, ``s`` or ``min``).
 
     Raises:
-        ValueError: the text is not a positive number with an optional ``ms``/``s``/``us`` unit.
+        ValueError: not a non-negative number with an optional known unit.
     """
     if isinstance(text, (int, float)):
-        value, unit = float(text), "s"
-    else:
-        match = _DURATION.match(text)
-        if not match:
-            raise ValueError(f"cannot parse duration {text!r}: use e.g. 100ms or 0.1s")
-        value, unit = float(match.group(1)), match.group(2) or "s"
-    seconds = value * {"s": 1.0, "ms": 1e-3, "us": 1e-6}[unit]
-    if seconds <= 0:
-        raise ValueError(f"duration {text!r} must be positive")
-    return seconds
+        text = str(text)
+    match = _DURATION.match(text)
+    if not match:
+        raise ValueError(f"bad duration {text!r}: expected e.g. 100ms, 0.1s, 2min")
+    return float(match.group(1)) * _UNITS_S[match.group(2) or bare_unit]
 
 
 @dataclass

@@ -6,7 +6,8 @@ import math
 
 import pytest
 
-from duetserve.bench.cli import parse_duration, parse_goodput
+from duetserve.bench.cli import parse_goodput
+from duetserve.config import parse_duration
 from duetserve.bench.client import RequestRecord
 from duetserve.bench.metrics import Slos, compute_metrics, format_comparison, format_report
 

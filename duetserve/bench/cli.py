@@ -17,7 +17,6 @@ import asyncio
 import contextlib
 import json
 import math
-import re
 import sys
 from dataclasses import fields, is_dataclass, replace
 from datetime import datetime, timezone
@@ -31,26 +30,11 @@ from duetserve.bench.metrics import Slos, compute_metrics, format_comparison, fo
 from duetserve.bench.plot import plot_results, read_iteration_log
 from duetserve.bench.prompts import Tokenizer
 from duetserve.bench.runner import BenchConfig, BenchRun, run_benchmark
+from duetserve.config import parse_duration
 from duetserve.traces import TraceSpec, load_trace, parse_length
 
 T = TypeVar("T")
-_UNITS_S = {"us": 1e-6, "ms": 1e-3, "s": 1.0, "min": 60.0}
-_DURATION = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*(us|ms|s|min)?\s*$")
 _GOODPUT_KEYS = ("ttft", "tpot", "e2el")
-
-
-def parse_duration(text: str, bare_unit: str = "s") -> float:
-    """Seconds in a duration such as ``"100ms"``, ``"0.1s"``, ``"250us"`` or ``"2min"``.
-
-    A bare number is in ``bare_unit`` (one of ``us``, ``ms``, ``s``, ``min``).
-
-    Raises:
-        ValueError: not a non-negative number with an optional known unit.
-    """
-    match = _DURATION.match(text)
-    if not match:
-        raise ValueError(f"bad duration {text!r}: expected e.g. 100ms, 0.1s, 2min")
-    return float(match.group(1)) * _UNITS_S[match.group(2) or bare_unit]
 
 
 def parse_goodput(items: list[str]) -> Slos:

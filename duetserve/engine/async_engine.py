@@ -6,7 +6,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from typing import Protocol
 
 from duetserve.engine.engine import LLMEngine, RequestOutput, StepStats
