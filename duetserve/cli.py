@@ -48,6 +48,7 @@ def _add_serve(sub) -> None:
     p.add_argument("--dtype", choices=("auto", "float32", "float16", "bfloat16"), default="auto")
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode")
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
 
 
@@ -71,7 +72,7 @@ def _serve(args, parser: argparse.ArgumentParser) -> int:
                               kv_cache_memory_fraction=args.kv_cache_memory_fraction,
                               cpu_kv_cache_bytes=int(args.cpu_kv_cache_gb * (1 << 30)),
                               max_model_len=args.max_model_len, policy=args.policy, tbt_slo_s=args.tbt_slo,
-                              seed=args.seed)
+                              seed=args.seed, enforce_eager=args.enforce_eager)
         engine = LLMEngine(config)
     except (ValueError, FileNotFoundError, KeyError) as exc:
         parser.error(str(exc))

@@ -46,6 +46,7 @@ class EngineConfig:
         policy: scheduling policy, one of ``POLICIES``.
         tbt_slo_s: time-between-tokens SLO in seconds.
         seed: seed for dummy weights and for unseeded sampling.
+        enforce_eager: never replay CUDA graphs (decode runs eagerly).
     """
 
     model: str | None = None
@@ -62,6 +63,7 @@ class EngineConfig:
     policy: str = "chunked"
     tbt_slo_s: float = 0.1
     seed: int = 0
+    enforce_eager: bool = False
 
     def __post_init__(self) -> None:
         checks = [

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import torch
 
 from duetserve.config import EngineConfig
+from duetserve.engine.cuda_graphs import DecodeGraphs
 from duetserve.engine.detokenizer import IncrementalDetokenizer
 from duetserve.engine.kv_cache import BlockManager
 from duetserve.engine.model_runner import ModelRunner, allocate_kv_cache, kv_bytes_per_block
@@ -89,9 +90,11 @@ class LLMEngine:
         log.info("KV cache: %d blocks of %d tokens (%d tokens)", num_blocks, config.block_size,
                  num_blocks * config.block_size)
         self.block_manager = BlockManager(num_blocks, config.block_size)
-        kv = allocate_kv_cache(self.model, num_blocks, config.block_size, self.dtype, self.device)
+        # One extra block, owned by no sequence: CUDA-graph padding rows write their K/V there.
+        kv = allocate_kv_cache(self.model, num_blocks + 1, config.block_size, self.dtype, self.device)
         self.sampler = Sampler(self.device, config.seed)
-        self.runner = ModelRunner(self.model, kv, config.block_size, self.device, self.sampler)
+        self.graphs = self._capture_graphs(kv, num_blocks)
+        self.runner = ModelRunner(self.model, kv, config.block_size, self.device, self.sampler, self.graphs)
         self.scheduler = Scheduler(make_policy(config), self.block_manager, config.max_num_seqs,
                                    config.max_num_batched_tokens, self.max_model_len)
         self.eos_token_ids = self._eos_ids(loaded.config)
@@ -99,13 +102,23 @@ class LLMEngine:
         self._ids = itertools.count()
         self.last_stats: StepStats | None = None
 
+    def _capture_graphs(self, kv, scratch_block: int) -> DecodeGraphs | None:
+        backend = self.model.model.layers[0].self_attn.backend
+        if self.device.type != "cuda" or self.config.enforce_eager or not getattr(backend, "cuda_graph_safe", False):
+            return None
+        bs = self.config.block_size
+        graphs = DecodeGraphs(self.model, kv, self.config.max_num_seqs, -(-self.max_model_len // bs),
+                              scratch_block * bs, self.device)
+        graphs.capture()
+        return graphs
+
     def _blocks_from_memory(self) -> int:
         per_block = kv_bytes_per_block(self.model, self.config.block_size, self.dtype)
         if self.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(self.device)
         else:
             free = self.config.cpu_kv_cache_bytes
-        return max(1, int(free * self.config.kv_cache_memory_fraction) // per_block)
+        return max(1, int(free * self.config.kv_cache_memory_fraction) // per_block - 1)
 
     def _eos_ids(self, hf_config) -> frozenset[int]:
         ids = getattr(hf_config, "eos_token_id", None)

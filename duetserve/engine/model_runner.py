@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import torch
 
+from duetserve.engine.cuda_graphs import DecodeGraphs
 from duetserve.engine.sampler import Sampler
 from duetserve.engine.scheduler import ScheduledSeq, SchedulerOutput
 from duetserve.model.attention import AttentionMetadata
@@ -29,14 +30,17 @@ class ModelRunner:
 
     A plan with ``k > 1`` decode steps runs here as the prefill batch followed by ``k`` decode
     steps in order (the spatial executor overlaps them on a GPU; the tokens are the same).
+    Decode-only batches replay CUDA graphs when ``graphs`` is given and a bucket holds them.
     """
 
-    def __init__(self, model: CausalLM, kv_caches, block_size: int, device: torch.device, sampler: Sampler):
+    def __init__(self, model: CausalLM, kv_caches, block_size: int, device: torch.device, sampler: Sampler,
+                 graphs: DecodeGraphs | None = None):
         self.model = model
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.device = device
         self.sampler = sampler
+        self.graphs = graphs
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> dict[int, list[int]]:
@@ -83,12 +87,16 @@ class ModelRunner:
             context_lens=torch.tensor(ctxs, dtype=torch.int32, device=dev),
             block_tables=torch.tensor(tables, dtype=torch.int32, device=dev),
             num_decodes=num_decodes, query_lens_cpu=qlens, context_lens_cpu=ctxs)
-        hidden = self.model(torch.tensor(ids, dtype=torch.int64, device=dev),
-                            torch.tensor(positions, dtype=torch.int64, device=dev), self.kv_caches, meta)
-        if not sample_rows:
-            return {}
-        rows = torch.tensor([r for r, _ in sample_rows], device=dev)
-        logits = self.model.compute_logits(hidden[rows])
+        input_ids = torch.tensor(ids, dtype=torch.int64, device=dev)
+        positions_t = torch.tensor(positions, dtype=torch.int64, device=dev)
+        if self.graphs is not None and num_decodes == len(batch) and self.graphs.bucket(num_decodes):
+            logits = self.graphs.run(input_ids, positions_t, meta)
+        else:
+            hidden = self.model(input_ids, positions_t, self.kv_caches, meta)
+            if not sample_rows:
+                return {}
+            rows = torch.tensor([r for r, _ in sample_rows], device=dev)
+            logits = self.model.compute_logits(hidden[rows])
         seqs = [batch[i].seq for _, i in sample_rows]
         tokens = self.sampler(logits, [s.seq_id for s in seqs], [s.params for s in seqs])
         return {s.seq_id: [t] for s, t in zip(seqs, tokens)}

@@ -1,0 +1,112 @@
+"""Decode-only forward passes recorded as CUDA graphs, one per batch-size bucket.
+
+A decode step launches hundreds of small kernels; replaying a recorded graph removes their
+launch gaps. Inputs live in static buffers: a batch of ``n`` decodes is copied into the
+first ``n`` rows of the smallest bucket ``>= n``; the padding rows write their K/V into a
+scratch block that no sequence owns and attend to one token of it.
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from duetserve.model.attention import AttentionMetadata
+from duetserve.model.decoder import CausalLM
+
+log = logging.getLogger(__name__)
+
+
+def graph_buckets(max_batch: int) -> list[int]:
+    """Batch sizes to record: 1, 2, 4, 8, then every 16 up to ``max_batch`` (always included)."""
+    sizes = {b for b in (1, 2, 4, 8) if b <= max_batch}
+    sizes.update(range(16, max_batch + 1, 16))
+    sizes.add(max_batch)
+    return sorted(sizes)
+
+
+class DecodeGraphs:
+    """Records and replays decode steps.
+
+    Args:
+        model: the model; its attention backend must be graph-safe (no host syncs, no
+            value-dependent shapes), e.g. the Triton backend.
+        kv_caches: per-layer ``(k_cache, v_cache)``.
+        max_batch: largest decode batch to record, sequences.
+        max_blocks: block-table width, blocks (``ceil(max_model_len / block_size)``).
+        scratch_slot: a KV slot no sequence owns (padding rows write there).
+    """
+
+    def __init__(self, model: CausalLM, kv_caches, max_batch: int, max_blocks: int, scratch_slot: int,
+                 device: torch.device):
+        self.model, self.kv_caches = model, kv_caches
+        self.buckets = graph_buckets(max_batch)
+        self.scratch_slot = scratch_slot
+        self.max_blocks = max_blocks
+        n = self.buckets[-1]
+        i32 = dict(dtype=torch.int32, device=device)
+        self.input_ids = torch.zeros(n, dtype=torch.int64, device=device)
+        self.positions = torch.zeros(n, dtype=torch.int64, device=device)
+        self.slot_mapping = torch.full((n,), scratch_slot, dtype=torch.int64, device=device)
+        self.context_lens = torch.ones(n, **i32)
+        self.block_tables = torch.zeros(n, max_blocks, **i32)
+        self.query_start_loc = torch.arange(n + 1, **i32)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.logits: dict[int, torch.Tensor] = {}
+        self.memory_bytes = 0
+
+    def _meta(self, b: int) -> AttentionMetadata:
+        return AttentionMetadata(slot_mapping=self.slot_mapping[:b], query_start_loc=self.query_start_loc[:b + 1],
+                                 context_lens=self.context_lens[:b], block_tables=self.block_tables[:b],
+                                 num_decodes=b, query_lens_cpu=[1] * b, context_lens_cpu=[])
+
+    def _step(self, b: int) -> torch.Tensor:
+        hidden = self.model(self.input_ids[:b], self.positions[:b], self.kv_caches, self._meta(b))
+        return self.model.compute_logits(hidden)
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        """Record one graph per bucket (largest first, sharing one memory pool)."""
+        before = torch.cuda.memory_allocated()
+        pool = torch.cuda.graph_pool_handle()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for b in reversed(self.buckets):
+                self._step(b)  # warm-up: compiles kernels, sizes workspaces
+        torch.cuda.current_stream().wait_stream(side)
+        for b in reversed(self.buckets):
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self.logits[b] = self._step(b)
+            self.graphs[b] = graph
+        torch.cuda.synchronize()
+        self.memory_bytes = torch.cuda.memory_allocated() - before
+        log.info("recorded %d decode CUDA graphs (batch %s), %.1f MiB", len(self.graphs), self.buckets,
+                 self.memory_bytes / 2**20)
+
+    def bucket(self, n: int) -> int | None:
+        """Smallest recorded batch size holding ``n`` decodes, or None (run eagerly)."""
+        return next((b for b in self.buckets if b >= n), None) if self.graphs else None
+
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """Replay the decode step for ``n`` rows; returns logits ``[n, vocab]`` (float32, a view of a static buffer).
+
+        Raises:
+            ValueError: ``n`` is larger than the largest bucket.
+        """
+        n = input_ids.shape[0]
+        b = self.bucket(n)
+        if b is None:
+            raise ValueError(f"no decode graph holds {n} sequences")
+        self.input_ids[:n].copy_(input_ids)
+        self.positions[:n].copy_(positions)
+        self.slot_mapping[:n].copy_(meta.slot_mapping)
+        self.context_lens[:n].copy_(meta.context_lens)
+        width = meta.block_tables.shape[1]
+        self.block_tables[:n, :width].copy_(meta.block_tables)
+        # Padding rows: scratch slot, one token of context.
+        self.slot_mapping[n:b].fill_(self.scratch_slot)
+        self.context_lens[n:b].fill_(1)
+        self.graphs[b].replay()
+        return self.logits[b][:n]
