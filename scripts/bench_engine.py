@@ -1,0 +1,133 @@
+"""GPU benchmark of the engine's model runner: decode step and prefill time, Qwen3-8B shapes, dummy bf16.
+
+Decode: batch 1/8/32/64/128 x context 512/2048/8192, with CUDA graphs and eagerly, against
+the floor ``bytes(weights + KV read) / 4.19 TB/s`` (DESIGN section 5's measured copy rate).
+Prefill: 8192 tokens as 1 x 8192 and 8 x 1024, TFLOP/s over useful (causal) FLOPs against
+797 TFLOP/s. Writes JSON to ``--out`` and prints a table.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from duetserve.config import EngineConfig
+from duetserve.engine.engine import LLMEngine
+from duetserve.engine.policy import Plan
+from duetserve.engine.scheduler import ScheduledSeq, SchedulerOutput
+from duetserve.engine.sequence import Sequence
+from duetserve.sampling import SamplingParams
+
+QWEN3_8B = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": 4096,
+            "intermediate_size": 12288, "num_hidden_layers": 36, "num_attention_heads": 32,
+            "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 151936, "max_position_embeddings": 40960,
+            "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "tie_word_embeddings": False, "eos_token_id": 2}
+COPY_BW = 4.19e12
+GEMM_RATE = 797e12
+
+
+def make_batch(engine: LLMEngine, batch: int, ctx: int, q: int) -> list[ScheduledSeq]:
+    """``batch`` sequences with ``ctx - q`` cached tokens and ``q`` new ones, blocks allocated."""
+    out = []
+    for i in range(batch):
+        # A decode holds one generated token (the one it feeds); a prefill holds only prompt tokens.
+        prompt_len = ctx - 1 if q == 1 else ctx
+        seq = Sequence(10_000_000 + i, [7] * ctx, prompt_len, SamplingParams(max_tokens=1 << 20, ignore_eos=True))
+        seq.num_computed_tokens = ctx - q
+        engine.block_manager.allocate(seq, ctx)
+        out.append(ScheduledSeq(seq, q, ctx - q))
+    return out
+
+
+def time_step(engine: LLMEngine, out: SchedulerOutput, iters: int) -> float:
+    """Median seconds of ``runner.execute(out)`` (includes the one host sync for sampling)."""
+    for _ in range(3):
+        engine.runner.execute(out)
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        t = time.perf_counter()
+        engine.runner.execute(out)
+        times.append(time.perf_counter() - t)
+    times.sort()
+    return times[len(times) // 2]
+
+
+def weight_bytes(engine: LLMEngine) -> int:
+    """Bytes a decode step reads from weights: every parameter but the embedding table."""
+    emb = engine.model.model.embed_tokens.weight
+    return sum(p.numel() * p.element_size() for p in engine.model.parameters() if p is not emb)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", type=Path, default=Path("bench_engine.json"))
+    ap.add_argument("--attention-backend", default="auto")
+    ap.add_argument("--iters", type=int, default=20)
+    args = ap.parse_args()
+    folder = Path(tempfile.mkdtemp())
+    (folder / "config.json").write_text(json.dumps(QWEN3_8B))
+    results = {"decode": [], "prefill": []}
+    kv_per_token = 36 * 2 * 8 * 128 * 2
+    for eager in (False, True):
+        config = EngineConfig(model=str(folder), load_format="dummy", device="cuda", dtype="bfloat16",
+                              max_num_seqs=128, max_num_batched_tokens=8192, num_kv_blocks=(90 << 30) // (16 * kv_per_token),
+                              max_model_len=16384, enforce_eager=eager,
+                              **({"attention_backend": args.attention_backend}
+                                 if "attention_backend" in EngineConfig.__dataclass_fields__ else {}))
+        engine = LLMEngine(config)
+        for k, v in engine.runner.kv_caches:
+            k.normal_()
+            v.normal_()
+        wbytes = weight_bytes(engine)
+        for batch in (1, 8, 32, 64, 128):
+            for ctx in (512, 2048, 8192):
+                if batch * ctx > engine.block_manager.num_free_blocks * 16:
+                    continue
+                seqs = make_batch(engine, batch, ctx, 1)
+                try:
+                    t = time_step(engine, SchedulerOutput(seqs, [], Plan(), []), args.iters)
+                    floor = (wbytes + batch * ctx * kv_per_token) / COPY_BW
+                    results["decode"].append({"graphs": not eager, "batch": batch, "ctx": ctx, "ms": t * 1e3,
+                                              "floor_ms": floor * 1e3, "ratio": t / floor})
+                except Exception as exc:  # keep going: report the failure in the table
+                    results["decode"].append({"graphs": not eager, "batch": batch, "ctx": ctx, "error": repr(exc)})
+                for s in seqs:
+                    engine.block_manager.free(s.seq)
+        if not eager:
+            for n, length in ((1, 8192), (8, 1024)):
+                seqs = make_batch(engine, n, length, length)
+                t = time_step(engine, SchedulerOutput([], seqs, Plan(), []), max(3, args.iters // 4))
+                linear = 2 * n * length * (wbytes // 2 - 151936 * 4096)  # 2 FLOPs per weight per token, no lm_head
+                attn = 36 * n * (4 * 32 * 128 * length * (length + 1) / 2)  # causal QK^T and PV
+                lm_head = 2 * n * 4096 * 151936
+                flops = linear + attn + lm_head
+                results["prefill"].append({"shape": f"{n}x{length}", "ms": t * 1e3, "tflops": flops / t / 1e12,
+                                           "frac_of_797": flops / t / GEMM_RATE})
+                for s in seqs:
+                    engine.block_manager.free(s.seq)
+        del engine
+        gc.collect()
+        torch.cuda.empty_cache()
+    args.out.write_text(json.dumps(results, indent=1))
+    print("\ndecode step (ms) vs floor bytes(weights+KV)/4.19TB/s")
+    print(f"{'graphs':>6} {'batch':>5} {'ctx':>5} {'ms':>8} {'floor':>8} {'ratio':>6}")
+    for r in results["decode"]:
+        if "error" in r:
+            print(f"{r['graphs']!s:>6} {r['batch']:>5} {r['ctx']:>5} ERROR {r['error'][:60]}")
+        else:
+            print(f"{r['graphs']!s:>6} {r['batch']:>5} {r['ctx']:>5} {r['ms']:8.2f} {r['floor_ms']:8.2f} {r['ratio']:6.2f}")
+    print("\nprefill")
+    for r in results["prefill"]:
+        print(f"{r['shape']:>8} {r['ms']:8.1f} ms {r['tflops']:6.0f} TFLOP/s  {100 * r['frac_of_797']:5.1f}% of 797")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Everything the lent GPU should run, in one call: GPU tests, kernel checks, engine benchmarks,
+# partition self-tests. Results go to $OUT (default ./out); a short table is printed last.
+# The GPU image has torch/triton/transformers/cuda-bindings but no FastAPI: only GPU-side code runs here.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-out}; mkdir -p "$OUT"
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+summary=()
+step() {  # name, timeout seconds, command...
+  local name=$1 limit=$2; shift 2
+  echo "=== $name"
+  local t0=$SECONDS
+  timeout "$limit" "$@" > "$OUT/$name.log" 2>&1; local rc=$?
+  tail -n 25 "$OUT/$name.log"
+  summary+=("$(printf '%-18s rc=%-3s %4ss' "$name" "$rc" "$((SECONDS - t0))")")
+}
+{ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+  python3 -c 'import torch, triton, transformers; print("torch", torch.__version__, "triton", triton.__version__, "transformers", transformers.__version__)'
+  git log -1 --format='commit %H %cd' 2>/dev/null || true; } | tee "$OUT/env.txt"
+step gpu-tests 420 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu_engine.py tests/test_partition.py \
+  $(ls tests/test_triton_attention.py 2>/dev/null)
+[ -f scripts/bench_attention.py ] && step bench-attention 240 python3 scripts/bench_attention.py --out "$OUT/attention.json"
+step bench-engine 480 python3 scripts/bench_engine.py --out "$OUT/engine.json"
+echo; echo "=== summary"; printf '%s\n' "${summary[@]}"

@@ -1,0 +1,44 @@
+"""On a CUDA GPU: the engine's greedy tokens equal transformers' on the same GPU (marker gpu)."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from duetserve.config import EngineConfig
+from duetserve.engine.engine import LLMEngine
+from duetserve.sampling import SamplingParams
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+BACKENDS = [f.default for f in dataclasses.fields(EngineConfig) if f.name == "attention_backend"] and \
+    ["torch", "triton"]
+
+
+def hf_greedy_cuda(folder, prompts, n):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).cuda().eval()
+    model.generation_config.eos_token_id = None
+    outs = []
+    for ids in prompts:
+        x = torch.tensor([ids], device="cuda")
+        y = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n, do_sample=False, pad_token_id=0)
+        outs.append(y[0, len(ids):].tolist())
+    return outs
+
+
+@pytest.mark.parametrize("backend", BACKENDS or ["torch"])
+@pytest.mark.parametrize("eager", [True, False])
+def test_tiny_qwen3_on_gpu_equals_hf(tiny_qwen3_folder, backend, eager):
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, 320, (n,), generator=gen).tolist() for n in (3, 17, 40, 90, 129)]
+    extra = {"attention_backend": backend} if BACKENDS else {}
+    config = EngineConfig(model=str(tiny_qwen3_folder), device="cuda", dtype="float32", max_num_batched_tokens=64,
+                          num_kv_blocks=128, block_size=16, max_num_seqs=8, enforce_eager=eager, **extra)
+    engine = LLMEngine(config)
+    if not eager and backend == "triton":
+        assert engine.graphs is not None
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    assert engine.generate(prompts, params) == hf_greedy_cuda(tiny_qwen3_folder, prompts, 24)
