@@ -8,7 +8,7 @@ Prefill: 8192 tokens as 1 x 8192 and 8 x 1024, TFLOP/s over useful (causal) FLOP
 from __future__ import annotations
 
 import argparse
-import gc
+import subprocess
 import json
 import sys
 import tempfile
@@ -65,66 +65,79 @@ def weight_bytes(engine: LLMEngine) -> int:
     return sum(p.numel() * p.element_size() for p in engine.model.parameters() if p is not emb)
 
 
+def run_variant(eager: bool, backend: str, iters: int) -> dict:
+    """Decode (and, with graphs, prefill) timings of one engine build."""
+    folder = Path(tempfile.mkdtemp())
+    (folder / "config.json").write_text(json.dumps(QWEN3_8B))
+    kv_per_token = 36 * 2 * 8 * 128 * 2
+    extra = {"attention_backend": backend} if "attention_backend" in EngineConfig.__dataclass_fields__ else {}
+    config = EngineConfig(model=str(folder), load_format="dummy", device="cuda", dtype="bfloat16", max_num_seqs=128,
+                          max_num_batched_tokens=8192, num_kv_blocks=(90 << 30) // (16 * kv_per_token),
+                          max_model_len=16384, enforce_eager=eager, **extra)
+    engine = LLMEngine(config)
+    for k, v in engine.runner.kv_caches:
+        k.normal_()
+        v.normal_()
+    wbytes = weight_bytes(engine)
+    results = {"graphs": engine.graphs is not None, "decode": [], "prefill": []}
+    for batch in (1, 8, 32, 64, 128):
+        for ctx in (512, 2048, 8192):
+            if batch * ctx > engine.block_manager.num_free_blocks * 16:
+                continue
+            seqs = make_batch(engine, batch, ctx, 1)
+            row = {"batch": batch, "ctx": ctx}
+            try:
+                t = time_step(engine, SchedulerOutput(seqs, [], Plan(), []), iters)
+                floor = (wbytes + batch * ctx * kv_per_token) / COPY_BW
+                row.update(ms=t * 1e3, floor_ms=floor * 1e3, ratio=t / floor)
+            except Exception as exc:  # keep going: report the failure in the table
+                row["error"] = repr(exc)
+            results["decode"].append(row)
+            print(row, flush=True)
+            for s in seqs:
+                engine.block_manager.free(s.seq)
+    for n, length in ((1, 8192), (8, 1024)):
+        seqs = make_batch(engine, n, length, length)
+        t = time_step(engine, SchedulerOutput([], seqs, Plan(), []), max(3, iters // 4))
+        linear = 2 * n * length * (wbytes // 2 - 151936 * 4096)  # 2 FLOPs per weight per token, no lm_head
+        attn = 36 * n * (4 * 32 * 128 * length * (length + 1) / 2)  # causal QK^T and PV
+        flops = linear + attn + 2 * n * 4096 * 151936
+        results["prefill"].append({"shape": f"{n}x{length}", "ms": t * 1e3, "tflops": flops / t / 1e12,
+                                   "frac_of_797": flops / t / GEMM_RATE})
+        for s in seqs:
+            engine.block_manager.free(s.seq)
+    return results
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path, default=Path("bench_engine.json"))
     ap.add_argument("--attention-backend", default="auto")
     ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--variant", choices=("graphs", "eager"), help="run one variant (used internally)")
     args = ap.parse_args()
-    folder = Path(tempfile.mkdtemp())
-    (folder / "config.json").write_text(json.dumps(QWEN3_8B))
-    results = {"decode": [], "prefill": []}
-    kv_per_token = 36 * 2 * 8 * 128 * 2
-    for eager in (False, True):
-        config = EngineConfig(model=str(folder), load_format="dummy", device="cuda", dtype="bfloat16",
-                              max_num_seqs=128, max_num_batched_tokens=8192, num_kv_blocks=(90 << 30) // (16 * kv_per_token),
-                              max_model_len=16384, enforce_eager=eager,
-                              **({"attention_backend": args.attention_backend}
-                                 if "attention_backend" in EngineConfig.__dataclass_fields__ else {}))
-        engine = LLMEngine(config)
-        for k, v in engine.runner.kv_caches:
-            k.normal_()
-            v.normal_()
-        wbytes = weight_bytes(engine)
-        for batch in (1, 8, 32, 64, 128):
-            for ctx in (512, 2048, 8192):
-                if batch * ctx > engine.block_manager.num_free_blocks * 16:
-                    continue
-                seqs = make_batch(engine, batch, ctx, 1)
-                try:
-                    t = time_step(engine, SchedulerOutput(seqs, [], Plan(), []), args.iters)
-                    floor = (wbytes + batch * ctx * kv_per_token) / COPY_BW
-                    results["decode"].append({"graphs": not eager, "batch": batch, "ctx": ctx, "ms": t * 1e3,
-                                              "floor_ms": floor * 1e3, "ratio": t / floor})
-                except Exception as exc:  # keep going: report the failure in the table
-                    results["decode"].append({"graphs": not eager, "batch": batch, "ctx": ctx, "error": repr(exc)})
-                for s in seqs:
-                    engine.block_manager.free(s.seq)
-        if not eager:
-            for n, length in ((1, 8192), (8, 1024)):
-                seqs = make_batch(engine, n, length, length)
-                t = time_step(engine, SchedulerOutput([], seqs, Plan(), []), max(3, args.iters // 4))
-                linear = 2 * n * length * (wbytes // 2 - 151936 * 4096)  # 2 FLOPs per weight per token, no lm_head
-                attn = 36 * n * (4 * 32 * 128 * length * (length + 1) / 2)  # causal QK^T and PV
-                lm_head = 2 * n * 4096 * 151936
-                flops = linear + attn + lm_head
-                results["prefill"].append({"shape": f"{n}x{length}", "ms": t * 1e3, "tflops": flops / t / 1e12,
-                                           "frac_of_797": flops / t / GEMM_RATE})
-                for s in seqs:
-                    engine.block_manager.free(s.seq)
-        del engine
-        gc.collect()
-        torch.cuda.empty_cache()
-    args.out.write_text(json.dumps(results, indent=1))
-    print("\ndecode step (ms) vs floor bytes(weights+KV)/4.19TB/s")
-    print(f"{'graphs':>6} {'batch':>5} {'ctx':>5} {'ms':>8} {'floor':>8} {'ratio':>6}")
-    for r in results["decode"]:
-        if "error" in r:
-            print(f"{r['graphs']!s:>6} {r['batch']:>5} {r['ctx']:>5} ERROR {r['error'][:60]}")
-        else:
-            print(f"{r['graphs']!s:>6} {r['batch']:>5} {r['ctx']:>5} {r['ms']:8.2f} {r['floor_ms']:8.2f} {r['ratio']:6.2f}")
-    print("\nprefill")
-    for r in results["prefill"]:
+    if args.variant:
+        args.out.write_text(json.dumps(run_variant(args.variant == "eager", args.attention_backend, args.iters)))
+        return 0
+    runs = {}
+    for variant in ("graphs", "eager"):  # one process each: a fresh GPU memory pool per engine
+        path = args.out.with_suffix(f".{variant}.json")
+        subprocess.run([sys.executable, __file__, "--variant", variant, "--out", str(path), "--attention-backend",
+                        args.attention_backend, "--iters", str(args.iters)], check=True)
+        runs[variant] = json.loads(path.read_text())
+    args.out.write_text(json.dumps(runs, indent=1))
+    eager = {(r["batch"], r["ctx"]): r for r in runs["eager"]["decode"]}
+    print(f"\ndecode step, ms (graphs recorded: {runs['graphs']['graphs']}); floor = bytes(weights+KV)/4.19 TB/s")
+    print(f"{'batch':>5} {'ctx':>5} {'graphs':>8} {'eager':>8} {'floor':>7} {'ratio':>6} {'speedup':>7}")
+    for r in runs["graphs"]["decode"]:
+        e = eager.get((r["batch"], r["ctx"]), {})
+        if "error" in r or "error" in e:
+            print(f"{r['batch']:>5} {r['ctx']:>5} ERROR {(r.get('error') or e.get('error'))[:70]}")
+            continue
+        print(f"{r['batch']:>5} {r['ctx']:>5} {r['ms']:8.2f} {e['ms']:8.2f} {r['floor_ms']:7.2f} {r['ratio']:6.2f} "
+              f"{e['ms'] / r['ms']:7.2f}")
+    print("\nprefill (graphs build)")
+    for r in runs["graphs"]["prefill"]:
         print(f"{r['shape']:>8} {r['ms']:8.1f} ms {r['tflops']:6.0f} TFLOP/s  {100 * r['frac_of_797']:5.1f}% of 797")
     return 0
 
