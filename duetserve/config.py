@@ -4,6 +4,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from duetserve.partition.base import BACKENDS as PARTITION_BACKENDS
+
 POLICIES = ("chunked", "prefill-first", "duet", "pdmux")
 
 _DURATION = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*(us|ms|s|min)?\s*$")
@@ -45,6 +47,11 @@ class EngineConfig:
         max_model_len: longest sequence (prompt + output) in tokens; None takes the model's limit.
         policy: scheduling policy, one of ``POLICIES``.
         tbt_slo_s: time-between-tokens SLO in seconds.
+        hardware_profile: GPU profile (shipped name or JSON path) of the cost model that
+            ``duet`` and ``pdmux`` plan with; on CPU its predictions describe that GPU.
+        partition_backend: SM partitioning the planner may use, one of ``PARTITION_BACKENDS``;
+            ``none`` (the engine runs no spatial plans yet) keeps plans temporal and refuses
+            ``pdmux``.
         seed: seed for dummy weights and for unseeded sampling.
         enforce_eager: never replay CUDA graphs (decode runs eagerly).
     """
@@ -62,6 +69,8 @@ class EngineConfig:
     max_model_len: int | None = None
     policy: str = "chunked"
     tbt_slo_s: float = 0.1
+    hardware_profile: str = "h200"
+    partition_backend: str = "none"
     seed: int = 0
     enforce_eager: bool = False
 
@@ -78,6 +87,11 @@ class EngineConfig:
             (0 < self.kv_cache_memory_fraction <= 1, "--kv-cache-memory-fraction", "must be in (0, 1]"),
             (self.max_model_len is None or self.max_model_len >= 2, "--max-model-len", "must be >= 2"),
             (self.tbt_slo_s > 0, "--tbt-slo", "must be positive"),
+            (self.partition_backend in PARTITION_BACKENDS, "--partition-backend",
+             f"must be one of {', '.join(PARTITION_BACKENDS)}"),
+            (self.policy != "pdmux" or self.partition_backend != "none", "--policy",
+             "pdmux needs an SM partition backend (greenctx or tpcmask); this engine has none: "
+             "use duet, chunked or prefill-first"),
         ]
         for ok, flag, message in checks:
             if not ok:

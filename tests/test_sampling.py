@@ -7,23 +7,32 @@ import torch
 
 from duetserve.config import EngineConfig, parse_duration
 from duetserve.engine.detokenizer import IncrementalDetokenizer
-from duetserve.engine.sampler import Sampler, _top_k, _top_p
+from duetserve.engine.sampler import Sampler, _top_p
 from duetserve.sampling import ParamError, SamplingParams
+
+
+def _kept(logits: torch.Tensor, params: list[SamplingParams]) -> list[set[int]]:
+    """Tokens each row can produce: sample many times with fresh generators."""
+    sampler = Sampler(torch.device("cpu"))
+    batch = sampler.prepare(list(range(len(params))), params, logits.shape[-1])
+    seen = [set() for _ in params]
+    for _ in range(400):
+        for row, tok in enumerate(sampler.sample(logits, batch).tolist()):
+            seen[row].add(tok)
+    return seen
 
 
 def test_top_k_keeps_k_largest():
     logits = torch.tensor([[1.0, 4.0, 3.0, 2.0], [0.0, 0.0, 5.0, 1.0]])
-    out = _top_k(logits, [2, 1])
-    assert torch.isinf(out[0]).tolist() == [True, False, False, True]
-    assert torch.isinf(out[1]).tolist() == [True, True, False, True]
+    assert _kept(logits, [SamplingParams(top_k=2), SamplingParams(top_k=1)]) == [{1, 2}, {2}]
 
 
 def test_top_p_keeps_smallest_set_reaching_p():
     # probabilities 0.5, 0.25, 0.125, 0.125: top_p=0.6 needs the first two; 0.5 needs only the first.
     logits = torch.log(torch.tensor([[0.5, 0.25, 0.125, 0.125], [0.125, 0.5, 0.125, 0.25]]))
-    out = _top_p(logits, [0.6, 0.5])
-    assert torch.isinf(out[0]).tolist() == [False, False, True, True]
-    assert torch.isinf(out[1]).tolist() == [True, False, True, True]
+    assert _kept(logits, [SamplingParams(top_p=0.6), SamplingParams(top_p=0.5)]) == [{0, 1}, {1}]
+    masked = _top_p(logits, torch.tensor([[0.6], [0.5]]))
+    assert torch.isinf(masked).tolist() == [[False, False, True, True], [True, False, True, True]]
 
 
 def test_greedy_and_seeded_sampling_repeat():

@@ -1,13 +1,24 @@
-"""Turns a scheduled batch into tensors, runs the model and samples."""
+"""Turns a scheduled batch into tensors, runs the model and samples.
+
+Temporal plans run the whole batch once on the current stream. Spatial plans run ``k``
+decode steps on the decode stream and the prefill batch on the prefill stream at the same
+time (DESIGN section 5; DuetServe's look-ahead decode): every input of all ``k`` steps is
+built and uploaded before the first launch, each step's sampled tokens feed the next step
+on the device, and the host reads the tokens once, after both streams are joined.
+"""
 from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
 
 import torch
 
 from duetserve.engine.cuda_graphs import DecodeGraphs
-from duetserve.engine.sampler import Sampler
+from duetserve.engine.sampler import Sampler, SamplingBatch
 from duetserve.engine.scheduler import ScheduledSeq, SchedulerOutput
 from duetserve.model.attention import AttentionMetadata
 from duetserve.model.decoder import CausalLM
+from duetserve.partition import PartitionBackend
 
 
 def allocate_kv_cache(model: CausalLM, num_blocks: int, block_size: int, dtype: torch.dtype,
@@ -25,78 +36,138 @@ def kv_bytes_per_block(model: CausalLM, block_size: int, dtype: torch.dtype) -> 
     return 2 * d.num_layers * block_size * d.num_kv_heads * d.head_dim * torch.finfo(dtype).bits // 8
 
 
-class ModelRunner:
-    """Runs one iteration: builds input ids, positions, slot mapping and block tables.
+@dataclass
+class StepInputs:
+    """Device inputs of one forward pass.
 
-    A plan with ``k > 1`` decode steps runs here as the prefill batch followed by ``k`` decode
-    steps in order (the spatial executor overlaps them on a GPU; the tokens are the same).
-    Decode-only batches replay CUDA graphs when ``graphs`` is given and a bucket holds them.
+    Attributes:
+        input_ids / positions: ``[T]`` int64.
+        meta: attention metadata.
+        sample_rows: ``[n]`` int64, rows of the hidden states that sample (None: every row).
+        sample_seq_ids: seq ids of those rows, in order.
+        sampling: the rows' sampling parameters on the device.
+    """
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    meta: AttentionMetadata
+    sample_rows: torch.Tensor | None
+    sample_seq_ids: list[int]
+    sampling: SamplingBatch
+
+
+class ModelRunner:
+    """Runs one iteration's plan on the model.
+
+    Args:
+        graphs: recorded decode graphs, replayed for decode-only temporal batches.
+        partition: SM partition backend for spatial plans; None or ``none`` runs both parts
+            of a spatial plan one after the other on the current stream (same tokens).
     """
 
     def __init__(self, model: CausalLM, kv_caches, block_size: int, device: torch.device, sampler: Sampler,
-                 graphs: DecodeGraphs | None = None):
+                 graphs: DecodeGraphs | None = None, partition: PartitionBackend | None = None):
         self.model = model
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.device = device
         self.sampler = sampler
         self.graphs = graphs
+        self.partition = partition
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> dict[int, list[int]]:
-        """Run ``out`` and return the sampled tokens per seq_id (see ``Scheduler.postprocess``)."""
-        if out.plan.k == 1:
-            return self._forward(out.decodes + out.prefills, len(out.decodes))
-        sampled = self._forward(out.prefills, 0) if out.prefills else {}
-        steps = [ScheduledSeq(d.seq, 1, d.num_cached_tokens) for d in out.decodes]
-        tokens: dict[int, list[int]] = {d.seq.seq_id: [] for d in out.decodes}
-        for step in range(out.plan.k):
-            feed = [tokens[s.seq.seq_id][-1] if step else None for s in steps]
-            result = self._forward(steps, len(steps), feed)
-            for s in steps:
-                tokens[s.seq.seq_id] += result[s.seq.seq_id]
-                s.num_cached_tokens += 1
-        sampled.update(tokens)
+        """Run ``out``; return sampled tokens per seq_id: one per sampling prefill chunk, ``plan.k`` per decode."""
+        if not out.plan.spatial and out.plan.k == 1:
+            batch = out.decodes + out.prefills
+            inputs = self._prepare(batch, len(out.decodes), [None] * len(batch))
+            if inputs is None:
+                return {}
+            tokens = self._sample(inputs, use_graphs=True).tolist()
+            return {sid: [t] for sid, t in zip(inputs.sample_seq_ids, tokens)}
+        return self._execute_spatial(out)
+
+    def _execute_spatial(self, out: SchedulerOutput) -> dict[int, list[int]]:
+        k = out.plan.k
+        decode_ctx, prefill_ctx = self._streams(out.plan)
+        # Everything is uploaded before the first launch: no host sync between the k steps.
+        steps = [self._prepare(out.decodes, len(out.decodes), [j] * len(out.decodes)) for j in range(k)]
+        prefill = self._prepare(out.prefills, 0, [None] * len(out.prefills)) if out.prefills else None
+        main = torch.cuda.current_stream() if self.device.type == "cuda" else None
+        with decode_ctx as stream:
+            if stream is not None:
+                stream.wait_stream(main)
+            ids, decode_tokens = None, []
+            for step in steps:
+                if ids is not None:
+                    step.input_ids = ids  # the previous step's tokens, still on the device
+                ids = self._sample(step, use_graphs=False)
+                decode_tokens.append(ids)
+        with prefill_ctx as stream:
+            if stream is not None:
+                stream.wait_stream(main)
+            prefill_tokens = self._sample(prefill, use_graphs=False) if prefill else None
+        for ctx_stream in (decode_ctx, prefill_ctx):
+            if isinstance(ctx_stream, torch.cuda.StreamContext):
+                main.wait_stream(ctx_stream.stream)
+        sampled: dict[int, list[int]] = {}
+        if decode_tokens:
+            per_step = torch.stack(decode_tokens).t().tolist()
+            sampled.update(zip(steps[0].sample_seq_ids, per_step))
+        if prefill_tokens is not None and prefill.sample_seq_ids:
+            sampled.update((sid, [t]) for sid, t in zip(prefill.sample_seq_ids, prefill_tokens.tolist()))
         return sampled
 
-    def _forward(self, batch: list[ScheduledSeq], num_decodes: int,
-                 feed: list[int | None] | None = None) -> dict[int, list[int]]:
+    def _streams(self, plan) -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
+        if self.partition is None or self.partition.granularity == 0 or self.device.type != "cuda":
+            return contextlib.nullcontext(), contextlib.nullcontext()
+        pair = self.partition.pair(plan.s_decode)
+        return torch.cuda.stream(pair.decode), torch.cuda.stream(pair.prefill)
+
+    def _prepare(self, batch: list[ScheduledSeq], num_decodes: int, ahead: list[int | None]) -> StepInputs | None:
+        """Inputs for ``batch``; ``ahead[i] = j`` makes decode ``i`` run its look-ahead step ``j``
+        (position ``c + j``; its input token is filled in from step ``j - 1`` on the device)."""
+        if not batch:
+            return None
         bs = self.block_size
-        ids, positions, slots, qlens, ctxs, sample_rows = [], [], [], [], [], []
-        for i, s in enumerate(batch):
-            c, q, table = s.num_cached_tokens, s.num_new_tokens, s.seq.block_table
-            if feed is not None and feed[i] is not None:
-                ids.append(feed[i])
-            else:
-                ids.extend(s.seq.token_ids[c:c + q])
+        ids, positions, slots, qlens, ctxs, sample_rows, sample_seqs = [], [], [], [], [], [], []
+        for s, j in zip(batch, ahead):
+            c, q, table = s.num_cached_tokens + (j or 0), s.num_new_tokens, s.seq.block_table
+            ids.extend(s.seq.token_ids[c:c + q] if j is None else s.seq.token_ids[-1:])
             positions.extend(range(c, c + q))
             slots.extend(table[p // bs] * bs + p % bs for p in range(c, c + q))
             qlens.append(q)
             ctxs.append(c + q)
-            if feed is not None or s.samples:
-                sample_rows.append((len(ids) - 1, i))
+            if j is not None or s.samples:
+                sample_rows.append(len(ids) - 1)
+                sample_seqs.append(s.seq)
         max_blocks = max(len(s.seq.block_table) for s in batch)
         tables = [s.seq.block_table + [0] * (max_blocks - len(s.seq.block_table)) for s in batch]
-        dev = self.device
         starts = [0]
         for q in qlens:
             starts.append(starts[-1] + q)
-        meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
-            query_start_loc=torch.tensor(starts, dtype=torch.int32, device=dev),
-            context_lens=torch.tensor(ctxs, dtype=torch.int32, device=dev),
-            block_tables=torch.tensor(tables, dtype=torch.int32, device=dev),
-            num_decodes=num_decodes, query_lens_cpu=qlens, context_lens_cpu=ctxs)
-        input_ids = torch.tensor(ids, dtype=torch.int64, device=dev)
-        positions_t = torch.tensor(positions, dtype=torch.int64, device=dev)
-        if self.graphs is not None and num_decodes == len(batch) and self.graphs.bucket(num_decodes):
-            logits = self.graphs.run(input_ids, positions_t, meta)
+        dev = self.device
+        i32, i64 = dict(dtype=torch.int32, device=dev), dict(dtype=torch.int64, device=dev)
+        meta = AttentionMetadata(slot_mapping=torch.tensor(slots, **i64), query_start_loc=torch.tensor(starts, **i32),
+                                 context_lens=torch.tensor(ctxs, **i32), block_tables=torch.tensor(tables, **i32),
+                                 num_decodes=num_decodes, query_lens_cpu=qlens, context_lens_cpu=ctxs)
+        every_row = len(sample_rows) == len(ids)
+        rows = None if every_row else torch.tensor(sample_rows, **i64)
+        return StepInputs(torch.tensor(ids, **i64), torch.tensor(positions, **i64), meta, rows,
+                          [s.seq_id for s in sample_seqs],
+                          self.sampler.prepare([s.seq_id for s in sample_seqs], [s.params for s in sample_seqs],
+                                               self.model.dims.vocab_size))
+
+    def _sample(self, inputs: StepInputs, use_graphs: bool) -> torch.Tensor:
+        """Forward pass (writes the K/V) and sampling; returns the sampled tokens ``[n]`` on the device
+        (empty when no row samples, e.g. a prefill chunk in the middle of its prompt)."""
+        n = inputs.input_ids.shape[0]
+        decode_only = inputs.meta.num_decodes == n
+        if use_graphs and decode_only and self.graphs is not None and self.graphs.bucket(n):
+            logits = self.graphs.run(inputs.input_ids, inputs.positions, inputs.meta)
         else:
-            hidden = self.model(input_ids, positions_t, self.kv_caches, meta)
-            if not sample_rows:
-                return {}
-            rows = torch.tensor([r for r, _ in sample_rows], device=dev)
-            logits = self.model.compute_logits(hidden[rows])
-        seqs = [batch[i].seq for _, i in sample_rows]
-        tokens = self.sampler(logits, [s.seq_id for s in seqs], [s.params for s in seqs])
-        return {s.seq_id: [t] for s, t in zip(seqs, tokens)}
+            hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
+            if inputs.sample_rows is not None:
+                hidden = hidden.index_select(0, inputs.sample_rows)
+            logits = self.model.compute_logits(hidden)
+        return self.sampler.sample(logits, inputs.sampling)

@@ -1,13 +1,34 @@
-"""Token sampling: greedy, temperature, top-k, top-p, per-request seeds."""
+"""Token sampling on the device: greedy, temperature, top-k, top-p, per-request seeds."""
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
 from duetserve.sampling import SamplingParams
 
 
+@dataclass
+class SamplingBatch:
+    """Device-side sampling parameters of a batch, built once (one host-to-device copy).
+
+    Attributes:
+        rows: ``[m]`` int64, rows that sample randomly (the others take the argmax).
+        temperature: ``[m, 1]`` float32.
+        top_k: ``[m]`` int64 (vocab size where disabled), or None if no row uses top-k.
+        top_p: ``[m, 1]`` float32, or None if no row uses top-p.
+        generators: ``m`` generators (a seeded request has its own).
+    """
+
+    rows: torch.Tensor | None
+    temperature: torch.Tensor | None
+    top_k: torch.Tensor | None
+    top_p: torch.Tensor | None
+    generators: list[torch.Generator]
+
+
 class Sampler:
-    """Picks one token per row of a logits matrix.
+    """Picks one token per row of a logits matrix, without a host sync until the caller reads it.
 
     Greedy rows take the argmax. Other rows are scaled by temperature, filtered by top-k and
     top-p (the smallest set of tokens whose probability reaches ``top_p``), and sampled with
@@ -31,37 +52,47 @@ class Sampler:
     def release(self, seq_id: int) -> None:
         self._generators.pop(seq_id, None)
 
-    def __call__(self, logits: torch.Tensor, seq_ids: list[int], params: list[SamplingParams]) -> list[int]:
-        """Sample from ``logits`` ``[n, vocab]`` (float32); returns n token ids."""
-        out = logits.argmax(dim=-1)
+    def prepare(self, seq_ids: list[int], params: list[SamplingParams], vocab_size: int) -> SamplingBatch:
+        """Upload the batch's sampling parameters (call before launching the steps that use them)."""
         rows = [i for i, p in enumerate(params) if not p.greedy]
-        if rows:
-            idx = torch.tensor(rows, device=logits.device)
-            sub = logits[idx] / torch.tensor([params[i].temperature for i in rows], device=logits.device)[:, None]
-            sub = _top_k(sub, [params[i].top_k for i in rows])
-            sub = _top_p(sub, [params[i].top_p for i in rows])
-            probs = sub.softmax(dim=-1)
-            race = torch.stack([torch.empty_like(probs[j]).exponential_(generator=self.generator_for(seq_ids[i], params[i]))
-                                for j, i in enumerate(rows)])
-            out[idx] = (probs / race).argmax(dim=-1)
-        return out.tolist()
+        if not rows:
+            return SamplingBatch(None, None, None, None, [])
+        dev = self.device
+        sub = [params[i] for i in rows]
+        top_k = None
+        if any(0 < p.top_k < vocab_size for p in sub):
+            top_k = torch.tensor([p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in sub], device=dev)
+        top_p = None
+        if any(p.top_p < 1.0 for p in sub):
+            top_p = torch.tensor([[p.top_p] for p in sub], dtype=torch.float32, device=dev)
+        return SamplingBatch(torch.tensor(rows, device=dev),
+                             torch.tensor([[p.temperature] for p in sub], dtype=torch.float32, device=dev),
+                             top_k, top_p, [self.generator_for(seq_ids[i], params[i]) for i in rows])
+
+    def sample(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        """Token ids ``[n]`` (int64, on the device) from ``logits`` ``[n, vocab]`` (float32)."""
+        out = logits.argmax(dim=-1)
+        if batch.rows is None:
+            return out
+        sub = logits.index_select(0, batch.rows) / batch.temperature
+        if batch.top_k is not None:
+            kth = sub.sort(dim=-1, descending=True).values.gather(1, (batch.top_k - 1)[:, None])
+            sub = sub.masked_fill(sub < kth, float("-inf"))
+        if batch.top_p is not None:
+            sub = _top_p(sub, batch.top_p)
+        probs = sub.softmax(dim=-1)
+        race = torch.stack([torch.empty_like(probs[j]).exponential_(generator=g)
+                            for j, g in enumerate(batch.generators)])
+        return out.index_copy(0, batch.rows, (probs / race).argmax(dim=-1))
+
+    def __call__(self, logits: torch.Tensor, seq_ids: list[int], params: list[SamplingParams]) -> list[int]:
+        """Sample and read the tokens back (one host sync)."""
+        return self.sample(logits, self.prepare(seq_ids, params, logits.shape[-1])).tolist()
 
 
-def _top_k(logits: torch.Tensor, ks: list[int]) -> torch.Tensor:
-    if all(k <= 0 for k in ks):
-        return logits
-    vocab = logits.shape[-1]
-    k = torch.tensor([k if 0 < k < vocab else vocab for k in ks], device=logits.device)
-    kth = logits.sort(dim=-1, descending=True).values.gather(1, (k - 1)[:, None])
-    return logits.masked_fill(logits < kth, float("-inf"))
-
-
-def _top_p(logits: torch.Tensor, ps: list[float]) -> torch.Tensor:
-    if all(p >= 1.0 for p in ps):
-        return logits
+def _top_p(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Mask tokens outside the smallest set whose probability reaches ``top_p`` ``[n, 1]``."""
     sorted_logits, order = logits.sort(dim=-1, descending=True)
-    cum = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
-    p = torch.tensor(ps, device=logits.device)[:, None]
-    drop = cum - sorted_logits.softmax(dim=-1) >= p  # mass before this token already reaches p
-    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+    probs = sorted_logits.softmax(dim=-1)
+    drop = probs.cumsum(dim=-1) - probs >= top_p  # mass before this token already reaches p
+    return torch.empty_like(logits).scatter_(1, order, sorted_logits.masked_fill(drop, float("-inf")))
