@@ -7,40 +7,15 @@ and the simulator.
 """
 from __future__ import annotations
 
+import json
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
-
-@dataclass(frozen=True)
-class Plan:
-    """How one iteration runs.
-
-    Attributes:
-        spatial: False: one mixed batch on all SMs (temporal sharing). True: decode on
-            ``s_decode`` SMs for ``k`` look-ahead steps while prefill runs on ``s_prefill`` SMs.
-        s_prefill: SMs for the prefill stream (spatial plans).
-        s_decode: SMs for the decode stream (spatial plans).
-        k: decode steps in the iteration (>= 1).
-        predicted_s: predicted iteration time, seconds (None when not predicted).
-        predicted_decode_s: predicted time of one decode step, seconds.
-        predicted_prefill_s: predicted time of the prefill batch, seconds.
-        prefill_token_limit: most prefill tokens the iteration may hold (None: no limit); the
-            scheduler trims prefill chunks to it.
-        slo_risk: no plan was predicted to meet the TBT SLO.
-        prefill_layers: for layer-split prefill (pdmux): layers per round; None runs all layers.
-    """
-
-    spatial: bool = False
-    s_prefill: int = 0
-    s_decode: int = 0
-    k: int = 1
-    predicted_s: float | None = None
-    predicted_decode_s: float | None = None
-    predicted_prefill_s: float | None = None
-    prefill_token_limit: int | None = None
-    slo_risk: bool = False
-    prefill_layers: int | None = None
-
+from duetserve.planner.cost_model import ModelShape
+from duetserve.planner.hardware import load_profile
+from duetserve.planner.optimizer import Plan
+from duetserve.planner.policies import DuetPolicy, PdmuxPolicy, PlannerConfig
 
 TEMPORAL = Plan()
 
@@ -91,17 +66,50 @@ class PrefillFirstPolicy(ChunkedPolicy):
     prefill_excludes_decode: bool = True
 
 
-def make_policy(config) -> Policy:
-    """The policy named by ``config.policy`` (an ``EngineConfig``).
+def policy_by_name(name: str, planner: PlannerConfig | None = None) -> Policy:
+    """The policy called ``name`` (a ``--policy`` value); ``duet`` and ``pdmux`` are built from
+    ``planner`` (``duetserve.planner.policies``).
 
     Raises:
-        ValueError: unknown policy name.
+        ValueError: unknown name, ``duet``/``pdmux`` without ``planner``, or ``pdmux`` without a
+            partition backend.
     """
-    if config.policy == "chunked":
+    if name == "chunked":
         return ChunkedPolicy()
-    if config.policy == "prefill-first":
+    if name == "prefill-first":
         return PrefillFirstPolicy()
-    if config.policy == "duet":
-        # Until the planner is wired in, duet plans are temporal: it behaves as chunked.
-        return ChunkedPolicy(name="duet")
-    raise ValueError(f"--policy {config.policy} is not available in the engine yet")
+    if name not in ("duet", "pdmux"):
+        raise ValueError(f"unknown --policy {name!r}")
+    if planner is None:
+        raise ValueError(f"--policy {name} needs the model shape, GPU profile and TBT SLO")
+    return DuetPolicy(planner) if name == "duet" else PdmuxPolicy(planner)
+
+
+def make_policy(config, model_config: Mapping[str, object] | None = None) -> Policy:
+    """The policy named by ``config.policy`` (an ``EngineConfig``).
+
+    ``duet`` and ``pdmux`` plan with the cost model of the served model (``model_config``, its
+    Hugging Face ``config.json`` dict; None reads the one of ``config.model``) on the GPU
+    profile ``config.hardware_profile``, under ``config.tbt_slo_s`` and with
+    ``config.partition_backend``. On a backend ``none`` (CPU) duet plans temporal batches and
+    trims prefill when the prediction exceeds the SLO.
+
+    Raises:
+        ValueError: see ``policy_by_name``; a bad profile or model config.
+        FileNotFoundError: ``config.model`` has no config to read.
+    """
+    planner = None
+    if config.policy in ("duet", "pdmux"):
+        shape = ModelShape.from_hf_config(model_config or _read_model_config(config.model))
+        planner = PlannerConfig(shape, load_profile(config.hardware_profile), config.tbt_slo_s,
+                                config.partition_backend)
+    return policy_by_name(config.policy, planner)
+
+
+def _read_model_config(model: str | None) -> dict[str, object]:
+    """The ``config.json`` of ``--model`` (a folder, a GGUF file's cached conversion, or the
+    embedded model)."""
+    from duetserve.model.loader import resolve_model
+
+    folder, _ = resolve_model(model)
+    return json.loads((folder / "config.json").read_text())

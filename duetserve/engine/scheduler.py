@@ -4,6 +4,11 @@ Every iteration: running decodes first, then prefill chunks (partially prefilled
 then waiting requests in arrival order) under the token budget; admission by free KV
 blocks; preemption by recompute when blocks run out. The policy decides chunking and the
 iteration's plan (temporal, or spatial with ``k`` look-ahead decode steps).
+
+Layer-split prefill (``Plan.prefill_layers``, the ``pdmux`` policy): the prefill batch of such
+a plan stays pinned across iterations, handed out again with the same plan every round and no
+new prefill admitted, until the executor reports its last layer done
+(``postprocess(..., prefill_done=True)``); until then its tokens do not advance.
 """
 from __future__ import annotations
 
@@ -14,6 +19,7 @@ from dataclasses import dataclass
 from duetserve.engine.kv_cache import BlockManager
 from duetserve.engine.policy import Plan, Policy
 from duetserve.engine.sequence import Sequence, SequenceStatus
+from duetserve.planner.optimizer import trim_prefill
 
 
 @dataclass
@@ -79,6 +85,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self._split: tuple[list[ScheduledSeq], Plan] | None = None  # layer-split prefill in flight
 
     def add(self, seq: Sequence) -> None:
         """Queue a new request.
@@ -118,16 +125,30 @@ class Scheduler:
                 decodes.append(ScheduledSeq(seq, 1, seq.num_computed_tokens))
                 budget -= 1
 
-        candidates = self._prefill_candidates(budget, len(decodes) > 0)
-        max_k = max((self._remaining_tokens(d.seq) for d in decodes), default=1)
-        plan = self.policy.plan([(1, d.num_cached_tokens) for d in decodes],
-                                [(q, s.num_computed_tokens) for s, q in candidates], max_k)
-        prefills = self._admit(self._trim(candidates, plan.prefill_token_limit))
+        if self._split_in_flight():
+            prefills, plan = self._split
+        else:
+            candidates = self._prefill_candidates(budget, len(decodes) > 0)
+            max_k = max((self._remaining_tokens(d.seq) for d in decodes), default=1)
+            plan = self.policy.plan([(1, d.num_cached_tokens) for d in decodes],
+                                    [(q, s.num_computed_tokens) for s, q in candidates], max_k)
+            prefills = self._admit(self._trim(candidates, plan.prefill_token_limit))
+            if plan.prefill_layers is not None and prefills:
+                self._split = (prefills, plan)
         if plan.spatial and decodes:
             plan = dataclasses.replace(plan, k=self._reserve_lookahead(decodes, plan.k))
         elif plan.spatial or plan.k != 1:
             plan = dataclasses.replace(plan, spatial=False, k=1)
         return SchedulerOutput(decodes, prefills, plan, preempted)
+
+    def _split_in_flight(self) -> bool:
+        """Whether a layer-split prefill batch is still running; drops its preempted sequences."""
+        if self._split is None:
+            return False
+        prefills, plan = self._split
+        prefills = [p for p in prefills if p.seq.status is SequenceStatus.RUNNING]
+        self._split = (prefills, plan) if prefills else None
+        return self._split is not None
 
     def _remaining_tokens(self, seq: Sequence) -> int:
         return min(seq.params.max_tokens - seq.num_output_tokens, self.max_model_len - seq.num_tokens)
@@ -191,16 +212,11 @@ class Scheduler:
 
     @staticmethod
     def _trim(candidates: list[tuple[Sequence, int]], limit: int | None) -> list[tuple[Sequence, int]]:
+        """The candidates cut to ``limit`` prefill tokens by ``trim_prefill``'s rule."""
         if limit is None:
             return candidates
-        out = []
-        for seq, q in candidates:
-            q = min(q, limit)
-            if q <= 0:
-                break
-            out.append((seq, q))
-            limit -= q
-        return out
+        kept = trim_prefill([(q, seq.num_computed_tokens) for seq, q in candidates], limit)
+        return [(seq, q) for (seq, _), (q, _) in zip(candidates, kept)]
 
     def _admit(self, candidates: list[tuple[Sequence, int]]) -> list[ScheduledSeq]:
         prefills = []
@@ -229,14 +245,20 @@ class Scheduler:
 
     # --- results ----------------------------------------------------------------------
 
-    def postprocess(self, out: SchedulerOutput, sampled: dict[int, list[int]]) -> list[Sequence]:
+    def postprocess(self, out: SchedulerOutput, sampled: dict[int, list[int]],
+                    prefill_done: bool = True) -> list[Sequence]:
         """Advance sequences by the iteration's results and return those that finished.
 
         Args:
             out: the iteration's batch.
             sampled: seq_id -> sampled token ids: one per prefill chunk that ``samples``, and
                 ``plan.k`` per decode (tokens after a finish are dropped).
+            prefill_done: False while a layer-split prefill batch has layers left: its
+                sequences stay pinned and nothing of them advances (decodes still do).
         """
+        if not prefill_done:
+            return self._advance_decodes(out, sampled)
+        self._split = None
         finished = []
         for s in out.prefills:
             if s.seq.is_finished:
@@ -244,6 +266,10 @@ class Scheduler:
             s.seq.num_computed_tokens += s.num_new_tokens
             if s.samples and self._append(s.seq, sampled[s.seq.seq_id][0]):
                 finished.append(s.seq)
+        return finished + self._advance_decodes(out, sampled)
+
+    def _advance_decodes(self, out: SchedulerOutput, sampled: dict[int, list[int]]) -> list[Sequence]:
+        finished = []
         for s in out.decodes:
             for token in sampled.get(s.seq.seq_id, [])[:out.plan.k]:
                 if s.seq.is_finished:

@@ -7,8 +7,9 @@ DESIGN section 4 and the DuetServe paper's Algorithm 1 (Chinese seed, section 6)
    those with ``t_d(S_d) > tau``, give prefill ``S_p = S - S_d``, try
    ``k in {floor(t_p / t_d), floor(t_p / t_d) + 1}`` (at least 1, at most ``max_k``) and keep
    the plan with the highest token rate ``(k T_decode + T_prefill) / max(k t_d, t_p)``.
-3. If no ``S_d`` is feasible, fall back to a temporal batch with the largest prefill token
-   count whose prediction fits ``tau`` (``trim_prefill`` gives the rule), flagged ``slo_risk``.
+3. If no ``S_d`` is feasible (or there is no partition backend), fall back to a temporal
+   batch with the largest prefill token count whose prediction fits ``tau`` (``trim_prefill``
+   gives the rule), flagged ``slo_risk``.
 
 Beyond the paper:
 
@@ -35,29 +36,36 @@ from duetserve.planner.cost_model import CostModel, Request
 
 @dataclass(frozen=True)
 class Plan:
-    """One iteration's execution plan.
+    """One iteration's execution plan, shared by the optimizer, the policies, the engine's
+    scheduler and the simulator. ``Plan()`` is a temporal plan with nothing predicted.
 
-    Temporal plans (``spatial=False``) run the whole batch on all SMs once:
-    ``s_prefill == s_decode == total_sms``, ``k == 1`` and the three predicted times are
-    the mixed batch's. Spatial plans run ``k`` decode steps on ``s_decode`` SMs beside one
-    prefill batch on ``s_prefill`` SMs; ``predicted_decode_s`` is one decode step,
-    ``predicted_prefill_s`` the prefill batch and ``predicted_s = max(k t_d, t_p)``.
-    All times in seconds, SMs as counts.
+    Temporal plans (``spatial=False``) run the whole batch on all SMs once with ``k == 1``;
+    the optimizer sets ``s_prefill == s_decode == total_sms`` and the three predicted times
+    to the mixed batch's (``Plan()`` leaves the SM counts 0: not planned for a GPU).
+    Spatial plans run ``k`` decode steps on ``s_decode`` SMs beside one prefill batch on
+    ``s_prefill`` SMs; ``predicted_decode_s`` is one decode step, ``predicted_prefill_s``
+    the prefill batch and ``predicted_s = max(k t_d, t_p)``. Times in seconds (None: not
+    predicted), SMs as counts.
 
     ``prefill_token_limit`` is set only by the fallback: the caller must cut the
     iteration's prefill tokens to at most this many (``trim_prefill``); ``slo_risk``
     marks that fallback (and a decode-only batch that alone exceeds tau).
+
+    ``prefill_layers`` (pdmux only): the prefill batch is cut by layers and each round
+    submits this many of its layers beside one decode step, so the batch spans several
+    iterations (``duetserve.planner.policies.PdmuxPolicy``); None runs every layer at once.
     """
 
-    spatial: bool
-    s_prefill: int
-    s_decode: int
-    k: int
-    predicted_s: float
-    predicted_decode_s: float
-    predicted_prefill_s: float
+    spatial: bool = False
+    s_prefill: int = 0
+    s_decode: int = 0
+    k: int = 1
+    predicted_s: float | None = None
+    predicted_decode_s: float | None = None
+    predicted_prefill_s: float | None = None
     prefill_token_limit: int | None = None
     slo_risk: bool = False
+    prefill_layers: int | None = None
 
 
 def trim_prefill(prefill_reqs: Sequence[Request], token_limit: int) -> list[Request]:
@@ -76,7 +84,7 @@ def trim_prefill(prefill_reqs: Sequence[Request], token_limit: int) -> list[Requ
 
 
 def plan_iteration(cost_model: CostModel, decode_reqs: Sequence[Request], prefill_reqs: Sequence[Request],
-                   tau: float, total_sms: int, granularity: int, min_sms: int | None = None,
+                   tau: float, total_sms: int, granularity: int | None, min_sms: int | None = None,
                    max_k: int | None = None) -> Plan:
     """Choose this iteration's plan (DESIGN section 4; see the module docstring).
 
@@ -86,7 +94,8 @@ def plan_iteration(cost_model: CostModel, decode_reqs: Sequence[Request], prefil
         prefill_reqs: (q, c) of the prefill chunks scheduled this iteration.
         tau: TBT SLO in seconds.
         total_sms: SMs available to the iteration.
-        granularity: SM step of partitions (8 for green contexts on Hopper, 2 for TPC masks).
+        granularity: SM step of partitions (8 for green contexts on Hopper, 2 for TPC masks);
+            None when there is no partition backend: temporal plans only (step 3 replaces 2).
         min_sms: smallest partition for either side; defaults to ``granularity``.
         max_k: most decode steps worth running ahead (e.g. the longest remaining output
             among the decode requests); None for no cap.
@@ -95,15 +104,18 @@ def plan_iteration(cost_model: CostModel, decode_reqs: Sequence[Request], prefil
         ValueError: for tau <= 0, granularity < 1, min_sms < 1, max_k < 1, or SM counts
             the cost model rejects.
     """
-    if tau <= 0 or granularity < 1 or (min_sms is not None and min_sms < 1) or (max_k is not None and max_k < 1):
+    if tau <= 0 or (granularity is not None and granularity < 1) or (min_sms is not None and min_sms < 1) \
+            or (max_k is not None and max_k < 1):
         raise ValueError("tau, granularity, min_sms and max_k must be positive")
-    min_sms = granularity if min_sms is None else min_sms
     decode, prefill = _as_array(decode_reqs), _as_array(prefill_reqs)
     t_mixed = float(cost_model.predict_total(np.concatenate([decode, prefill]), total_sms))
     if t_mixed <= tau or not len(prefill):
         return _temporal(t_mixed, total_sms, slo_risk=t_mixed > tau)
     if not len(decode):  # no token waits on this batch, so there is no TBT to protect
         return _temporal(t_mixed, total_sms, slo_risk=False)
+    if granularity is None:
+        return _fallback(cost_model, decode, prefill, tau, total_sms)
+    min_sms = granularity if min_sms is None else min_sms
     first = -(-min_sms // granularity) * granularity
     s_d = np.arange(first, total_sms - min_sms + 1, granularity)
     plan = _best_spatial(cost_model, decode, prefill, tau, total_sms, s_d, max_k) if s_d.size else None

@@ -1,0 +1,147 @@
+"""The planner-driven scheduling policies ``duet`` and ``pdmux`` (DESIGN section 2, "Policies").
+
+Both satisfy ``duetserve.engine.policy.Policy``: the shared scheduler forms the candidate
+batch and asks ``plan(decode_reqs, prefill_reqs, max_k)`` how to run it.
+
+* ``DuetPolicy`` (DuetServe, DESIGN section 4): chunked prefill under the token budget; the
+  mixed batch runs temporally when its predicted time fits the TBT SLO, otherwise
+  ``plan_iteration`` splits the SMs into a decode and a prefill partition on the partition
+  backend's granularity, and falls back to a trimmed temporal batch when no split fits.
+  Without a partition backend only the temporal plan and its fallback remain.
+* ``PdmuxPolicy`` (SGLang ``--enable-pdmux``, seed ``000_...txt``): whole prompts, no
+  chunking; the stream group (fixed SM split) is chosen from the decode batch size; the
+  prefill batch is cut by layers, ``prefill_layers_per_round`` per round, each round running
+  one decode step beside the next layers, so one prefill batch spans several iterations.
+
+How a prefill that is only partly through its layers is represented: the scheduler pins the
+batch (``Plan.prefill_layers`` set) and hands it out again every round without advancing its
+tokens, reusing the first round's plan (SGLang keeps the level until the prefill ends); the
+executor counts the layers submitted and tells ``Scheduler.postprocess`` when the last one has
+completed (``prefill_done``); only then do its sequences sample their first token and join
+the decode batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import cached_property
+
+from duetserve.partition.base import BACKENDS
+from duetserve.planner.cost_model import CostModel, ModelShape, Request
+from duetserve.planner.hardware import HardwareProfile
+from duetserve.planner.optimizer import Plan, plan_iteration
+from duetserve.planner.pdmux import PdmuxConfig, choose_group, prefill_layers_per_round, stream_groups
+
+@dataclass(frozen=True)
+class PlannerConfig:
+    """What the planner-driven policies need.
+
+    Attributes:
+        shape: model dimensions (``ModelShape.preset`` or ``ModelShape.from_hf_config``).
+        profile: GPU profile (``load_profile``); its ``num_sms`` are the SMs to share.
+        tau_s: TBT SLO, seconds.
+        partition_backend: ``greenctx``, ``tpcmask`` or ``none`` (``partition.base.BACKENDS``;
+            ``none``: temporal plans only); granularity and smallest partition (SMs) come from
+            the profile.
+        pdmux: SGLang's pdmux settings.
+        tp: tensor-parallel degree for the cost model.
+
+    Raises:
+        ValueError: ``tau_s <= 0``, or a backend that is not in ``BACKENDS`` or not in the
+            profile.
+    """
+
+    shape: ModelShape
+    profile: HardwareProfile
+    tau_s: float
+    partition_backend: str = "greenctx"
+    pdmux: PdmuxConfig = field(default_factory=PdmuxConfig)
+    tp: int = 1
+
+    def __post_init__(self) -> None:
+        if self.tau_s <= 0:
+            raise ValueError("the TBT SLO must be positive")
+        if self.partition_backend not in BACKENDS:
+            raise ValueError(f"unknown partition backend {self.partition_backend!r}; known {', '.join(BACKENDS)}")
+        if self.partition_backend != "none":
+            self.profile.granularity(self.partition_backend)  # raises for a backend the GPU lacks
+
+    @property
+    def granularity(self) -> int | None:
+        """SM step of partitions, or None without a partition backend."""
+        return None if self.partition_backend == "none" else self.profile.granularity(self.partition_backend)
+
+    @property
+    def min_sms(self) -> int | None:
+        """Smallest partition in SMs, or None without a partition backend."""
+        return None if self.partition_backend == "none" else self.profile.min_partition_sms(self.partition_backend)
+
+    @cached_property
+    def cost_model(self) -> CostModel:
+        """The roofline cost model of ``shape`` on ``profile`` (bf16, ``tp`` GPUs)."""
+        return CostModel(self.shape, self.profile, tp=self.tp)
+
+
+class DuetPolicy:
+    """DuetServe: temporal by default, spatial ``(S_p, S_d, k)`` when the mixed batch would
+    break ``tau`` (``plan_iteration``, DESIGN section 4). Chunked prefill, decode and prefill
+    together. With partition backend ``none`` it never splits: a batch predicted over ``tau``
+    has its prefill trimmed until it fits (``Plan.prefill_token_limit``, ``slo_risk``)."""
+
+    name = "duet"
+    chunked_prefill = True
+    prefill_excludes_decode = False
+
+    def __init__(self, config: PlannerConfig) -> None:
+        self.config = config
+
+    def plan(self, decode_reqs: list[Request], prefill_reqs: list[Request], max_k: int) -> Plan:
+        """The optimizer's plan for the batch: ``(q, c)`` per decode and prefill request, at most
+        ``max_k`` look-ahead decode steps."""
+        c = self.config
+        return plan_iteration(c.cost_model, decode_reqs, prefill_reqs, c.tau_s, c.profile.num_sms,
+                              c.granularity, c.min_sms, max_k)
+
+
+class PdmuxPolicy:
+    """SGLang's PD multiplexing: fixed stream groups, whole prompts cut by layers.
+
+    Each round: with decode and prefill, the group ``choose_group`` picks from the decode
+    batch size, one decode step on its decode SMs beside ``prefill_layers_per_round`` layers
+    of the prefill batch on its prefill SMs (``Plan(spatial=True, k=1, prefill_layers=n)``);
+    prefill alone: every SM to prefill, still cut by layers; decode alone: a temporal plan on
+    every SM. Predicted times: ``predicted_decode_s`` one decode step, ``predicted_prefill_s``
+    the whole prefill batch on its SMs, ``predicted_s`` the round, which waits only for the
+    decode step when there is one (SGLang syncs the decode stream each round; the prefill
+    layers queue on their own stream), else for the round's share of the prefill layers.
+
+    Raises:
+        ValueError: the config has no partition backend (pdmux needs green contexts or TPC
+            masks), or SGLang's split rule has no level for the GPU.
+    """
+
+    name = "pdmux"
+    chunked_prefill = False
+    prefill_excludes_decode = False
+
+    def __init__(self, config: PlannerConfig) -> None:
+        if config.granularity is None:
+            raise ValueError("--policy pdmux needs an SM partition backend (greenctx or tpcmask); "
+                             "the partition backend is 'none'")
+        self.config = config
+        self.groups = stream_groups(config.profile.num_sms, config.profile.compute_capability_major, config.pdmux)
+
+    def plan(self, decode_reqs: list[Request], prefill_reqs: list[Request], max_k: int) -> Plan:
+        """The round's plan for ``(q, c)`` decode and prefill requests (``max_k`` is unused:
+        pdmux runs one decode step per round)."""
+        cm, total, layers = self.config.cost_model, self.config.profile.num_sms, self.config.shape.layers
+        if not prefill_reqs:
+            t = float(cm.predict_total(decode_reqs, total))
+            return Plan(False, total, total, 1, t, t, t)
+        n = prefill_layers_per_round(sum(q for q, _ in prefill_reqs), layers, self.config.pdmux)
+        if not decode_reqs:
+            t_p = float(cm.predict_total(prefill_reqs, total))
+            return Plan(False, total, 0, 1, t_p * n / layers, None, t_p, prefill_layers=n)
+        s_p, s_d = self.groups[choose_group(len(self.groups), len(decode_reqs), True, self.config.pdmux)]
+        t_d, t_p = (float(x) for x in cm.predict_spatial(decode_reqs, prefill_reqs, s_d, total))
+        return Plan(True, s_p, s_d, 1, t_d, t_d, t_p, prefill_layers=n)

@@ -1,0 +1,280 @@
+"""Trace simulator: the engine's scheduler and policies, with the cost model as the clock.
+
+A trace is replayed through the same ``Scheduler`` the engine runs (DESIGN section 2: one
+scheduler, two executors); this module is the second executor. It runs no model: every
+iteration lasts what the roofline cost model (DESIGN section 3) predicts for its batch on the
+profile's GPU, and sampled tokens are a fake id that is never EOS, so a request ends after
+exactly its trace output length (``max_tokens``).
+
+Iteration time, by plan:
+
+* temporal: ``t_mixed(S)``, the whole batch on all SMs; every token comes at the end;
+* spatial (duet): decode runs ``k`` steps of ``t_d(S_d)`` beside the prefill batch's
+  ``t_p(S_p)`` (both with the profile's interference factors, ``CostModel.predict_spatial``);
+  the iteration lasts ``max(k t_d, t_p)``; decode token ``i`` comes at ``i t_d``, the
+  prefill's first tokens at the end;
+* layer-split prefill (pdmux): the prefill batch's time on its SMs is spread evenly over the
+  model's layers. Each round submits ``plan.prefill_layers`` more layers to the prefill
+  stream, which runs them back to back; the round itself lasts one decode step ``t_d(S_d)``
+  (SGLang syncs only the decode stream), or, with no decode, until the submitted layers are
+  done. The prefill completes at the end of the first round after its last layer finished.
+
+A request's TTFT runs from its arrival to its first token, its TBT gaps between consecutive
+tokens (a preempted request's gap includes its recompute). KV capacity is the profile's HBM
+times a utilization, minus the weights, divided by the KV bytes per token (vLLM's sizing).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from tqdm import tqdm
+
+from duetserve.bench.client import RequestRecord
+from duetserve.engine.kv_cache import BlockManager
+from duetserve.engine.policy import Policy
+from duetserve.engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
+from duetserve.engine.sequence import Sequence as Seq
+from duetserve.planner.cost_model import ModelShape
+from duetserve.planner.hardware import HardwareProfile
+from duetserve.planner.policies import PlannerConfig
+from duetserve.sampling import SamplingParams
+from duetserve.traces import TraceRequest
+
+FAKE_TOKEN = 1
+"""The id every simulated sample returns; simulated sequences have no EOS id."""
+
+
+def weight_bytes(shape: ModelShape, dtype_bytes: int = 2) -> int:
+    """Bytes of the model's weights: embeddings, lm_head unless tied, and per layer the q/k/v,
+    o, gate/up, down projections and two RMSNorms, plus the final norm."""
+    attn = shape.hidden * (shape.q_heads + 2 * shape.kv_heads) * shape.head_dim + shape.q_heads * shape.head_dim * shape.hidden
+    layer = attn + 3 * shape.hidden * shape.intermediate + 2 * shape.hidden
+    embed = shape.vocab * shape.hidden * (1 if shape.tie_embeddings else 2)
+    return dtype_bytes * (shape.layers * layer + embed + shape.hidden)
+
+
+def kv_cache_tokens(shape: ModelShape, profile: HardwareProfile, utilization: float = 0.9, dtype_bytes: int = 2,
+                    tp: int = 1) -> int:
+    """Tokens of KV cache one GPU holds: ``(hbm_bytes * utilization - weights / tp)`` divided by
+    ``layers * 2 * kv_heads / tp * head_dim * dtype_bytes`` bytes per token (KV heads
+    replicated when fewer than ``tp``).
+
+    Raises:
+        ValueError: ``utilization`` outside (0, 1], or the weights leave no room for KV.
+    """
+    if not 0 < utilization <= 1:
+        raise ValueError("the memory utilization must be in (0, 1]")
+    free = profile.hbm_bytes * utilization - weight_bytes(shape, dtype_bytes) / tp
+    per_token = shape.layers * 2 * max(1, shape.kv_heads // tp) * shape.head_dim * dtype_bytes
+    if free < per_token:
+        raise ValueError(f"{profile.name}: the weights of the model leave no memory for the KV cache")
+    return int(free // per_token)
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    """Settings of one simulation.
+
+    Attributes:
+        planner: model shape, GPU profile, TBT SLO and partition backend; its cost model is
+            the simulated GPU's clock.
+        max_num_seqs: most running sequences.
+        max_num_batched_tokens: token budget per iteration.
+        block_size: tokens per KV block.
+        kv_cache_tokens: KV capacity in tokens; None sizes it from the profile's HBM
+            (``kv_cache_tokens``) at ``gpu_memory_utilization``.
+        gpu_memory_utilization: share of HBM for weights and KV cache, (0, 1].
+        max_model_len: context limit in tokens; None fits the trace's longest request.
+    """
+
+    planner: PlannerConfig
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    block_size: int = 16
+    kv_cache_tokens: int | None = None
+    gpu_memory_utilization: float = 0.9
+    max_model_len: int | None = None
+
+    def kv_blocks(self) -> int:
+        """KV-cache blocks of ``block_size`` tokens (raises ValueError as ``kv_cache_tokens``)."""
+        p = self.planner
+        tokens = self.kv_cache_tokens or kv_cache_tokens(p.shape, p.profile, self.gpu_memory_utilization, tp=p.tp)
+        return tokens // self.block_size
+
+
+@dataclass(slots=True)
+class IterationRecord:
+    """One simulated iteration: start and length in seconds, the plan's kind, partition and
+    predicted seconds (None when the policy predicts nothing), and the batch."""
+
+    start_s: float
+    duration_s: float
+    predicted_s: float | None
+    spatial: bool
+    slo_risk: bool
+    s_decode: int
+    k: int
+    num_decodes: int
+    num_prefill_tokens: int
+
+
+@dataclass
+class SimResult:
+    """Outcome of one simulation.
+
+    Attributes:
+        policy: policy name.
+        records: one per trace request, in trace order (times relative to its arrival,
+            ``start_s == arrival_s``); a request that cannot run has ``error`` set.
+        iterations: every iteration, in order.
+        duration_s: from the first arrival (0) to the last token, seconds.
+        num_preemptions: sequences preempted (recomputed).
+        kv_cache_tokens: KV-cache capacity simulated, tokens (whole blocks).
+    """
+
+    policy: str
+    records: list[RequestRecord]
+    iterations: list[IterationRecord]
+    duration_s: float
+    num_preemptions: int
+    kv_cache_tokens: int
+
+
+@dataclass
+class _LayerSplit:
+    """The prefill stream of a layer-split prefill batch in flight."""
+
+    layer_s: float  # seconds per layer of the batch on its SMs
+    layers_left: int  # layers not yet submitted
+    busy_until_s: float  # when the layers submitted so far are done
+
+
+def _reqs(batch: list[ScheduledSeq]) -> list[tuple[int, int]]:
+    return [(s.num_new_tokens, s.num_cached_tokens) for s in batch]
+
+
+class _Run:
+    """State of one simulation: scheduler, clock, and per-request token times."""
+
+    def __init__(self, trace: Sequence[TraceRequest], policy: Policy, config: SimConfig) -> None:
+        self.trace, self.config = trace, config
+        self.cm = config.planner.cost_model
+        self.total_sms = config.planner.profile.num_sms
+        max_len = config.max_model_len or max((r.input_len + r.output_len for r in trace), default=2)
+        self.blocks = BlockManager(config.kv_blocks(), config.block_size)
+        self.scheduler = Scheduler(policy, self.blocks, config.max_num_seqs, config.max_num_batched_tokens, max_len)
+        self.records = [RequestRecord(i, r.input_len, r.output_len, r.arrival_s, r.arrival_s)
+                        for i, r in enumerate(trace)]
+        self.iterations: list[IterationRecord] = []
+        self.split: _LayerSplit | None = None
+        self.now = 0.0
+
+    def add(self, index: int) -> bool:
+        """Queue trace request ``index``; False (and the record's ``error`` set) when it can
+        never run."""
+        req, rec = self.trace[index], self.records[index]
+        need = -(-(req.input_len + req.output_len) // self.blocks.block_size)
+        if need > self.blocks.num_blocks:
+            rec.error = f"needs {need} KV blocks; the cache has {self.blocks.num_blocks}"
+            return False
+        seq = Seq(index, [FAKE_TOKEN] * req.input_len, req.input_len,
+                  SamplingParams(max_tokens=req.output_len, ignore_eos=True), req.arrival_s)
+        try:
+            self.scheduler.add(seq)
+        except ValueError as exc:
+            rec.error = str(exc)
+            return False
+        return True
+
+    def step(self, out: SchedulerOutput) -> list[Seq]:
+        """Run one scheduled iteration on the simulated clock; returns the finished sequences."""
+        duration, decode_times, prefill_time = self._timing(out)
+        plan = out.plan
+        self.iterations.append(IterationRecord(self.now, duration, plan.predicted_s, plan.spatial, plan.slo_risk,
+                                               plan.s_decode, plan.k, len(out.decodes), out.num_prefill_tokens))
+        before = {s.seq.seq_id: s.seq.num_output_tokens for s in out.scheduled}
+        sampled = {s.seq.seq_id: [FAKE_TOKEN] * plan.k for s in out.decodes}
+        sampled.update({s.seq.seq_id: [FAKE_TOKEN] for s in out.prefills if s.samples})
+        finished = self.scheduler.postprocess(out, sampled, prefill_done=prefill_time is not None)
+        for s in out.decodes:
+            self._record(s.seq, decode_times[:s.seq.num_output_tokens - before[s.seq.seq_id]])
+        if prefill_time is not None:
+            for s in out.prefills:
+                self._record(s.seq, [prefill_time] * (s.seq.num_output_tokens - before[s.seq.seq_id]))
+        self.now += duration
+        return finished
+
+    def _record(self, seq: Seq, times: list[float]) -> None:
+        rec = self.records[seq.seq_id]
+        rec.chunk_times_s.extend(t - rec.start_s for t in times)
+        rec.output_tokens = seq.num_output_tokens
+
+    def _timing(self, out: SchedulerOutput) -> tuple[float, list[float], float | None]:
+        """(iteration seconds, time of each decode step's tokens, time of the prefill's first
+        tokens or None while a layer-split prefill is unfinished)."""
+        plan, decode, prefill = out.plan, _reqs(out.decodes), _reqs(out.prefills)
+        if plan.prefill_layers is not None and prefill:
+            return self._layer_round(out, decode, prefill)
+        if plan.spatial:
+            t_d, t_p = (float(x) for x in self.cm.predict_spatial(decode, prefill, plan.s_decode, self.total_sms))
+            duration = max(plan.k * t_d, t_p)
+            return duration, [self.now + i * t_d for i in range(1, plan.k + 1)], self.now + duration
+        duration = float(self.cm.predict_total(decode + prefill, self.total_sms))
+        return duration, [self.now + duration], self.now + duration
+
+    def _layer_round(self, out: SchedulerOutput, decode: list[tuple[int, int]],
+                     prefill: list[tuple[int, int]]) -> tuple[float, list[float], float | None]:
+        """One pdmux round (see the module docstring)."""
+        plan, layers = out.plan, self.config.planner.shape.layers
+        t_d = 0.0
+        if plan.spatial:
+            t_d, t_p = (float(x) for x in self.cm.predict_spatial(decode, prefill, plan.s_decode, self.total_sms))
+        else:
+            t_p = float(self.cm.predict_total(prefill, self.total_sms))
+        if self.split is None:
+            self.split = _LayerSplit(t_p / layers, layers, self.now)
+        split = self.split
+        submitted = min(plan.prefill_layers, split.layers_left)
+        split.layers_left -= submitted
+        split.busy_until_s = max(split.busy_until_s, self.now) + submitted * split.layer_s
+        end = self.now + t_d if decode else split.busy_until_s
+        done = split.layers_left == 0 and split.busy_until_s <= end
+        if done:
+            self.split = None
+        return end - self.now, [end], end if done else None
+
+
+def simulate(trace: Sequence[TraceRequest], policy: Policy, config: SimConfig, progress: bool = False,
+             label: str = "") -> SimResult:
+    """Replay ``trace`` (arrivals in seconds from 0, sorted) through the engine's scheduler
+    under ``policy``, on the cost model's clock.
+
+    Args:
+        progress: show a tqdm bar of finished requests (on a terminal).
+        label: the bar's description.
+
+    Raises:
+        ValueError: bad memory settings (see ``kv_cache_tokens``).
+        RuntimeError: the scheduler stops making progress with requests left (a bug).
+    """
+    run = _Run(trace, policy, config)
+    sched, nxt = run.scheduler, 0
+    with tqdm(total=len(trace), desc=label, unit="req", disable=None if progress else True) as bar:
+        while nxt < len(trace) or sched.has_unfinished():
+            while nxt < len(trace) and trace[nxt].arrival_s <= run.now:
+                bar.update(0 if run.add(nxt) else 1)
+                nxt += 1
+            out = sched.schedule()
+            if out.is_empty:
+                if nxt == len(trace) and sched.has_unfinished():
+                    raise RuntimeError(f"simulation stalled at {run.now:.3f} s with requests left")
+                if nxt < len(trace):
+                    run.now = max(run.now, trace[nxt].arrival_s)
+                continue
+            bar.update(len(run.step(out)))
+    ends = [r.arrival_s + r.chunk_times_s[-1] for r in run.records if r.chunk_times_s]
+    return SimResult(policy.name, run.records, run.iterations, max(ends, default=0.0), sched.num_preemptions,
+                     run.blocks.num_blocks * run.blocks.block_size)

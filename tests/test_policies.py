@@ -1,0 +1,107 @@
+"""The duet policy's decisions, the policy factory, and the engine's policy settings."""
+from __future__ import annotations
+
+import pytest
+
+from duetserve.config import EngineConfig
+from duetserve.engine.kv_cache import BlockManager
+from duetserve.engine.policy import ChunkedPolicy, PrefillFirstPolicy, make_policy, policy_by_name
+from duetserve.engine.scheduler import Scheduler
+from duetserve.engine.sequence import Sequence
+from duetserve.planner import ModelShape, load_profile
+from duetserve.planner.policies import DuetPolicy, PdmuxPolicy, PlannerConfig
+from duetserve.sampling import SamplingParams
+
+DECODE = [(1, 2000)] * 16
+PREFILL = [(4096, 0)]
+
+
+def planner(tau: float, backend: str = "greenctx") -> PlannerConfig:
+    return PlannerConfig(ModelShape.preset("qwen3-8b"), load_profile("h200"), tau, backend)
+
+
+def test_duet_is_temporal_when_the_mixed_batch_fits():
+    config = planner(0.100)
+    t_mixed = float(config.cost_model.predict_total(DECODE + PREFILL, 132))
+    assert 0.080 < t_mixed < 0.100  # about 83 ms: 16 decodes beside a 4096-token prefill
+    plan = DuetPolicy(config).plan(DECODE, PREFILL, max_k=100)
+    assert (plan.spatial, plan.k, plan.s_prefill, plan.prefill_token_limit) == (False, 1, 132, None)
+    assert plan.predicted_s == pytest.approx(t_mixed)
+
+
+def test_duet_splits_when_the_mixed_batch_breaks_tau():
+    # tau = 50 ms < 83 ms. Hand check of the two best green-context splits (8-SM steps):
+    #   S_d = 8:  t_d = 46.6 ms <= tau, t_p(124) = 93.5 ms, k = floor(93.5 / 46.6) = 2, tail gap
+    #             93.5 - 93.1 + 46.6 = 47 ms <= tau: (2 * 16 + 4096) tokens / 93.5 ms = 44.1k tok/s;
+    #   S_d = 16: t_d = 23.3 ms, t_p(116) = 98.1 ms, k = 4: 4160 / 98.1 ms = 42.4k tok/s.
+    config = planner(0.050)
+    cm = config.cost_model
+    (t_d8, t_d16), (t_p124, t_p116) = cm.predict_spatial(DECODE, PREFILL, [8, 16], 132)
+    assert t_d8 == pytest.approx(0.0466, abs=5e-4) and t_p124 == pytest.approx(0.0935, abs=5e-4)
+    assert t_d16 == pytest.approx(0.0233, abs=5e-4) and t_p116 == pytest.approx(0.0981, abs=5e-4)
+    rate8 = (2 * 16 + 4096) / max(2 * t_d8, t_p124)
+    rate16 = (4 * 16 + 4096) / max(4 * t_d16, t_p116)
+    assert rate8 > rate16
+    plan = DuetPolicy(config).plan(DECODE, PREFILL, max_k=100)
+    assert (plan.spatial, plan.s_prefill, plan.s_decode, plan.k) == (True, 124, 8, 2)
+    assert plan.predicted_s == pytest.approx(t_p124) and plan.predicted_decode_s == pytest.approx(t_d8)
+
+
+def test_duet_without_partition_backend_trims_prefill_in_the_scheduler():
+    config = planner(0.050, "none")
+    plan = DuetPolicy(config).plan(DECODE, PREFILL, max_k=100)
+    assert not plan.spatial and plan.slo_risk and 0 < plan.prefill_token_limit < 4096
+    assert plan.predicted_s <= 0.050
+    # The same decision inside the scheduler: 16 decodes at about 2000 tokens, then a 4096-token prompt.
+    sched = Scheduler(DuetPolicy(config), BlockManager(4000, 16), 64, 8192, 10_000)
+    seqs = [Sequence(i, [5] * 2000, 2000, SamplingParams(max_tokens=50, ignore_eos=True)) for i in range(16)]
+    for s in seqs:
+        sched.add(s)
+    while not all(s.is_decode for s in seqs):
+        out = sched.schedule()
+        sampled = {s.seq.seq_id: [7] for s in out.prefills if s.samples}
+        sched.postprocess(out, sampled | {s.seq.seq_id: [7] for s in out.decodes})
+    sched.add(Sequence(99, [5] * 4096, 4096, SamplingParams(max_tokens=5, ignore_eos=True)))
+    out = sched.schedule()
+    assert len(out.decodes) == 16 and out.plan.slo_risk
+    assert out.num_prefill_tokens == out.plan.prefill_token_limit < 4096
+    batch = [(1, d.num_cached_tokens) for d in out.decodes] + [(out.num_prefill_tokens, 0)]
+    assert float(config.cost_model.predict_total(batch, 132)) <= 0.050
+
+
+def test_policy_by_name():
+    assert isinstance(policy_by_name("chunked"), ChunkedPolicy)
+    assert isinstance(policy_by_name("prefill-first"), PrefillFirstPolicy)
+    assert isinstance(policy_by_name("duet", planner(0.1)), DuetPolicy)
+    assert isinstance(policy_by_name("pdmux", planner(0.1)), PdmuxPolicy)
+    with pytest.raises(ValueError, match="needs the model shape"):
+        policy_by_name("duet")
+    with pytest.raises(ValueError, match="unknown --policy"):
+        policy_by_name("fastest")
+
+
+def test_planner_config_rejects_bad_settings():
+    with pytest.raises(ValueError, match="positive"):
+        planner(0.0)
+    with pytest.raises(ValueError, match="unknown partition backend"):
+        planner(0.1, "mig")
+
+
+def test_engine_policy_from_the_model_config():
+    """The engine (CPU: partition backend none) builds duet from the served model's config.json."""
+    hf = {"hidden_size": 4096, "num_hidden_layers": 36, "num_attention_heads": 32, "num_key_value_heads": 8,
+          "head_dim": 128, "intermediate_size": 12288, "vocab_size": 151936}
+    policy = make_policy(EngineConfig(policy="duet", tbt_slo_s=0.05), hf)
+    assert isinstance(policy, DuetPolicy) and policy.config.granularity is None
+    assert policy.config.shape == ModelShape.preset("qwen3-8b")
+    assert not policy.plan(DECODE, PREFILL, 100).spatial
+    assert isinstance(make_policy(EngineConfig(policy="chunked")), ChunkedPolicy)
+
+
+def test_engine_refuses_pdmux_without_partition_backend():
+    with pytest.raises(ValueError, match=r"^--policy pdmux needs an SM partition backend"):
+        EngineConfig(policy="pdmux")
+    with pytest.raises(ValueError, match="--partition-backend"):
+        EngineConfig(partition_backend="mig")
+    with pytest.raises(ValueError, match="partition backend"):
+        PdmuxPolicy(planner(0.1, "none"))
