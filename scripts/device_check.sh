@@ -18,8 +18,9 @@ step() {  # name, timeout seconds, command...
 { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
   python3 -c 'import torch, triton, transformers; print("torch", torch.__version__, "triton", triton.__version__, "transformers", transformers.__version__)'
   git log -1 --format='commit %H %cd' 2>/dev/null || true; } | tee "$OUT/env.txt"
-step gpu-tests 420 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu_engine.py tests/test_partition.py \
+step gpu-tests 420 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu_engine.py tests/test_gpu_spatial.py tests/test_partition.py \
   $(ls tests/test_triton_attention.py 2>/dev/null)
 [ -f scripts/bench_attention.py ] && step bench-attention 240 python3 scripts/bench_attention.py --out "$OUT/attention.json"
 step bench-engine 480 python3 scripts/bench_engine.py --out "$OUT/engine.json"
+step bench-spatial 300 python3 scripts/bench_spatial.py --out "$OUT/spatial.json"
 echo; echo "=== summary"; printf '%s\n' "${summary[@]}"

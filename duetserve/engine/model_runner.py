@@ -56,6 +56,24 @@ class StepInputs:
     sampling: SamplingBatch
 
 
+class _StreamTimers:
+    """CUDA events around each stream's work; read after the join (no extra host sync)."""
+
+    def __init__(self, enabled: bool):
+        self.enabled = enabled
+        self.events: dict[str, list] = {}
+
+    def mark(self, name: str) -> None:
+        if self.enabled:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self.events.setdefault(name, []).append(event)
+
+    def elapsed(self) -> dict[str, float]:
+        """Seconds between the two marks of each stream (empty on CPU)."""
+        return {name: a.elapsed_time(b) / 1e3 for name, (a, b) in self.events.items()} if self.enabled else {}
+
+
 class ModelRunner:
     """Runs one iteration's plan on the model.
 
@@ -74,6 +92,7 @@ class ModelRunner:
         self.sampler = sampler
         self.graphs = graphs
         self.partition = partition
+        self.last_stream_seconds: dict[str, float] = {}  # spatial plans: busy time of each stream
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> dict[int, list[int]]:
@@ -94,19 +113,24 @@ class ModelRunner:
         steps = [self._prepare(out.decodes, len(out.decodes), [j] * len(out.decodes)) for j in range(k)]
         prefill = self._prepare(out.prefills, 0, [None] * len(out.prefills)) if out.prefills else None
         main = torch.cuda.current_stream() if self.device.type == "cuda" else None
+        timers = _StreamTimers(main is not None)
         with decode_ctx as stream:
             if stream is not None:
                 stream.wait_stream(main)
+            timers.mark("decode")
             ids, decode_tokens = None, []
             for step in steps:
                 if ids is not None:
                     step.input_ids = ids  # the previous step's tokens, still on the device
                 ids = self._sample(step, use_graphs=False)
                 decode_tokens.append(ids)
+            timers.mark("decode")
         with prefill_ctx as stream:
             if stream is not None:
                 stream.wait_stream(main)
+            timers.mark("prefill")
             prefill_tokens = self._sample(prefill, use_graphs=False) if prefill else None
+            timers.mark("prefill")
         for ctx_stream in (decode_ctx, prefill_ctx):
             if isinstance(ctx_stream, torch.cuda.StreamContext):
                 main.wait_stream(ctx_stream.stream)
@@ -116,6 +140,7 @@ class ModelRunner:
             sampled.update(zip(steps[0].sample_seq_ids, per_step))
         if prefill_tokens is not None and prefill.sample_seq_ids:
             sampled.update((sid, [t]) for sid, t in zip(prefill.sample_seq_ids, prefill_tokens.tolist()))
+        self.last_stream_seconds = timers.elapsed()
         return sampled
 
     def _streams(self, plan) -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
