@@ -12,7 +12,6 @@ import sys
 import tempfile
 from pathlib import Path
 
-import torch
 
 from duetserve.config import EngineConfig
 from duetserve.engine.engine import LLMEngine
