@@ -23,4 +23,5 @@ step gpu-tests 420 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gp
 [ -f scripts/bench_attention.py ] && step bench-attention 240 python3 scripts/bench_attention.py --out "$OUT/attention.json"
 step bench-engine 480 python3 scripts/bench_engine.py --out "$OUT/engine.json"
 step bench-spatial 300 python3 scripts/bench_spatial.py --out "$OUT/spatial.json"
+step tpcmask-watchdog 300 python3 scripts/tpcmask_watchdog.py --out "$OUT/watchdog.json"
 echo; echo "=== summary"; printf '%s\n' "${summary[@]}"
