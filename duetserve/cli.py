@@ -7,6 +7,7 @@ import sys
 
 from duetserve.bench import cli as bench_cli
 from duetserve.config import POLICIES, EngineConfig, parse_duration
+from duetserve.sim import cli as sim_cli
 
 
 def _duration(flag: str):
@@ -96,6 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     _add_serve(sub)
     bench_cli.add_parser(sub)
+    sim_cli.add_parser(sub)
     args = parser.parse_args(argv)
     logging.basicConfig(level=getattr(args, "log_level", "info").upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")

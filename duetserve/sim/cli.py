@@ -1,0 +1,200 @@
+"""``duetserve simulate``: replay a trace through the engine's scheduler on the cost model's clock.
+
+One simulation per (policy, QPS): the trace's requests keep their lengths and get arrivals at
+each QPS (Poisson by default). Prints one table row per (policy, QPS), then per policy the
+highest swept QPS whose p99 TBT stays within the SLO and its request throughput relative to
+``chunked``. ``--json`` saves the rows, ``--plot`` draws TBT, TTFT and throughput against QPS.
+Exit status: 0 on success, 1 on bad input (the message names the flag), 2 on bad usage.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+from collections.abc import Callable
+
+from duetserve.config import POLICIES, parse_duration
+from duetserve.engine.policy import policy_by_name
+from duetserve.planner.cost_model import ModelShape
+from duetserve.planner.hardware import available_profiles, load_profile
+from duetserve.partition.base import BACKENDS as PARTITION_BACKENDS
+from duetserve.planner.policies import PlannerConfig
+from duetserve.sim.report import format_capacity, format_table, plot_rows, summarize
+from duetserve.sim.simulator import SimConfig, simulate
+from duetserve.traces import TraceSpec, load_trace, parse_length, resolve_format
+
+
+def _argtype(parse: Callable[[str], Any], name: str) -> Callable[[str], Any]:
+    """``parse`` with ValueError/OSError turned into argparse's message (which names the flag)."""
+
+    def wrapped(text: str) -> Any:
+        try:
+            return parse(text)
+        except (ValueError, OSError) as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from exc
+
+    wrapped.__name__ = name
+    return wrapped
+
+
+def _positive(convert: Callable[[str], float | int]) -> Callable[[str], Any]:
+    def parse(text: str) -> float | int:
+        value = convert(text)
+        if not value > 0:
+            raise ValueError(f"must be positive, got {text!r}")
+        return value
+
+    return parse
+
+
+def _qps_list(text: str) -> list[float]:
+    values = [_positive(float)(x) for x in text.split(",") if x.strip()]
+    if not values:
+        raise ValueError("give one or more rates, e.g. 2,4,8")
+    return values
+
+
+def _window(text: str) -> tuple[float, float]:
+    start, sep, end = text.partition(":")
+    if not sep:
+        raise ValueError(f"expected START:END, got {text!r}")
+    return parse_duration(start), parse_duration(end)
+
+
+def _model_shape(text: str) -> ModelShape:
+    """A preset name, or the path of a Hugging Face ``config.json`` (or its folder)."""
+    path = Path(text)
+    if path.is_dir():
+        path = path / "config.json"
+    if path.is_file():
+        return ModelShape.from_hf_config(json.loads(path.read_text()))
+    return ModelShape.preset(text)
+
+
+def _existing_file(text: str) -> Path:
+    if not Path(text).is_file():
+        raise ValueError(f"no such file: {text}")
+    return Path(text)
+
+
+def configure_parser(p: argparse.ArgumentParser) -> None:
+    """Add every ``duetserve simulate`` option to ``p``."""
+    t = p.add_argument_group("trace")
+    t.add_argument("--trace", type=_argtype(_existing_file, "--trace"), metavar="FILE",
+                   help="Azure .csv or Mooncake .jsonl trace; omit with --format synthetic")
+    t.add_argument("--format", default="auto", choices=["auto", "azure", "mooncake", "synthetic"],
+                   help="trace format (auto: by suffix; synthetic without --trace)")
+    t.add_argument("--qps", required=True, type=_argtype(_qps_list, "--qps"), metavar="Q[,Q2,...]",
+                   help="request rates to sweep, req/s")
+    t.add_argument("--arrival", default="poisson", choices=["poisson", "scale"],
+                   help="poisson: re-draw arrivals at each QPS (gaps of CV --cv); scale: stretch the trace's own")
+    t.add_argument("--cv", type=_argtype(float, "--cv"), default=1.0, help="CV of Poisson/gamma gaps")
+    t.add_argument("--window", type=_argtype(_window, "--window"), metavar="START:END",
+                   help="keep requests arriving in [START, END) of the trace, e.g. 0:10min")
+    t.add_argument("--num-requests", type=_argtype(_positive(int), "--num-requests"), metavar="N",
+                   help="first N requests (synthetic: how many)")
+    t.add_argument("--max-input-len", type=_argtype(_positive(int), "--max-input-len"), metavar="TOKENS")
+    t.add_argument("--max-output-len", type=_argtype(_positive(int), "--max-output-len"), metavar="TOKENS")
+    t.add_argument("--input-len", type=_argtype(parse_length, "--input-len"), default=parse_length("512"),
+                   metavar="SPEC", help="synthetic: N, LOW:HIGH or lognormal:MEAN:SIGMA (default 512)")
+    t.add_argument("--output-len", type=_argtype(parse_length, "--output-len"), default=parse_length("128"),
+                   metavar="SPEC", help="synthetic: N, LOW:HIGH or lognormal:MEAN:SIGMA (default 128)")
+    t.add_argument("--seed", type=int, default=0, help="seed for lengths and arrivals")
+
+    m = p.add_argument_group("model and GPU")
+    m.add_argument("--model-config", type=_argtype(_model_shape, "--model-config"), default="qwen3-8b",
+                   metavar="PRESET|PATH", help="model shape: a preset (qwen3-8b, qwen3-14b, llama3-8b, "
+                                               "smollm2-135m) or a config.json (default qwen3-8b)")
+    m.add_argument("--gpu", type=_argtype(load_profile, "--gpu"), default="h200", metavar="NAME|PATH",
+                   help=f"hardware profile: {', '.join(available_profiles())} or a JSON file (default h200)")
+    m.add_argument("--tp", type=_argtype(_positive(int), "--tp"), default=1, help="tensor-parallel GPUs")
+    m.add_argument("--partition-backend", choices=PARTITION_BACKENDS, default="greenctx",
+                   help="SM partitioning: greenctx (8-SM steps on Hopper), tpcmask (2-SM steps), none")
+    m.add_argument("--gpu-memory-utilization", type=_argtype(float, "--gpu-memory-utilization"), default=0.9,
+                   help="share of HBM for weights and KV cache (default 0.9)")
+    m.add_argument("--kv-cache-tokens", type=_argtype(_positive(int), "--kv-cache-tokens"), metavar="TOKENS",
+                   help="KV capacity (default: from the profile's HBM minus the weights)")
+
+    s = p.add_argument_group("scheduling")
+    s.add_argument("--policy", choices=[*POLICIES, "all"], default="all", help="policy to simulate, or all")
+    s.add_argument("--tbt-slo", type=_argtype(_positive(lambda x: parse_duration(x, "ms")), "--tbt-slo"),
+                   default=0.1, metavar="DURATION", help="TBT SLO, e.g. 100ms (bare numbers: ms)")
+    s.add_argument("--max-num-batched-tokens", type=_argtype(_positive(int), "--max-num-batched-tokens"),
+                   default=8192, help="token budget per iteration (default 8192; 2048 suits A100)")
+    s.add_argument("--max-num-seqs", type=_argtype(_positive(int), "--max-num-seqs"), default=256)
+    s.add_argument("--block-size", type=_argtype(_positive(int), "--block-size"), default=16)
+    s.add_argument("--max-model-len", type=_argtype(_positive(int), "--max-model-len"), metavar="TOKENS",
+                   help="context limit (default: the trace's longest request)")
+
+    r = p.add_argument_group("results")
+    r.add_argument("--json", type=Path, metavar="OUT.json", help="save the rows as a JSON list")
+    r.add_argument("--plot", type=Path, metavar="OUT.png", help="plot TBT, TTFT and throughput against QPS")
+    r.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Register the ``simulate`` subcommand on an ``argparse`` subparsers object; its ``func``
+    default is :func:`run`."""
+    p = subparsers.add_parser("simulate", help="replay a trace on the cost model (no GPU)", description=__doc__,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+    configure_parser(p)
+    p.set_defaults(func=run)
+    return p
+
+
+def _trace_spec(args: argparse.Namespace, qps: float) -> TraceSpec:
+    return TraceSpec(format=args.format, arrival=args.arrival, qps=qps, cv=args.cv, window_s=args.window,
+                     num_requests=args.num_requests, max_input_len=args.max_input_len,
+                     max_output_len=args.max_output_len, input_len=args.input_len, output_len=args.output_len,
+                     seed=args.seed)
+
+
+def _check_trace_flags(args: argparse.Namespace) -> None:
+    if args.format not in ("auto", "synthetic") and args.trace is None:
+        raise ValueError(f"--trace FILE is required with --format {args.format}")
+    if resolve_format(args.trace, args.format) == "synthetic" and args.num_requests is None:
+        raise ValueError("--num-requests is required for a synthetic trace")
+
+
+def _simulate(args: argparse.Namespace) -> int:
+    _check_trace_flags(args)
+    names = [args.policy] if args.policy != "all" else list(POLICIES)
+    if args.policy == "all" and args.partition_backend == "none":
+        names.remove("pdmux")
+        print("duetserve simulate: pdmux left out: --partition-backend none", file=sys.stderr)
+    planner = PlannerConfig(args.model_config, args.gpu, args.tbt_slo, args.partition_backend, tp=args.tp)
+    policies = [policy_by_name(name, planner) for name in names]
+    config = SimConfig(planner, args.max_num_seqs, args.max_num_batched_tokens, args.block_size,
+                       args.kv_cache_tokens, args.gpu_memory_utilization, args.max_model_len)
+    rows = []
+    for qps in args.qps:
+        trace = load_trace(args.trace, _trace_spec(args, qps))
+        if not trace:
+            raise ValueError("the trace selection holds no requests (see --window and --num-requests)")
+        for policy in policies:
+            result = simulate(trace, policy, config, not args.no_progress, f"{policy.name} qps {qps:g}")
+            rows.append(summarize(result, qps, args.tbt_slo))
+    rows.sort(key=lambda r: (names.index(r["policy"]), r["qps"]))
+    print(format_table(rows))
+    print()
+    print(format_capacity(rows))
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=1))
+        print(f"json: {args.json}")
+    if args.plot:
+        plot_rows(rows, args.plot)
+        print(f"plot: {args.plot}")
+    return 0
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run ``duetserve simulate`` with parsed arguments; 0 on success, 1 on bad input or an
+    unreadable trace (the message goes to stderr)."""
+    try:
+        return _simulate(args)
+    except (ValueError, OSError) as exc:
+        print(f"duetserve simulate: error: {exc}", file=sys.stderr)
+        return 1

@@ -1,0 +1,140 @@
+"""Rows, table, capacity summary and plot of simulation results.
+
+Latency statistics come from ``duetserve.bench.metrics.compute_metrics`` (the definitions of
+``vllm bench serve``): TTFT is arrival to first token, TBT the gaps between consecutive tokens
+of a request (vLLM's ITL), ``tbt_slo_attainment`` the share of those gaps at or below the SLO.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from matplotlib.figure import Figure
+
+from duetserve.bench.metrics import Slos, compute_metrics
+from duetserve.sim.simulator import SimResult
+
+_COLUMNS = (  # (row key, header, format)
+    ("policy", "policy", "{}"),
+    ("qps", "qps", "{:g}"),
+    ("completed", "done", "{}"),
+    ("request_throughput", "req/s", "{:.2f}"),
+    ("output_throughput", "tok/s", "{:.0f}"),
+    ("mean_ttft_ms", "TTFT mean", "{:.0f}"),
+    ("p50_ttft_ms", "p50", "{:.0f}"),
+    ("p99_ttft_ms", "p99", "{:.0f}"),
+    ("mean_tbt_ms", "TBT mean", "{:.1f}"),
+    ("p50_tbt_ms", "p50", "{:.1f}"),
+    ("p99_tbt_ms", "p99", "{:.1f}"),
+    ("tbt_slo_attainment", "SLO att.", "{:.2%}"),
+    ("spatial_fraction", "spatial", "{:.1%}"),
+)
+
+
+def summarize(result: SimResult, qps: float, tbt_slo_s: float) -> dict[str, Any]:
+    """One table/JSON row: ``policy``, ``qps``, request and output token throughput (per
+    second), TTFT and TBT mean/p50/p99 (ms), ``tbt_slo_attainment`` (share of TBT gaps
+    <= ``tbt_slo_s``; None without gaps), ``spatial_fraction`` and ``slo_risk_fraction``
+    (shares of iterations), and counts.
+
+    Raises:
+        ValueError: no request produced a token (nothing to measure).
+    """
+    if result.duration_s <= 0:
+        raise ValueError("no request of the trace ran (each needs more KV cache than there is?)")
+    m = compute_metrics(result.records, result.duration_s, Slos(tbt_s=tbt_slo_s), percentiles=(50, 99))
+    its = result.iterations
+    return {
+        "policy": result.policy,
+        "qps": qps,
+        "completed": m["completed"],
+        "failed": m["failed"],
+        "duration_s": result.duration_s,
+        "request_throughput": m["request_throughput"],
+        "output_throughput": m["output_throughput"],
+        "mean_ttft_ms": m["mean_ttft_ms"],
+        "p50_ttft_ms": m["p50_ttft_ms"],
+        "p99_ttft_ms": m["p99_ttft_ms"],
+        "mean_tbt_ms": m["mean_itl_ms"],
+        "p50_tbt_ms": m["p50_itl_ms"],
+        "p99_tbt_ms": m["p99_itl_ms"],
+        "tbt_slo_ms": tbt_slo_s * 1e3,
+        "tbt_slo_attainment": m["tbt_slo_attainment"],
+        "spatial_fraction": sum(i.spatial for i in its) / len(its),
+        "slo_risk_fraction": sum(i.slo_risk for i in its) / len(its),
+        "iterations": len(its),
+        "preemptions": result.num_preemptions,
+        "kv_cache_tokens": result.kv_cache_tokens,
+    }
+
+
+def format_table(rows: Sequence[dict[str, Any]]) -> str:
+    """A fixed-width text table of ``rows`` (one per policy and QPS); TTFT and TBT in ms."""
+    cells = [[h for _, h, _ in _COLUMNS]]
+    cells += [["-" if r[k] is None else f.format(r[k]) for k, _, f in _COLUMNS] for r in rows]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(_COLUMNS))]
+    lines = ["  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths))) for row in cells]
+    lines.insert(1, "-" * len(lines[0]))
+    return "\n".join(lines)
+
+
+def slo_capacity(rows: Sequence[dict[str, Any]]) -> dict[str, dict[str, Any] | None]:
+    """Per policy, the row with the highest request throughput among those whose p99 TBT is
+    within the SLO (at least 99% of TBT gaps attain it); None when no swept QPS is."""
+    best: dict[str, dict[str, Any] | None] = {}
+    for r in rows:
+        best.setdefault(r["policy"], None)
+        if r["p99_tbt_ms"] <= r["tbt_slo_ms"]:
+            current = best[r["policy"]]
+            if current is None or r["request_throughput"] > current["request_throughput"]:
+                best[r["policy"]] = r
+    return best
+
+
+def format_capacity(rows: Sequence[dict[str, Any]], baseline: str = "chunked") -> str:
+    """One line per policy: the highest-throughput swept QPS with p99 TBT within the SLO,
+    its request throughput, and that throughput relative to ``baseline``'s."""
+    best = slo_capacity(rows)
+    base = best.get(baseline)
+    lines = []
+    for policy, row in best.items():
+        if row is None:
+            lines.append(f"{policy}: p99 TBT above the SLO at every swept QPS")
+            continue
+        ratio = f", {row['request_throughput'] / base['request_throughput']:.2f}x {baseline}" \
+            if base is not None and policy != baseline else ""
+        lines.append(f"{policy}: p99 TBT {row['p99_tbt_ms']:.1f} ms <= {row['tbt_slo_ms']:g} ms up to qps "
+                     f"{row['qps']:g}, {row['request_throughput']:.2f} req/s{ratio}")
+    return "\n".join(lines)
+
+
+def plot_rows(rows: Sequence[dict[str, Any]], out_path: str | Path) -> None:
+    """Draw p99 and mean TBT, mean and p99 TTFT, and request throughput against QPS, one line
+    per policy, into an image (format from the suffix).
+
+    Raises:
+        OSError: the image cannot be written.
+    """
+    fig = Figure(figsize=(15, 4.2), layout="constrained")
+    ax_tbt, ax_ttft, ax_thr = fig.subplots(1, 3)
+    for policy in dict.fromkeys(r["policy"] for r in rows):
+        mine = sorted((r for r in rows if r["policy"] == policy), key=lambda r: r["qps"])
+        qps = [r["qps"] for r in mine]
+        line, = ax_tbt.plot(qps, [r["p99_tbt_ms"] for r in mine], "o-", label=f"{policy} p99")
+        ax_tbt.plot(qps, [r["mean_tbt_ms"] for r in mine], "x--", color=line.get_color(), alpha=0.6,
+                    label=f"{policy} mean")
+        ax_ttft.plot(qps, [r["mean_ttft_ms"] / 1e3 for r in mine], "o-", color=line.get_color(), label=f"{policy} mean")
+        ax_ttft.plot(qps, [r["p99_ttft_ms"] / 1e3 for r in mine], "x--", color=line.get_color(), alpha=0.6,
+                     label=f"{policy} p99")
+        ax_thr.plot(qps, [r["request_throughput"] for r in mine], "o-", color=line.get_color(), label=policy)
+    for slo in {r["tbt_slo_ms"] for r in rows}:
+        ax_tbt.axhline(slo, color="red", linestyle=":", label=f"SLO {slo:g} ms")
+    ax_tbt.set(title="TBT", xlabel="QPS (req/s)", ylabel="TBT (ms)")
+    ax_ttft.set(title="TTFT", xlabel="QPS (req/s)", ylabel="TTFT (s)", yscale="log")
+    ax_thr.set(title="Request throughput", xlabel="QPS (req/s)", ylabel="finished req/s")
+    for ax in (ax_tbt, ax_ttft, ax_thr):
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize="x-small")
+    fig.savefig(out_path, dpi=80)

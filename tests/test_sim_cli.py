@@ -1,0 +1,80 @@
+"""``duetserve simulate`` end to end on small synthetic traces, and its input errors."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from duetserve.cli import main
+
+SMALL = ["simulate", "--format", "synthetic", "--num-requests", "40", "--input-len", "500:3000",
+         "--output-len", "10:60", "--no-progress"]
+KEYS = {"policy", "qps", "request_throughput", "output_throughput", "mean_ttft_ms", "p99_ttft_ms", "mean_tbt_ms",
+        "p50_tbt_ms", "p99_tbt_ms", "tbt_slo_attainment", "spatial_fraction"}
+
+
+def test_end_to_end_writes_table_json_and_plot(tmp_path, capsys):
+    out_json, out_png = tmp_path / "rows.json", tmp_path / "plot.png"
+    assert main([*SMALL, "--qps", "2,20", "--policy", "all", "--tbt-slo", "100ms", "--model-config", "qwen3-8b",
+                 "--gpu", "h200", "--json", str(out_json), "--plot", str(out_png)]) == 0
+    rows = json.loads(out_json.read_text())
+    assert [(r["policy"], r["qps"]) for r in rows] == [
+        (p, q) for p in ("chunked", "prefill-first", "duet", "pdmux") for q in (2.0, 20.0)]
+    for row in rows:
+        assert KEYS <= set(row) and row["completed"] == 40
+        assert 0 <= row["tbt_slo_attainment"] <= 1 and 0 <= row["spatial_fraction"] <= 1
+    assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    printed = capsys.readouterr().out
+    assert "TBT mean" in printed and "chunked" in printed and "req/s" in printed
+
+
+def test_model_config_file_and_single_policy(tmp_path, capsys):
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"hidden_size": 576, "num_hidden_layers": 30, "num_attention_heads": 9,
+                                  "num_key_value_heads": 3, "intermediate_size": 1536, "vocab_size": 49152,
+                                  "tie_word_embeddings": True}))
+    assert main([*SMALL, "--qps", "5", "--policy", "duet", "--model-config", str(config),
+                 "--partition-backend", "tpcmask", "--max-num-batched-tokens", "2048"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[2].startswith("duet") and len([x for x in lines if x.startswith("duet ")]) == 1
+
+
+@pytest.mark.parametrize("args, flag", [
+    (["--qps", "2", "--policy", "fastest"], "--policy"),
+    (["--qps", "fast"], "--qps"),
+    (["--qps", "2,-1"], "--qps"),
+    (["--qps", "2", "--trace", "/no/such/trace.csv"], "--trace"),
+    (["--qps", "2", "--tbt-slo", "soon"], "--tbt-slo"),
+    (["--qps", "2", "--model-config", "gpt-5"], "--model-config"),
+    (["--qps", "2", "--gpu", "b300"], "--gpu"),
+    (["--qps", "2", "--window", "10"], "--window"),
+])
+def test_bad_flags_are_usage_errors_naming_the_flag(args, flag, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main([*SMALL, *args])
+    assert exc.value.code == 2
+    assert f"argument {flag}" in capsys.readouterr().err
+
+
+def test_missing_qps_is_a_usage_error(capsys):
+    with pytest.raises(SystemExit):
+        main(SMALL)
+    assert "--qps" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("args, words", [
+    (["simulate", "--format", "azure", "--qps", "2"], "--trace FILE is required"),
+    (["simulate", "--format", "synthetic", "--qps", "2"], "--num-requests is required"),
+    ([*SMALL, "--qps", "2", "--policy", "pdmux", "--partition-backend", "none"], "--policy pdmux needs"),
+    ([*SMALL, "--qps", "2", "--window", "5s:1s"], "empty window"),
+])
+def test_inconsistent_input_exits_1_with_a_message(args, words, capsys):
+    assert main(args) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("duetserve simulate: error:") and words in err
+
+
+def test_all_without_partition_backend_leaves_pdmux_out(capsys):
+    assert main([*SMALL, "--qps", "3", "--partition-backend", "none"]) == 0
+    captured = capsys.readouterr()
+    assert "pdmux left out" in captured.err and "pdmux" not in captured.out

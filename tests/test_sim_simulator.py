@@ -1,0 +1,108 @@
+"""The trace simulator against the cost model's own numbers (Qwen3-8B on the H200 profile)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from duetserve.engine.policy import policy_by_name
+from duetserve.planner import ModelShape, load_profile
+from duetserve.planner.policies import PlannerConfig
+from duetserve.sim.simulator import SimConfig, kv_cache_tokens, simulate, weight_bytes
+from duetserve.traces import FixedLength, TraceRequest, TraceSpec, UniformLength, load_trace
+
+TAU = 0.100
+
+
+@pytest.fixture(scope="module")
+def planner() -> PlannerConfig:
+    return PlannerConfig(ModelShape.preset("qwen3-8b"), load_profile("h200"), TAU)
+
+
+def gaps(result) -> np.ndarray:
+    return np.concatenate([np.diff(r.chunk_times_s) for r in result.records])
+
+
+@pytest.mark.parametrize("policy", ["chunked", "prefill-first", "duet", "pdmux"])
+def test_low_load_gives_single_request_latencies(planner, policy):
+    # 30 requests at 0.2 req/s, each busy for about 80 ms: almost always alone on the GPU.
+    trace = load_trace(None, TraceSpec(qps=0.2, num_requests=30, input_len=FixedLength(1024),
+                                       output_len=FixedLength(16), seed=3))
+    result = simulate(trace, policy_by_name(policy, planner), SimConfig(planner))
+    cm = planner.cost_model
+    prefill_s = float(cm.predict_total([(1024, 0)], 132))  # about 19.5 ms
+    step_s = float(cm.predict_total([(1, 1032)], 132))  # about 3.8 ms, mid-way through the outputs
+    ttft = np.array([r.ttft_s for r in result.records])
+    assert np.median(ttft) == pytest.approx(prefill_s, rel=1e-9)
+    assert ttft.mean() == pytest.approx(prefill_s, rel=0.05)
+    assert np.median(gaps(result)) == pytest.approx(step_s, rel=0.01)
+    assert all(r.output_tokens == 16 for r in result.records)
+    assert result.duration_s == pytest.approx(trace[-1].arrival_s + prefill_s + 15 * step_s, rel=0.01)
+
+
+def test_overload_prefill_first_stalls_decode_chunked_and_duet_do_not(planner):
+    trace = load_trace(None, TraceSpec(qps=30, num_requests=300, input_len=UniformLength(2000, 6000),
+                                       output_len=FixedLength(32), seed=1))
+    config = SimConfig(planner, max_num_seqs=64)
+    runs = {p: gaps(simulate(trace, policy_by_name(p, planner), config)) for p in ("prefill-first", "chunked", "duet")}
+    # prefill-first: whole prompts run alone while prompts wait, so decodes stall for seconds
+    assert runs["prefill-first"].max() > 1.0 and (runs["prefill-first"] > 0.2).sum() > 100
+    # chunked: a gap is never longer than one full-budget mixed iteration (64 decodes + 8128 tokens)
+    full = float(planner.cost_model.predict_total([(1, 6032)] * 64 + [(8128, 0)], 132))
+    assert TAU < runs["chunked"].max() <= full
+    # duet: the optimizer keeps TBT within the SLO
+    assert np.percentile(runs["duet"], 99) <= TAU and runs["duet"].max() < runs["chunked"].max()
+
+
+def test_duet_iterations_last_what_the_policy_predicted(planner):
+    trace = load_trace(None, TraceSpec(qps=20, num_requests=150, input_len=UniformLength(1000, 7000),
+                                       output_len=UniformLength(10, 100), seed=2))
+    result = simulate(trace, policy_by_name("duet", planner), SimConfig(planner))
+    spatial = [it for it in result.iterations if it.spatial]
+    assert spatial and any(it.k > 1 for it in spatial)
+    for it in result.iterations:  # the policy and the clock share one cost model
+        assert it.duration_s == pytest.approx(it.predicted_s, rel=1e-9)
+
+
+def test_spatial_iteration_emits_decode_tokens_per_step(planner):
+    """A long prompt arriving beside a decoding request: duet splits, decode tokens every t_d."""
+    tight = PlannerConfig(planner.shape, planner.profile, 0.030)
+    trace = [TraceRequest(0.0, 200, 300), TraceRequest(0.05, 8000, 2)]
+    result = simulate(trace, policy_by_name("duet", tight), SimConfig(tight))
+    it = next(it for it in result.iterations if it.spatial)
+    assert it.k > 1 and it.num_decodes == 1 and it.num_prefill_tokens == 8000
+    a = result.records[0]
+    times = np.array(a.chunk_times_s) + a.arrival_s
+    inside = times[(times > it.start_s) & (times <= it.start_s + it.duration_s + 1e-12)]
+    assert len(inside) == it.k
+    steps = np.diff(np.concatenate([[it.start_s], inside]))
+    np.testing.assert_allclose(steps, steps[0], rtol=1e-9)  # one token per decode step of t_d
+    assert steps[0] <= 0.030 and it.k * steps[0] <= it.duration_s
+
+
+def test_kv_capacity_from_hbm_minus_weights():
+    llama = ModelShape.preset("llama3-8b")
+    assert weight_bytes(llama) == 2 * 8_030_261_248  # Llama 3 8B's published parameter count
+    qwen = ModelShape.preset("qwen3-8b")
+    assert weight_bytes(qwen) / 2 == pytest.approx(8_190_735_360, rel=1e-5)  # q/k norms not counted
+    h200 = load_profile("h200")
+    per_token = 36 * 2 * 8 * 128 * 2  # layers x (K, V) x KV heads x head dim x bf16 = 147456 bytes
+    assert kv_cache_tokens(qwen, h200) == int((h200.hbm_bytes * 0.9 - weight_bytes(qwen)) // per_token)
+    with pytest.raises(ValueError):
+        kv_cache_tokens(qwen, h200, utilization=0.1)  # 14.9 GB cannot even hold the 16.4 GB of weights
+
+
+def test_requests_that_never_fit_are_failed_not_stalled(planner):
+    trace = [TraceRequest(0.0, 1000, 10), TraceRequest(0.0, 5000, 10)]
+    result = simulate(trace, policy_by_name("chunked"), SimConfig(planner, kv_cache_tokens=4096))
+    ok, too_big = result.records
+    assert ok.success and ok.output_tokens == 10
+    assert not too_big.success and "KV blocks" in too_big.error
+
+
+def test_small_kv_cache_preempts_and_still_finishes(planner):
+    trace = load_trace(None, TraceSpec(qps=50, num_requests=40, input_len=UniformLength(500, 1500),
+                                       output_len=UniformLength(50, 200), seed=4))
+    for policy in ("chunked", "duet", "pdmux", "prefill-first"):
+        result = simulate(trace, policy_by_name(policy, planner), SimConfig(planner, kv_cache_tokens=6000))
+        assert result.num_preemptions > 0
+        assert [r.output_tokens for r in result.records] == [r.output_len for r in trace]
