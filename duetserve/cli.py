@@ -6,7 +6,7 @@ import logging
 import sys
 
 from duetserve.bench import cli as bench_cli
-from duetserve.config import POLICIES, EngineConfig, parse_duration
+from duetserve.config import ATTENTION_BACKENDS, POLICIES, EngineConfig, parse_duration
 from duetserve.sim import cli as sim_cli
 
 
@@ -47,6 +47,8 @@ def _add_serve(sub) -> None:
     p.add_argument("--max-model-len", type=int, default=None, help="context limit, tokens (default: the model's)")
     p.add_argument("--device", default=None, help="cpu or cuda[:N] (default: cuda if available)")
     p.add_argument("--dtype", choices=("auto", "float32", "float16", "bfloat16"), default="auto")
+    p.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default="auto",
+                   help="auto: flash-attn if it imports and fits, else triton on CUDA; torch on the CPU")
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode")
@@ -73,7 +75,8 @@ def _serve(args, parser: argparse.ArgumentParser) -> int:
                               kv_cache_memory_fraction=args.kv_cache_memory_fraction,
                               cpu_kv_cache_bytes=int(args.cpu_kv_cache_gb * (1 << 30)),
                               max_model_len=args.max_model_len, policy=args.policy, tbt_slo_s=args.tbt_slo,
-                              seed=args.seed, enforce_eager=args.enforce_eager)
+                              seed=args.seed, enforce_eager=args.enforce_eager,
+                              attention_backend=args.attention_backend)
         engine = LLMEngine(config)
     except (ValueError, FileNotFoundError, KeyError) as exc:
         parser.error(str(exc))

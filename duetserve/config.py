@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from duetserve.partition.base import BACKENDS as PARTITION_BACKENDS
 
 POLICIES = ("chunked", "prefill-first", "duet", "pdmux")
+ATTENTION_BACKENDS = ("auto", "torch", "triton", "flash")
 
 _DURATION = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*(us|ms|s|min)?\s*$")
 _UNITS_S = {"us": 1e-6, "ms": 1e-3, "s": 1.0, "min": 60.0}
@@ -53,6 +54,7 @@ class EngineConfig:
             ``none`` (the engine runs no spatial plans yet) keeps plans temporal and refuses
             ``pdmux``.
         seed: seed for dummy weights and for unseeded sampling.
+        attention_backend: one of ``ATTENTION_BACKENDS`` (see ``duetserve.model.backends``).
         enforce_eager: never replay CUDA graphs (decode runs eagerly).
     """
 
@@ -72,11 +74,14 @@ class EngineConfig:
     hardware_profile: str = "h200"
     partition_backend: str = "none"
     seed: int = 0
+    attention_backend: str = "auto"
     enforce_eager: bool = False
 
     def __post_init__(self) -> None:
         checks = [
             (self.policy in POLICIES, "--policy", f"must be one of {', '.join(POLICIES)}"),
+            (self.attention_backend in ATTENTION_BACKENDS, "--attention-backend",
+             f"must be one of {', '.join(ATTENTION_BACKENDS)}"),
             (self.load_format in ("auto", "dummy"), "--load-format", "must be auto or dummy"),
             (self.dtype in ("auto", "float32", "float16", "bfloat16"), "--dtype",
              "must be auto, float32, float16 or bfloat16"),

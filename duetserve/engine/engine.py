@@ -17,7 +17,7 @@ from duetserve.engine.policy import Plan, make_policy
 from duetserve.engine.sampler import Sampler
 from duetserve.engine.scheduler import Scheduler
 from duetserve.engine.sequence import Sequence
-from duetserve.model.attention import TorchAttention
+from duetserve.model.backends import make_attention_backend
 from duetserve.model.loader import load_model
 from duetserve.sampling import ParamError, SamplingParams
 
@@ -82,7 +82,8 @@ class LLMEngine:
             dtype = "bfloat16" if self.device.type == "cuda" else "float32"
         self.dtype = _DTYPES[dtype]
         torch.manual_seed(config.seed)
-        loaded = load_model(config.model, TorchAttention(), self.dtype, self.device, config.load_format,
+        backend = make_attention_backend(config.attention_backend, self.device, config.block_size)
+        loaded = load_model(config.model, backend, self.dtype, self.device, config.load_format,
                             config.max_model_len, config.seed)
         self.model, self.tokenizer, self.model_name = loaded.model, loaded.tokenizer, loaded.name
         self.max_model_len = config.max_model_len or self.model.dims.max_position_embeddings

@@ -1,0 +1,320 @@
+"""Triton attention over the paged KV cache: decode (flash-decoding) and varlen causal prefill.
+
+One kernel serves both. A program owns one KV head and a tile of query rows; the rows are
+(token, query head) pairs of that KV head's group, so grouped-query attention reads each KV
+tile once for all the heads that share it. Keys are walked in tiles of ``BLOCK_N`` cache
+positions, each position's slot looked up in the block table, with the online softmax of
+FlashAttention-2 (Dao 2023, arXiv:2307.08691): running row maximum and sum, rescaled
+accumulator, ``exp2`` with the scale folded into ``log2(e)``. Tiles entirely below the causal
+diagonal skip the mask.
+
+Decode programs may split the keys of one sequence across ``num_splits`` programs
+(flash-decoding, Dao et al. 2023, "Flash-Decoding for long-context inference"); each writes a
+partial output and its log-sum-exp, and a second kernel merges them. Every loop bound is read
+from ``context_lens`` inside the kernels and every grid depends only on tensor shapes, so both
+entry points can be captured in a CUDA graph.
+
+On a machine without a GPU the kernels run under Triton's interpreter (``TRITON_INTERPRET=1``
+set before this module is imported).
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from duetserve.model.attention import AttentionMetadata, write_kv
+
+_LOG2E = 1.4426950408889634
+MAX_SPLITS = 32
+# Tiles by element size (bf16/fp16, fp32), sized for Hopper's 227 KiB of shared memory and 255
+# registers a thread: decode keys per tile; prefill (query rows, keys, warps) per program.
+_DECODE_BLOCK_N = {2: 64, 4: 32}
+_PREFILL_TILES = {2: (128, 64, 8), 4: (64, 32, 4)}
+
+
+@triton.jit
+def _attend_tiles(q, m_i, l_i, acc, k_cache, v_cache, table_row, head_off, stride_kb, stride_ks, row_pos, ctx,
+                  qk_scale, lo, hi, offs_d, d_ok, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, MASK: tl.constexpr,
+                  DOT_PRECISION: tl.constexpr):
+    """Online-softmax update of ``(m_i, l_i, acc)`` over key tiles ``lo..hi-1`` (log2 domain)."""
+    offs_n = tl.arange(0, BLOCK_N)
+    for t in range(lo, hi):
+        pos = t * BLOCK_N + offs_n
+        in_ctx = pos < ctx
+        page = tl.load(table_row + pos // PAGE, mask=in_ctx, other=0).to(tl.int64)
+        slot = page * stride_kb + (pos % PAGE) * stride_ks + head_off
+        kv_mask = in_ctx[:, None] & d_ok[None, :]
+        k = tl.load(k_cache + slot[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+        if MASK:
+            s = tl.where(pos[None, :] <= row_pos[:, None], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_cache + slot[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+    return m_i, l_i, acc
+
+
+@triton.jit
+def _find_seq(query_start_loc, first, num_seqs, slot, BLOCK_Q: tl.constexpr):
+    """Sequence owning tile slot ``slot``: sequence i's slots start at ``(start_i - first) // BLOCK_Q + i``."""
+    lo: tl.int32 = 0
+    hi: tl.int32 = num_seqs
+    while lo + 1 < hi:
+        mid = (lo + hi) // 2
+        if (tl.load(query_start_loc + mid) - first) // BLOCK_Q + mid <= slot:
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+@triton.jit
+def _paged_attention_kernel(
+        q_ptr, k_cache, v_cache, out_ptr, lse_ptr, block_tables, context_lens, query_start_loc, num_seqs, qk_scale,
+        stride_qt, stride_qh, stride_ot, stride_oh, stride_os, stride_kb, stride_ks, stride_kh, stride_bt,
+        GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr, PAGE: tl.constexpr, NUM_SPLITS: tl.constexpr, DECODE: tl.constexpr,
+        DOT_PRECISION: tl.constexpr):
+    """Grid ``(sequence (DECODE) or query-tile slot, KV head, key split)``; see the module docstring."""
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    BLOCK_Q: tl.constexpr = BLOCK_M // GROUP
+    if DECODE:
+        seq = tl.program_id(0)
+        q_start = seq
+        q_len = 1
+        j0 = 0
+    else:
+        slot_id = tl.program_id(0)
+        first = tl.load(query_start_loc)
+        seq = _find_seq(query_start_loc, first, num_seqs, slot_id, BLOCK_Q)
+        q_start = tl.load(query_start_loc + seq)
+        q_len = tl.load(query_start_loc + seq + 1) - q_start
+        q_start -= first
+        j0 = (slot_id - (q_start // BLOCK_Q + seq)) * BLOCK_Q
+        if j0 >= q_len:
+            return
+    ctx = tl.load(context_lens + seq)
+
+    rows = tl.arange(0, BLOCK_M)
+    tok = j0 + rows // GROUP
+    head = kv_head * GROUP + rows % GROUP
+    row_ok = (rows < BLOCK_Q * GROUP) & (tok < q_len)
+    row_pos = tl.minimum(ctx - q_len + tok, ctx - 1)
+    first_pos = ctx - q_len + j0
+    n_tiles = tl.cdiv(tl.minimum(first_pos + BLOCK_Q, ctx), BLOCK_N)
+    n_full = (first_pos + 1) // BLOCK_N
+    per_split = tl.cdiv(n_tiles, NUM_SPLITS)
+    lo = split * per_split
+    hi = tl.minimum(lo + per_split, n_tiles)
+
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HEAD_DIM
+    q_rows = q_start + tok
+    q = tl.load(q_ptr + q_rows[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
+                mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    table_row = block_tables + seq.to(tl.int64) * stride_bt
+    head_off = kv_head.to(tl.int64) * stride_kh
+    m_i, l_i, acc = _attend_tiles(q, m_i, l_i, acc, k_cache, v_cache, table_row, head_off, stride_kb, stride_ks,
+                                  row_pos, ctx, qk_scale, lo, tl.minimum(hi, n_full), offs_d, d_ok,
+                                  PAGE, BLOCK_N, False, DOT_PRECISION)
+    m_i, l_i, acc = _attend_tiles(q, m_i, l_i, acc, k_cache, v_cache, table_row, head_off, stride_kb, stride_ks,
+                                  row_pos, ctx, qk_scale, tl.maximum(lo, n_full), hi, offs_d, d_ok,
+                                  PAGE, BLOCK_N, True, DOT_PRECISION)
+
+    l_i = tl.where(l_i > 0, l_i, 1.0)  # an empty split: m_i = -inf, lse = -inf, weight 0
+    out = acc / l_i[:, None]
+    o_rows = q_rows.to(tl.int64) * stride_ot + head * stride_oh + split * stride_os
+    tl.store(out_ptr + o_rows[:, None] + offs_d[None, :], out.to(out_ptr.dtype.element_ty),
+             mask=row_ok[:, None] & d_ok[None, :])
+    if NUM_SPLITS > 1:
+        tl.store(lse_ptr + (q_rows * tl.num_programs(1) * GROUP + head) * NUM_SPLITS + split,
+                 m_i + tl.log2(l_i), mask=row_ok)
+
+
+@triton.jit
+def _combine_splits_kernel(part_ptr, lse_ptr, out_ptr, stride_pt, stride_ph, stride_ot, stride_oh,
+                           HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr):
+    """Merge the split partial outputs of one (token, head): weights ``exp2(lse_s - max lse)``."""
+    tok = tl.program_id(0)
+    head = tl.program_id(1)
+    splits = tl.arange(0, NUM_SPLITS)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HEAD_DIM
+    lse = tl.load(lse_ptr + (tok * tl.num_programs(1) + head) * NUM_SPLITS + splits)
+    w = tl.exp2(lse - tl.max(lse, 0))
+    part = tl.load(part_ptr + tok * stride_pt + head * stride_ph + splits[:, None] * HEAD_DIM + offs_d[None, :],
+                   mask=d_ok[None, :], other=0.0)
+    out = tl.sum(part * w[:, None], 0) / tl.sum(w, 0)
+    tl.store(out_ptr + tok * stride_ot + head * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty), mask=d_ok)
+
+
+def _check(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+    """Validate the common arguments; return ``out`` or a new ``[T, Hq, D]`` tensor."""
+    if k_cache.shape != v_cache.shape or k_cache.stride() != v_cache.stride():
+        raise ValueError("k_cache and v_cache must have the same shape and strides")
+    if k_cache.dim() != 4 or q.dim() != 3 or q.shape[2] != k_cache.shape[3]:
+        raise ValueError(f"expected q [T, Hq, D] and caches [blocks, block_size, Hkv, D]; got {tuple(q.shape)} "
+                         f"and {tuple(k_cache.shape)}")
+    if q.shape[1] % k_cache.shape[2]:
+        raise ValueError(f"{q.shape[1]} query heads are not a multiple of {k_cache.shape[2]} KV heads")
+    if q.dtype != k_cache.dtype or q.stride(-1) != 1 or k_cache.stride(-1) != 1:
+        raise ValueError("q and the caches must share a dtype and be contiguous in the head dimension")
+    if out is None:
+        return torch.empty_like(q)
+    if out.shape != q.shape or out.stride(-1) != 1:
+        raise ValueError(f"out must have q's shape {tuple(q.shape)} and be contiguous in the head dimension")
+    return out
+
+
+def _launch(q, k_cache, v_cache, out, block_tables, context_lens, query_start_loc, scale: float, grid0: int,
+            block_m: int, block_n: int, num_splits: int, decode: bool, num_warps: int) -> torch.Tensor:
+    hq, head_dim = q.shape[1:]
+    hkv = k_cache.shape[2]
+    target, lse = out, out
+    if num_splits > 1:
+        target = torch.empty(q.shape[0], hq, num_splits, head_dim, dtype=torch.float32, device=q.device)
+        lse = torch.empty(q.shape[0], hq, num_splits, dtype=torch.float32, device=q.device)
+    block_d = triton.next_power_of_2(head_dim)
+    _paged_attention_kernel[(grid0, hkv, num_splits)](
+        q, k_cache, v_cache, target, lse, block_tables, context_lens, query_start_loc, context_lens.shape[0],
+        scale * _LOG2E, q.stride(0), q.stride(1), target.stride(0), target.stride(1),
+        target.stride(2) if num_splits > 1 else 0, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        block_tables.stride(0), GROUP=hq // hkv, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=block_m,
+        BLOCK_N=block_n, PAGE=k_cache.shape[1], NUM_SPLITS=num_splits, DECODE=decode,
+        DOT_PRECISION="tf32x3" if q.dtype == torch.float32 else "tf32", num_warps=num_warps)
+    if num_splits > 1:
+        _combine_splits_kernel[(q.shape[0], hq)](
+            target, lse, out, target.stride(0), target.stride(1), out.stride(0), out.stride(1),
+            HEAD_DIM=head_dim, BLOCK_D=block_d, NUM_SPLITS=num_splits, num_warps=4)
+    return out
+
+
+@functools.cache
+def _num_sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def default_num_splits(num_seqs: int, num_kv_heads: int, max_context: int, device: torch.device) -> int:
+    """Key splits per decode sequence: a power of two giving about two programs per SM.
+
+    At most ``MAX_SPLITS``, and at least 64 keys per split of ``max_context`` (the block
+    table's capacity, tokens). Depends only on shapes, never on tensor values, so a captured
+    CUDA graph stays valid. 1 off CUDA.
+    """
+    if device.type != "cuda":
+        return 1
+    want = triton.cdiv(2 * _num_sms(device), max(1, num_seqs * num_kv_heads))
+    return max(1, min(MAX_SPLITS, triton.next_power_of_2(want), triton.next_power_of_2(triton.cdiv(max_context, 64))))
+
+
+def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
+                           out: torch.Tensor | None = None, num_splits: int | None = None) -> torch.Tensor:
+    """Attention of one new query token per sequence over its paged keys (flash-decoding).
+
+    Args:
+        q: ``[nd, Hq, D]`` query of each sequence's last token (float32, float16 or bfloat16,
+            contiguous in D); ``Hq`` a multiple of ``Hkv``.
+        k_cache / v_cache: ``[num_blocks, block_size, Hkv, D]``, q's dtype, the same strides; the
+            sequence's keys, the newest included, already written (``write_kv``).
+        block_tables: ``[nd, max_blocks]`` int32, cache blocks of each sequence, in order.
+        context_lens: ``[nd]`` int32, keys of each sequence (>= 1); only read on the device.
+        scale: softmax scale (usually ``D ** -0.5``).
+        out: optional ``[nd, Hq, D]`` output (a view is fine); written and returned.
+        num_splits: key splits per sequence, a power of two <= ``MAX_SPLITS``; None picks
+            ``default_num_splits`` (shapes only). Splits > 1 add a merge kernel.
+
+    Returns:
+        ``[nd, Hq, D]`` in q's dtype. No host synchronisation; CUDA-graph capturable.
+
+    Raises:
+        ValueError: mismatched shapes, dtypes or strides, or a bad ``num_splits``.
+    """
+    out = _check(q, k_cache, v_cache, out)
+    if num_splits is None:
+        num_splits = default_num_splits(q.shape[0], k_cache.shape[2], block_tables.shape[1] * k_cache.shape[1],
+                                        q.device)
+    if not 1 <= num_splits <= MAX_SPLITS or num_splits & (num_splits - 1):
+        raise ValueError(f"num_splits must be a power of two in [1, {MAX_SPLITS}], got {num_splits}")
+    if q.shape[0] == 0:
+        return out
+    block_m = max(16, triton.next_power_of_2(q.shape[1] // k_cache.shape[2]))
+    return _launch(q, k_cache, v_cache, out, block_tables, context_lens, context_lens, scale, q.shape[0],
+                   block_m, _DECODE_BLOCK_N[q.element_size()], num_splits, True, num_warps=4)
+
+
+def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                            block_tables: torch.Tensor, query_start_loc: torch.Tensor, context_lens: torch.Tensor,
+                            scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Causal attention of variable-length query chunks over their paged keys (FlashAttention-2).
+
+    Sequence ``i`` has queries at positions ``context_lens[i] - q_len_i .. context_lens[i] - 1``
+    and attends to its keys ``0 ..`` its own position: the cached prefix and the chunk's own
+    keys, all read from the cache (write them first with ``write_kv``).
+
+    Args:
+        q: ``[T, Hq, D]`` queries of all sequences, concatenated (dtype as in decode).
+        k_cache / v_cache: ``[num_blocks, block_size, Hkv, D]``, q's dtype, the same strides.
+        block_tables: ``[B, max_blocks]`` int32.
+        query_start_loc: ``[B + 1]`` int32, non-decreasing; sequence ``i``'s queries are rows
+            ``query_start_loc[i] - query_start_loc[0]`` up to ``query_start_loc[i + 1] -
+            query_start_loc[0]`` of q, so a slice of a larger batch's offsets can be passed.
+        context_lens: ``[B]`` int32, cached + new tokens of each sequence (>= its query count).
+        scale: softmax scale.
+        out: optional ``[T, Hq, D]`` output.
+
+    Returns:
+        ``[T, Hq, D]`` in q's dtype. No host synchronisation: the grid comes from ``T`` and ``B``.
+
+    Raises:
+        ValueError: mismatched shapes, dtypes or strides.
+    """
+    out = _check(q, k_cache, v_cache, out)
+    num_seqs = context_lens.shape[0]
+    if query_start_loc.shape[0] != num_seqs + 1:
+        raise ValueError(f"query_start_loc needs {num_seqs + 1} entries, got {query_start_loc.shape[0]}")
+    if q.shape[0] == 0:
+        return out
+    group = q.shape[1] // k_cache.shape[2]
+    block_m, block_n, num_warps = _PREFILL_TILES[q.element_size()]
+    block_m = max(block_m, triton.next_power_of_2(group))
+    grid0 = q.shape[0] // (block_m // group) + num_seqs
+    return _launch(q, k_cache, v_cache, out, block_tables, context_lens, query_start_loc, scale, grid0,
+                   block_m, block_n, 1, False, num_warps)
+
+
+class TritonAttention:
+    """Attention backend on the Triton paged kernels; same interface as ``TorchAttention``.
+
+    Decodes (the first ``meta.num_decodes`` tokens) go through ``paged_decode_attention``, the
+    prefill chunks after them through ``paged_prefill_attention``. Needs a CUDA device, or
+    ``TRITON_INTERPRET=1`` on the CPU (slow; for tests). Graph-safe: decode-only batches may be
+    recorded in CUDA graphs (``duetserve.engine.cuda_graphs``).
+    """
+
+    cuda_graph_safe = True
+
+    def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        """``q`` ``[T, Hq, D]``, ``k``/``v`` ``[T, Hkv, D]``: write K/V, return ``[T, Hq, D]`` in q's dtype."""
+        write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        out = torch.empty_like(q)
+        nd = meta.num_decodes
+        if nd:
+            paged_decode_attention(q[:nd], k_cache, v_cache, meta.block_tables[:nd], meta.context_lens[:nd], scale,
+                                   out=out[:nd])
+        if q.shape[0] > nd:
+            paged_prefill_attention(q[nd:], k_cache, v_cache, meta.block_tables[nd:], meta.query_start_loc[nd:],
+                                    meta.context_lens[nd:], scale, out=out[nd:])
+        return out
+

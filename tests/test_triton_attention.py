@@ -1,0 +1,326 @@
+"""Triton paged attention kernels against ``TorchAttention`` and a float64 reference.
+
+Without CUDA the kernels run under Triton's interpreter (``TRITON_INTERPRET=1``, set for this
+module's tests only) in float32 on small shapes; the ``gpu`` tests sweep many shapes in bf16.
+Cache slots that no sequence owns, and outputs before each run, hold NaN: an unwritten output
+or a read past a sequence's context shows up as NaN.
+"""
+from __future__ import annotations
+
+import importlib
+import itertools
+import math
+import os
+import sys
+import types
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from duetserve.model.attention import AttentionMetadata, TorchAttention
+from duetserve.model.backends import FlashAttnBackend, make_attention_backend
+
+CUDA = torch.cuda.is_available()
+DEVICE = torch.device("cuda" if CUDA else "cpu")
+needs_cuda = pytest.mark.skipif(not CUDA, reason="needs CUDA")
+FP32_TOL, BF16_TOL = 1e-3, 1e-2
+
+# Triton decides at definition time whether a jit function (its own library's too) is compiled
+# or interpreted, so without CUDA the variable must be set before triton is first imported.
+if not CUDA and "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
+    pytest.skip("triton was imported without TRITON_INTERPRET=1 before this module; run it on its own",
+                allow_module_level=True)
+with pytest.MonkeyPatch.context() as _mp:
+    if not CUDA:
+        _mp.setenv("TRITON_INTERPRET", "1")
+    pytest.importorskip("triton")
+    ta = importlib.import_module("duetserve.model.triton_attention")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def interpreter_env():
+    """Keep ``TRITON_INTERPRET=1`` set (without CUDA) while this module's tests run, and only then."""
+    with pytest.MonkeyPatch.context() as mp:
+        if not CUDA:
+            mp.setenv("TRITON_INTERPRET", "1")
+        yield
+
+
+@dataclass
+class Batch:
+    """A flattened batch over a paged cache whose unowned slots hold NaN."""
+
+    q: torch.Tensor
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    meta: AttentionMetadata
+    scale: float
+
+
+def make_batch(qlens, ctxs, hq, hkv, head_dim, block_size, dtype=torch.float32, num_decodes=0, seed=0) -> Batch:
+    """Sequences with ``qlens`` new tokens and ``ctxs`` tokens in all, blocks scattered at random."""
+    gen = torch.Generator().manual_seed(seed)
+    counts = [-(-c // block_size) for c in ctxs]
+    num_blocks = sum(counts) + 3
+    perm = torch.randperm(num_blocks, generator=gen).tolist()
+    width = max(counts)
+    tables, slots = [], []
+    k_cache = torch.full((num_blocks, block_size, hkv, head_dim), math.nan)
+    v_cache = k_cache.clone()
+    for n, ql, c in zip(counts, qlens, ctxs):
+        blocks, perm = perm[:n], perm[n:]
+        tables.append(blocks + [0] * (width - n))
+        seq_slots = torch.tensor([blocks[p // block_size] * block_size + p % block_size for p in range(c)])
+        for cache in (k_cache, v_cache):
+            cache.view(-1, hkv, head_dim)[seq_slots] = torch.randn(c, hkv, head_dim, generator=gen)
+        slots += seq_slots[c - ql:].tolist()
+    starts = list(itertools.accumulate(qlens, initial=0))
+    i32 = {"dtype": torch.int32, "device": DEVICE}
+    meta = AttentionMetadata(
+        slot_mapping=torch.tensor(slots, device=DEVICE), query_start_loc=torch.tensor(starts, **i32),
+        context_lens=torch.tensor(ctxs, **i32), block_tables=torch.tensor(tables, **i32),
+        num_decodes=num_decodes, query_lens_cpu=list(qlens), context_lens_cpu=list(ctxs))
+    q = torch.randn(starts[-1], hq, head_dim, generator=gen)
+    return Batch(*(t.to(DEVICE, dtype) for t in (q, k_cache, v_cache)), meta, head_dim ** -0.5)
+
+
+def reference64(q, k_cache, v_cache, block_tables, qlens, ctxs, scale) -> torch.Tensor:
+    """Causal attention in float64, each sequence's exact ``ctx`` keys gathered from its blocks."""
+    block_size, hkv = k_cache.shape[1:3]
+    outs, start = [], 0
+    for table, ql, c in zip(block_tables.tolist(), qlens, ctxs):
+        slots = torch.tensor([table[p // block_size] * block_size + p % block_size for p in range(c)])
+        keys, values = (cache.view(-1, hkv, cache.shape[-1])[slots.to(cache.device)].double()
+                        .repeat_interleave(q.shape[1] // hkv, 1) for cache in (k_cache, v_cache))
+        scores = torch.einsum("qhd,khd->hqk", q[start:start + ql].double(), keys) * scale
+        future = torch.arange(c, device=q.device)[None, :] > torch.arange(c - ql, c, device=q.device)[:, None]
+        outs.append(torch.einsum("hqk,khd->qhd", scores.masked_fill(future, -math.inf).softmax(-1), values))
+        start += ql
+    return torch.cat(outs)
+
+
+def new_kv(b: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+    """The batch's own K/V ``[T, Hkv, D]``, read back from its cache slots."""
+    hkv, d = b.k_cache.shape[2:]
+    return tuple(c.view(-1, hkv, d)[b.meta.slot_mapping] for c in (b.k_cache, b.v_cache))
+
+
+def torch_reference(b: Batch) -> torch.Tensor:
+    """``TorchAttention`` on the batch, unowned cache slots made finite (it reads padding)."""
+    k_cache, v_cache = (torch.where(c.isnan(), torch.randn_like(c), c) for c in (b.k_cache, b.v_cache))
+    return TorchAttention().forward(b.q, *new_kv(b), k_cache, v_cache, b.meta, b.scale)
+
+
+def assert_close(out: torch.Tensor, b: Batch, tol: float) -> None:
+    """Every element finite; each sequence within ``tol`` relative error of both references."""
+    assert out.isfinite().all(), "output not written everywhere (NaN left)"
+    m = b.meta
+    refs = [reference64(b.q, b.k_cache, b.v_cache, m.block_tables, m.query_lens_cpu, m.context_lens_cpu, b.scale),
+            torch_reference(b).double()]
+    bounds = list(itertools.accumulate(m.query_lens_cpu, initial=0))
+    for ref in refs:
+        for lo, hi in itertools.pairwise(bounds):
+            err = ((out[lo:hi].double() - ref[lo:hi]).norm() / ref[lo:hi].norm()).item()
+            assert err < tol, f"rows {lo}:{hi}: relative error {err:.2e}"
+
+
+def run_decode(ctxs, hq, hkv, head_dim, block_size, dtype, num_splits, tol) -> None:
+    b = make_batch([1] * len(ctxs), ctxs, hq, hkv, head_dim, block_size, dtype, num_decodes=len(ctxs))
+    out = torch.full_like(b.q, math.nan)
+    m = b.meta
+    ta.paged_decode_attention(b.q, b.k_cache, b.v_cache, m.block_tables, m.context_lens, b.scale, out=out,
+                              num_splits=num_splits)
+    assert_close(out, b, tol)
+
+
+def run_prefill(qlens, ctxs, hq, hkv, head_dim, block_size, dtype, tol) -> None:
+    b = make_batch(qlens, ctxs, hq, hkv, head_dim, block_size, dtype)
+    out = torch.full_like(b.q, math.nan)
+    m = b.meta
+    ta.paged_prefill_attention(b.q, b.k_cache, b.v_cache, m.block_tables, m.query_start_loc, m.context_lens,
+                               b.scale, out=out)
+    assert_close(out, b, tol)
+
+
+# hq, hkv, head_dim, block_size, context lengths, splits: GQA 1/2/4/8 and SmolLM2's 3, cache
+# block and key tile edges (fp32 tiles hold 32 keys: 31, 32, 33), splits with empty parts.
+DECODE_CASES = [
+    (4, 4, 32, 16, [1, 16, 31, 32, 33, 70], 1),
+    (4, 2, 64, 8, [9, 64, 65, 130], 2),
+    (8, 2, 128, 32, [33, 200], 4),
+    (8, 1, 32, 16, [100, 3, 64], 8),
+    (9, 3, 64, 16, [50, 129], None),
+]
+
+
+@pytest.mark.parametrize("hq,hkv,head_dim,block_size,ctxs,splits", DECODE_CASES)
+def test_decode_fp32(hq, hkv, head_dim, block_size, ctxs, splits):
+    run_decode(ctxs, hq, hkv, head_dim, block_size, torch.float32, splits, FP32_TOL)
+
+
+# hq, hkv, head_dim, block_size, query lengths, context lengths: a whole prompt, a chunk after
+# a cached prefix, chunks starting either side of a key tile edge (positions 30..33), several
+# sequences (one of a single token), query tiles crossed (fp32 tiles hold 64 rows: 8 tokens
+# with GQA 8, 21 with GQA 3, 64 with GQA 1).
+PREFILL_CASES = [
+    (4, 4, 32, 16, [70], [70]),
+    (4, 2, 64, 8, [30], [100]),
+    (4, 2, 32, 16, [5, 5, 5, 5], [35, 36, 37, 38]),
+    (8, 2, 128, 32, [1, 17, 40, 5], [1, 50, 40, 90]),
+    (8, 1, 32, 16, [20, 33], [20, 80]),
+    (9, 3, 64, 16, [45, 7], [60, 7]),
+    (2, 2, 32, 16, [150], [170]),
+]
+
+
+@pytest.mark.parametrize("hq,hkv,head_dim,block_size,qlens,ctxs", PREFILL_CASES)
+def test_prefill_fp32(hq, hkv, head_dim, block_size, qlens, ctxs):
+    run_prefill(qlens, ctxs, hq, hkv, head_dim, block_size, torch.float32, FP32_TOL)
+
+
+def test_half_precision_tiles():
+    """The 16-bit tiles (those bf16 uses on the GPU) in fp16: Triton's interpreter gets bf16 dots wrong."""
+    run_decode([1, 63, 64, 65, 200], 8, 2, 64, 16, torch.float16, None, BF16_TOL)
+    run_prefill([3, 70, 40], [3, 130, 64], 8, 2, 64, 16, torch.float16, BF16_TOL)
+
+
+def test_backend_mixed_batch_equals_torch():
+    """Two decodes then two prefill chunks through ``forward``: same output and cache as ``TorchAttention``."""
+    b = make_batch([1, 1, 10, 25], [5, 40, 10, 60], 8, 2, 64, 16, num_decodes=2)
+    finite = [torch.where(c.isnan(), torch.randn_like(c), c) for c in (b.k_cache, b.v_cache)]
+    caches = {name: [c.clone() for c in finite] for name in ("torch", "triton")}
+    k, v = (torch.randn_like(x) for x in new_kv(b))  # new K/V differ from the cache: forward must write them
+    out = {name: backend.forward(b.q, k, v, *caches[name], b.meta, b.scale)
+           for name, backend in (("torch", TorchAttention()), ("triton", ta.TritonAttention()))}
+    assert out["triton"].isfinite().all()
+    err = ((out["triton"] - out["torch"]).norm() / out["torch"].norm()).item()
+    assert err < FP32_TOL
+    assert all(torch.equal(a, b) for a, b in zip(caches["torch"], caches["triton"], strict=True))
+
+
+def test_argument_errors():
+    b = make_batch([1], [5], 4, 2, 32, 16, num_decodes=1)
+    m = b.meta
+    with pytest.raises(ValueError, match="num_splits"):
+        ta.paged_decode_attention(b.q, b.k_cache, b.v_cache, m.block_tables, m.context_lens, b.scale, num_splits=3)
+    with pytest.raises(ValueError, match="dtype"):
+        ta.paged_decode_attention(b.q.double(), b.k_cache, b.v_cache, m.block_tables, m.context_lens, b.scale)
+    with pytest.raises(ValueError, match="query heads"):
+        ta.paged_decode_attention(b.q[:, :3], b.k_cache, b.v_cache, m.block_tables, m.context_lens, b.scale)
+    with pytest.raises(ValueError, match="query_start_loc"):
+        ta.paged_prefill_attention(b.q, b.k_cache, b.v_cache, m.block_tables, m.query_start_loc[:1],
+                                   m.context_lens, b.scale)
+
+
+def test_selector(monkeypatch):
+    assert isinstance(make_attention_backend("torch", "cpu"), TorchAttention)
+    assert isinstance(make_attention_backend("auto", "cpu"), TorchAttention)
+    assert isinstance(make_attention_backend("triton", DEVICE), ta.TritonAttention)
+    with pytest.raises(ValueError, match="must be one of"):
+        make_attention_backend("xformers", "cpu")
+    with pytest.raises(ValueError, match="CUDA"):
+        make_attention_backend("flash", "cpu")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ValueError, match="CUDA"):
+        make_attention_backend("triton", "cpu")
+    monkeypatch.setitem(sys.modules, "flash_attn", None)  # import fails
+    with pytest.raises(ValueError, match="does not import"):
+        FlashAttnBackend(256)
+    with pytest.raises(ValueError, match="multiple of 256"):
+        FlashAttnBackend(16)
+
+
+def fake_flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
+                                causal, block_table):
+    """flash-attn's documented semantics for a paged cache, on the float64 reference."""
+    qlens, ctxs = (x.diff().tolist() for x in (cu_seqlens_q, cu_seqlens_k))
+    assert causal and max_seqlen_q == max(qlens) and max_seqlen_k == max(ctxs)
+    return reference64(q, k, v, block_table, qlens, ctxs, softmax_scale).to(q.dtype)
+
+
+def test_flash_backend_arguments(monkeypatch):
+    """The flash backend's call (cumulative key lengths, block table, max lengths) matches ``TorchAttention``."""
+    fake = types.ModuleType("flash_attn")
+    fake.flash_attn_varlen_func = fake_flash_attn_varlen_func
+    monkeypatch.setitem(sys.modules, "flash_attn", fake)
+    b = make_batch([1, 12, 300], [40, 12, 700], 4, 2, 32, 256, num_decodes=1)
+    out = FlashAttnBackend(256).forward(b.q, *new_kv(b), b.k_cache, b.v_cache, b.meta, b.scale)
+    assert_close(out, b, FP32_TOL)
+
+
+def test_engine_greedy_triton_equals_torch(tiny_qwen3_folder):
+    """Chunked prefill, mixed batches and decodes of the tiny Qwen3 (GQA 2, head_dim 32, block 8)."""
+    from duetserve.config import EngineConfig
+    from duetserve.engine.engine import LLMEngine
+    from duetserve.sampling import SamplingParams
+
+    gen = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, 320, (n,), generator=gen).tolist() for n in (5, 17, 45)]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    tokens = {}
+    for backend in ("torch", "triton"):
+        engine = LLMEngine(EngineConfig(model=str(tiny_qwen3_folder), device=str(DEVICE), dtype="float32",
+                                        max_num_batched_tokens=32, num_kv_blocks=64, block_size=8,
+                                        attention_backend=backend))
+        tokens[backend] = engine.generate(prompts, params)
+    assert tokens["triton"] == tokens["torch"]
+
+
+# --- GPU: bf16 over many shapes ------------------------------------------------------------------
+
+# hq, hkv, head_dim (Qwen3-8B, MHA, GQA 2, SmolLM2, GQA 8 wide, the tiny test model) x block sizes.
+GPU_SHAPES = [(*heads, block_size) for heads in [(32, 8, 128), (32, 32, 128), (16, 8, 64), (9, 3, 64),
+                                                 (64, 8, 128), (4, 2, 32)] for block_size in (8, 16, 32)]
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("hq,hkv,head_dim,block_size", GPU_SHAPES)
+def test_decode_gpu(hq, hkv, head_dim, block_size):
+    gen = torch.Generator().manual_seed(hq * block_size)
+    for num_seqs, splits in ((1, None), (33, None), (7, 1), (3, ta.MAX_SPLITS)):
+        ctxs = torch.randint(1, 3000, (num_seqs,), generator=gen).tolist()
+        run_decode(ctxs, hq, hkv, head_dim, block_size, torch.bfloat16, splits, BF16_TOL)
+    run_decode(list(range(1, 130)), hq, hkv, head_dim, block_size, torch.bfloat16, 2, BF16_TOL)  # every tile edge
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("hq,hkv,head_dim,block_size", GPU_SHAPES)
+def test_prefill_gpu(hq, hkv, head_dim, block_size):
+    run_prefill([2048], [2048], hq, hkv, head_dim, block_size, torch.bfloat16, BF16_TOL)
+    # 20-token chunks after prefixes of 100..229 tokens: every offset against a 128-key span.
+    run_prefill([20] * 130, list(range(120, 250)), hq, hkv, head_dim, block_size, torch.bfloat16, BF16_TOL)
+    run_prefill([1, 300, 77, 512], [1000, 300, 2000, 1500], hq, hkv, head_dim, block_size, torch.bfloat16,
+                BF16_TOL)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_decode_cuda_graph_replay():
+    """Recorded once, replayed over other context lengths, block tables and caches: still exact."""
+    shape = {"hq": 32, "hkv": 8, "head_dim": 128, "block_size": 16, "dtype": torch.bfloat16, "num_decodes": 8}
+    static = make_batch([1] * 8, [4000] * 8, **shape)
+    q, k_cache, v_cache = static.q, static.k_cache, static.v_cache
+    tables, ctxs = static.meta.block_tables.clone(), static.meta.context_lens.clone()
+    out = torch.empty_like(q)
+
+    def step():
+        ta.paged_decode_attention(q, k_cache, v_cache, tables, ctxs, static.scale, out=out)
+
+    step()  # compiles outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    for seed in (1, 2):
+        lens = torch.randint(1, 4000, (8,), generator=torch.Generator().manual_seed(seed)).tolist()
+        b = make_batch([1] * 8, lens, seed=seed, **shape)
+        q.copy_(b.q)
+        k_cache[:b.k_cache.shape[0]].copy_(b.k_cache)
+        v_cache[:b.v_cache.shape[0]].copy_(b.v_cache)
+        tables.zero_()[:, :b.meta.block_tables.shape[1]].copy_(b.meta.block_tables)
+        ctxs.copy_(b.meta.context_lens)
+        out.fill_(math.nan)
+        graph.replay()
+        assert_close(out, b, BF16_TOL)
