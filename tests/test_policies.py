@@ -105,3 +105,29 @@ def test_engine_refuses_pdmux_without_partition_backend():
         EngineConfig(partition_backend="mig")
     with pytest.raises(ValueError, match="partition backend"):
         PdmuxPolicy(planner(0.1, "none"))
+
+
+def test_engine_runs_duet_on_cpu_like_chunked(tiny_qwen3_folder):
+    """On the CPU (partition backend none) duet reads the model's config.json and plans
+    temporal batches: greedy tokens equal chunked's."""
+    from duetserve.engine.engine import LLMEngine
+
+    prompts = [[5 + i for i in range(n)] for n in (7, 40, 90)]
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    outputs = {}
+    for name in ("chunked", "duet"):
+        engine = LLMEngine(EngineConfig(model=str(tiny_qwen3_folder), policy=name, max_num_batched_tokens=32,
+                                        num_kv_blocks=64, block_size=8))
+        outputs[name] = engine.generate(prompts, params)
+    assert isinstance(engine.scheduler.policy, DuetPolicy)
+    assert engine.scheduler.policy.config.shape.layers == 2 and engine.last_stats.plan.predicted_s is not None
+    assert outputs["duet"] == outputs["chunked"]
+
+
+def test_serve_names_policy_for_pdmux_without_backend(capsys):
+    from duetserve.cli import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["serve", "--policy", "pdmux", "--device", "cpu"])
+    assert exc.value.code == 2
+    assert "--policy pdmux needs an SM partition backend" in capsys.readouterr().err

@@ -2,8 +2,9 @@
 
 One simulation per (policy, QPS): the trace's requests keep their lengths and get arrivals at
 each QPS (Poisson by default). Prints one table row per (policy, QPS), then per policy the
-highest swept QPS whose p99 TBT stays within the SLO and its request throughput relative to
-``chunked``. ``--json`` saves the rows, ``--plot`` draws TBT, TTFT and throughput against QPS.
+highest swept QPS whose p99 TBT stays within the SLO while finished requests keep up with the
+offered load (``report.slo_capacity``), and its request throughput relative to ``chunked``.
+``--json`` saves the rows, ``--plot`` draws TBT, TTFT and throughput against QPS.
 Exit status: 0 on success, 1 on bad input (the message names the flag), 2 on bad usage.
 """
 
@@ -108,7 +109,7 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
     m.add_argument("--model-config", type=_argtype(_model_shape, "--model-config"), default="qwen3-8b",
                    metavar="PRESET|PATH", help="model shape: a preset (qwen3-8b, qwen3-14b, llama3-8b, "
                                                "smollm2-135m) or a config.json (default qwen3-8b)")
-    m.add_argument("--gpu", type=_argtype(load_profile, "--gpu"), default="h200", metavar="NAME|PATH",
+    m.add_argument("--gpu", "--profile", type=_argtype(load_profile, "--gpu"), default="h200", metavar="NAME|PATH",
                    help=f"hardware profile: {', '.join(available_profiles())} or a JSON file (default h200)")
     m.add_argument("--tp", type=_argtype(_positive(int), "--tp"), default=1, help="tensor-parallel GPUs")
     m.add_argument("--partition-backend", choices=PARTITION_BACKENDS, default="greenctx",

@@ -1,0 +1,36 @@
+"""Capacity at equal TBT SLO attainment, from hand-made rows."""
+from __future__ import annotations
+
+from duetserve.sim.report import format_capacity, format_table, slo_capacity
+
+
+def row(policy: str, qps: float, thr: float, p99: float) -> dict:
+    return {"policy": policy, "qps": qps, "completed": 100, "request_throughput": thr, "output_throughput": 10 * thr,
+            "mean_ttft_ms": 50.0, "p50_ttft_ms": 40.0, "p99_ttft_ms": 90.0, "mean_tbt_ms": 10.0, "p50_tbt_ms": 8.0,
+            "p99_tbt_ms": p99, "tbt_slo_ms": 100.0, "tbt_slo_attainment": 0.99, "spatial_fraction": 0.0}
+
+
+ROWS = [
+    row("chunked", 4, 4.0, 60), row("chunked", 8, 7.9, 95), row("chunked", 12, 11.8, 140),
+    row("duet", 4, 4.0, 50), row("duet", 8, 7.9, 70), row("duet", 12, 11.8, 90),
+    row("duet", 16, 13.0, 92),  # within the SLO but no longer keeping up (13 < 0.9 * 16)
+    row("prefill-first", 4, 4.0, 300),
+]
+
+
+def test_capacity_needs_the_slo_and_keeping_up():
+    best = slo_capacity(ROWS)
+    assert best["chunked"]["qps"] == 8 and best["duet"]["qps"] == 12 and best["prefill-first"] is None
+
+
+def test_capacity_lines_give_the_ratio_to_chunked():
+    lines = format_capacity(ROWS).splitlines()
+    assert lines[0].startswith("chunked: p99 TBT within 100 ms and keeping up until qps 8")
+    assert lines[1].endswith("11.80 req/s, 1.49x chunked")
+    assert lines[2].startswith("prefill-first: no swept QPS")
+
+
+def test_table_has_a_row_per_result():
+    lines = format_table(ROWS).splitlines()
+    assert len(lines) == 2 + len(ROWS) and lines[0].split()[:3] == ["policy", "qps", "done"]
+    assert lines[2].split()[:4] == ["chunked", "4", "100", "4.00"]
