@@ -185,7 +185,7 @@ def _launch(q, k_cache, v_cache, out, block_tables, context_lens, query_start_lo
     if num_splits > 1:
         target = torch.empty(q.shape[0], hq, num_splits, head_dim, dtype=torch.float32, device=q.device)
         lse = torch.empty(q.shape[0], hq, num_splits, dtype=torch.float32, device=q.device)
-    block_d = triton.next_power_of_2(head_dim)
+    block_d = max(16, triton.next_power_of_2(head_dim))  # tl.dot needs K >= 16
     _paged_attention_kernel[(grid0, hkv, num_splits)](
         q, k_cache, v_cache, target, lse, block_tables, context_lens, query_start_loc, context_lens.shape[0],
         scale * _LOG2E, q.stride(0), q.stride(1), target.stride(0), target.stride(1),
