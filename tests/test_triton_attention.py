@@ -1,7 +1,8 @@
 """Triton paged attention kernels against ``TorchAttention`` and a float64 reference.
 
 Without CUDA the kernels run under Triton's interpreter (``TRITON_INTERPRET=1``, set for this
-module's tests only) in float32 on small shapes; the ``gpu`` tests sweep many shapes in bf16.
+module's tests only) in float32, and fp16 for the 16-bit tiles, on small shapes; the ``gpu``
+tests sweep many shapes in bf16 and replay a captured CUDA graph.
 Cache slots that no sequence owns, and outputs before each run, hold NaN: an unwritten output
 or a read past a sequence's context shows up as NaN.
 """
