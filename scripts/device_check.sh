@@ -1,14 +1,18 @@
 #!/usr/bin/env bash
-# Everything the lent GPU should run, in one call: GPU tests, kernel checks, engine benchmarks,
-# partition self-tests. Results go to $OUT (default ./out); a short table is printed last.
+# Everything the lent GPU should run: GPU tests, kernel checks, engine benchmarks, partition
+# checks, calibration. Results go to $OUT (default ./out); a short table is printed last.
+# Usage: bash scripts/device_check.sh [STEP ...]   (no argument: every step; one call is
+# limited to 10 minutes, so split: `tests attention spatial` then `engine calibrate watchdog`).
 # The GPU image has torch/triton/transformers/cuda-bindings but no FastAPI: only GPU-side code runs here.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+selected=" $* "
 summary=()
 step() {  # name, timeout seconds, command...
   local name=$1 limit=$2; shift 2
+  [ "$selected" = "  " ] || [[ "$selected" == *" $name "* ]] || return 0
   echo "=== $name"
   local t0=$SECONDS
   timeout "$limit" "$@" > "$OUT/$name.log" 2>&1; local rc=$?
@@ -18,10 +22,11 @@ step() {  # name, timeout seconds, command...
 { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
   python3 -c 'import torch, triton, transformers; print("torch", torch.__version__, "triton", triton.__version__, "transformers", transformers.__version__)'
   git log -1 --format='commit %H %cd' 2>/dev/null || true; } | tee "$OUT/env.txt"
-step gpu-tests 420 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu_engine.py tests/test_gpu_spatial.py tests/test_partition.py \
-  $(ls tests/test_triton_attention.py 2>/dev/null)
-[ -f scripts/bench_attention.py ] && step bench-attention 240 python3 scripts/bench_attention.py --out "$OUT/attention.json"
-step bench-engine 480 python3 scripts/bench_engine.py --out "$OUT/engine.json"
-step bench-spatial 300 python3 scripts/bench_spatial.py --out "$OUT/spatial.json"
-step tpcmask-watchdog 300 python3 scripts/tpcmask_watchdog.py --out "$OUT/watchdog.json"
+step tests 420 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu_engine.py tests/test_gpu_spatial.py \
+  tests/test_partition.py tests/test_triton_attention.py
+step attention 240 python3 scripts/bench_attention.py --out "$OUT/attention.json"
+step engine 480 python3 scripts/bench_engine.py --out "$OUT/engine.json"
+step spatial 300 python3 scripts/bench_spatial.py --out "$OUT/spatial.json"
+step calibrate 420 python3 -m duetserve.calibrate --gpu-name h200-lent --out "$OUT/profile_h200.json" --plot "$OUT/calib.png" --quick
+step watchdog 300 python3 scripts/tpcmask_watchdog.py --out "$OUT/watchdog.json"
 echo; echo "=== summary"; printf '%s\n' "${summary[@]}"
