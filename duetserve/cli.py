@@ -6,6 +6,7 @@ import logging
 import sys
 
 from duetserve.bench import cli as bench_cli
+from duetserve.calibrate import cli as calibrate_cli
 from duetserve.config import ATTENTION_BACKENDS, POLICIES, EngineConfig, parse_duration
 from duetserve.sim import cli as sim_cli
 
@@ -49,6 +50,8 @@ def _add_serve(sub) -> None:
     p.add_argument("--dtype", choices=("auto", "float32", "float16", "bfloat16"), default="auto")
     p.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default="auto",
                    help="auto: flash-attn if it imports and fits, else triton on CUDA; torch on the CPU")
+    p.add_argument("--profile", default="h200", metavar="NAME|PATH", help="GPU profile the planner predicts with: "
+                   "a shipped name or a JSON file from duetserve calibrate")
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode")
@@ -75,6 +78,7 @@ def _serve(args, parser: argparse.ArgumentParser) -> int:
                               kv_cache_memory_fraction=args.kv_cache_memory_fraction,
                               cpu_kv_cache_bytes=int(args.cpu_kv_cache_gb * (1 << 30)),
                               max_model_len=args.max_model_len, policy=args.policy, tbt_slo_s=args.tbt_slo,
+                              hardware_profile=args.profile,
                               seed=args.seed, enforce_eager=args.enforce_eager,
                               attention_backend=args.attention_backend)
         engine = LLMEngine(config)
@@ -100,6 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     _add_serve(sub)
     bench_cli.add_parser(sub)
+    calibrate_cli.add_parser(sub)
     sim_cli.add_parser(sub)
     args = parser.parse_args(argv)
     logging.basicConfig(level=getattr(args, "log_level", "info").upper(),

@@ -17,32 +17,14 @@ from pathlib import Path
 
 import torch
 
+from duetserve.calibrate.workload import QWEN3_8B, make_batch
 from duetserve.config import EngineConfig
 from duetserve.engine.engine import LLMEngine
 from duetserve.engine.policy import Plan
-from duetserve.engine.scheduler import ScheduledSeq, SchedulerOutput
-from duetserve.engine.sequence import Sequence
-from duetserve.sampling import SamplingParams
+from duetserve.engine.scheduler import SchedulerOutput
 
-QWEN3_8B = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": 4096,
-            "intermediate_size": 12288, "num_hidden_layers": 36, "num_attention_heads": 32,
-            "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 151936, "max_position_embeddings": 40960,
-            "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "tie_word_embeddings": False, "eos_token_id": 2}
 COPY_BW = 4.19e12
 GEMM_RATE = 797e12
-
-
-def make_batch(engine: LLMEngine, batch: int, ctx: int, q: int) -> list[ScheduledSeq]:
-    """``batch`` sequences with ``ctx - q`` cached tokens and ``q`` new ones, blocks allocated."""
-    out = []
-    for i in range(batch):
-        # A decode holds one generated token (the one it feeds); a prefill holds only prompt tokens.
-        prompt_len = ctx - 1 if q == 1 else ctx
-        seq = Sequence(10_000_000 + i, [7] * ctx, prompt_len, SamplingParams(max_tokens=1 << 20, ignore_eos=True))
-        seq.num_computed_tokens = ctx - q
-        engine.block_manager.allocate(seq, ctx)
-        out.append(ScheduledSeq(seq, q, ctx - q))
-    return out
 
 
 def time_step(engine: LLMEngine, out: SchedulerOutput, iters: int) -> float:

@@ -185,6 +185,9 @@ def load_profile(name_or_path: str | Path) -> HardwareProfile:
     """Load a shipped profile by name (``h200``, ``h100``, ``a100``, ``h20``, any case) or a
     JSON file by path.
 
+    A ``"calibration"`` key (measured iteration latencies that ``duetserve calibrate`` keeps
+    beside the curves) is ignored.
+
     Raises ValueError if it is neither a shipped name nor an existing file, or if the file
     does not describe a valid profile (unknown or missing keys included).
     """
@@ -196,6 +199,7 @@ def load_profile(name_or_path: str | Path) -> HardwareProfile:
     else:
         raise ValueError(f"no profile {name_or_path!r}: not one of {available_profiles()} and not a file")
     raw = json.loads(text)
+    raw.pop("calibration", None)
     known = {f.name for f in fields(HardwareProfile)}
     if set(raw) - known:
         raise ValueError(f"profile {name_or_path!r}: unknown keys {sorted(set(raw) - known)}")

@@ -1,0 +1,136 @@
+"""``duetserve calibrate``: measure BW(S), Pi(S) and the served model's iteration latencies on
+this machine's GPU, write a hardware profile, and report the cost model's prediction error.
+
+The profile (``--out``) has the schema of ``duetserve/planner/profiles/*.json``; load it with
+``--profile PATH`` (serve) or ``--gpu PATH`` (simulate). Unmeasured fields come from
+``--base``. Its ``"calibration"`` list keeps each measured iteration with the predictions of
+the calibrated and the base profile. Prints the median and p90 relative error
+``|pred - meas| / meas`` for prefill and decode, both profiles; ``--plot`` draws predicted
+against measured. Exit status: 0 on success (failed single measurements are listed), 1 on an
+error (no GPU, bad input: the message names the flag), 2 on bad usage.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from duetserve.calibrate.report import (
+    format_curves,
+    format_errors,
+    format_rows,
+    plot_predictions,
+)
+from duetserve.calibrate.runner import Calibration, Options, run_calibration
+from duetserve.calibrate.workload import QWEN3_8B
+from duetserve.config import ATTENTION_BACKENDS
+from duetserve.partition.base import BACKENDS as PARTITION_BACKENDS
+from duetserve.planner.cost_model import ModelShape
+from duetserve.planner.hardware import HardwareProfile, available_profiles, load_profile
+
+
+def _base_profile(text: str) -> HardwareProfile:
+    try:
+        return load_profile(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from exc
+
+
+def _writable_file(text: str) -> Path:
+    path = Path(text)
+    if not path.parent.is_dir():
+        raise argparse.ArgumentTypeError(f"no such folder: {path.parent}")
+    return path
+
+
+def _model_path(text: str) -> Path:
+    path = Path(text)
+    if not (path / "config.json" if path.is_dir() else path).is_file():
+        raise argparse.ArgumentTypeError(f"{text} is neither a config.json nor a folder holding one")
+    return path
+
+
+def configure_parser(p: argparse.ArgumentParser) -> None:
+    """Add every ``duetserve calibrate`` option to ``p``."""
+    p.add_argument("--gpu-name", required=True, metavar="NAME", help="name of the profile written")
+    p.add_argument("--out", required=True, type=_writable_file, metavar="PROFILE.json", help="profile to write")
+    p.add_argument("--base", type=_base_profile, default="h200", metavar="NAME|PATH",
+                   help=f"profile of the unmeasured fields and baseline of the comparison: "
+                        f"{', '.join(available_profiles())} or a JSON file (default h200)")
+    p.add_argument("--model", type=_model_path, metavar="CONFIG_OR_FOLDER",
+                   help="served model: a config.json (dummy weights) or a Hugging Face folder "
+                        "(default: Qwen3-8B shapes)")
+    p.add_argument("--load-format", choices=("dummy", "auto"), default="dummy",
+                   help="dummy: random bf16 weights (default); auto: the folder's weights")
+    p.add_argument("--partition-backend", choices=PARTITION_BACKENDS, default="greenctx",
+                   help="streams of S SMs for BW(S), Pi(S) and split decode (none: all SMs only)")
+    p.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default="auto")
+    p.add_argument("--device", default="cuda", help="cuda or cuda:N")
+    p.add_argument("--plot", type=_writable_file, metavar="OUT.png", help="draw predicted against measured")
+    p.add_argument("--quick", action="store_true",
+                   help="8 timed repeats instead of 20, one decode batch on split SM levels")
+
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Register the ``calibrate`` subcommand on an ``argparse`` subparsers object; its ``func``
+    default is :func:`run`."""
+    p = subparsers.add_parser("calibrate", help="measure this GPU into a hardware profile", description=__doc__,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+    configure_parser(p)
+    p.set_defaults(func=run)
+    return p
+
+
+def model_folder(args: argparse.Namespace, scratch: Path) -> tuple[Path, ModelShape]:
+    """The folder the engine loads and the model's shape: ``--model``'s folder, or ``scratch``
+    holding ``--model``'s config.json (or Qwen3-8B's when ``--model`` is not given).
+
+    Raises ValueError when a bare config.json is given with ``--load-format auto``.
+    """
+    if args.model is not None and args.model.is_dir():
+        return args.model, ModelShape.from_hf_config(json.loads((args.model / "config.json").read_text()))
+    if args.load_format != "dummy":
+        raise ValueError("--load-format auto needs --model FOLDER with weights")
+    config = QWEN3_8B if args.model is None else json.loads(args.model.read_text())
+    (scratch / "config.json").write_text(json.dumps(config))
+    return scratch, ModelShape.from_hf_config(config)
+
+
+def report(result: Calibration, base: HardwareProfile) -> str:
+    """The printed summary: measured curves beside the base profile's, shapes, errors, failures."""
+    sms = sorted(s for curve in result.curves.values() for s in curve if s <= base.num_sms)
+    parts = ["BW(S) and Pi(S) measured (base: " + base.name + ")",
+             format_curves(result.curves, {s: float(base.bandwidth(s)) for s in sms},
+                           {s: float(base.compute_rate(s)) for s in sms}),
+             "", "iteration latency, measured and predicted", format_rows(result.rows),
+             "", "relative error |pred - meas| / meas", format_errors(result.rows)]
+    if result.skipped:
+        parts += ["", "skipped (do not fit):", *result.skipped]
+    if result.errors:
+        parts += ["", f"{len(result.errors)} measurements FAILED:", *result.errors]
+    return "\n".join(parts)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run ``duetserve calibrate`` with parsed arguments; 0 on success, 1 on an error (printed
+    to stderr)."""
+    try:
+        with tempfile.TemporaryDirectory() as scratch:
+            folder, shape = model_folder(args, Path(scratch))
+            from duetserve.calibrate.gpu import CudaBench
+
+            bench = CudaBench(args.partition_backend, args.device, 8 if args.quick else 20, args.attention_backend)
+            opts = Options(args.gpu_name, args.out, args.base, folder, shape, args.load_format, args.quick)
+            result = run_calibration(bench, opts)
+    except (ValueError, RuntimeError, OSError) as exc:
+        print(f"duetserve calibrate: error: {exc}", file=sys.stderr)
+        return 1
+    print(report(result, args.base))
+    print(f"\nprofile: {args.out}")
+    if args.plot:
+        plot_predictions(result.rows, args.plot, f"{args.gpu_name}: predicted vs measured iteration latency")
+        print(f"plot: {args.plot}")
+    return 0

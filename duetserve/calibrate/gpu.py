@@ -1,0 +1,193 @@
+"""Calibration on a CUDA GPU: primitive rates on SM-restricted streams and iteration latencies
+of the engine's model runner (the code the server runs). METHOD of the device notes: CUDA
+events, warm-up, median of repeats, random inputs (never zeros) rotated past L2.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from duetserve.calibrate.profile import DeviceFacts
+from duetserve.calibrate.workload import (
+    DECODE_BATCHES,
+    MAX_CONTEXT,
+    PREFILLS,
+    Capacity,
+    Shape,
+    make_batch,
+    rotation_sets,
+)
+from duetserve.partition import make_partition_backend
+
+BF16 = torch.bfloat16
+
+
+@dataclass
+class Primitive:
+    """One benchmark kernel: ``run(i)`` launches it on input set ``i % sets``; each launch
+    does ``work`` bytes (copy, gemv) or FLOPs (gemm)."""
+
+    run: Callable[[int], object]
+    work: float
+
+
+def copy_primitive(device: torch.device, numel: int = 1 << 28) -> Primitive:
+    """bf16 tensor copy of ``numel`` elements; work = bytes read + written."""
+    nbytes = 2 * 2 * numel
+    bufs = [(torch.randn(numel, dtype=BF16, device=device), torch.empty(numel, dtype=BF16, device=device))
+            for _ in range(rotation_sets(nbytes))]
+    return Primitive(lambda i: bufs[i % len(bufs)][1].copy_(bufs[i % len(bufs)][0]), nbytes)
+
+
+def gemv_primitive(device: torch.device, m: int = 32, k: int = 4096, n: int = 28672) -> Primitive:
+    """Decode-shaped bf16 ``[m,k] x [k,n]``; work = weight bytes."""
+    out = torch.empty(m, n, dtype=BF16, device=device)
+    bufs = [(torch.randn(m, k, dtype=BF16, device=device), torch.randn(k, n, dtype=BF16, device=device))
+            for _ in range(rotation_sets(2 * k * n))]
+    return Primitive(lambda i: torch.mm(*bufs[i % len(bufs)], out=out), 2 * k * n)
+
+
+def gemm_primitive(device: torch.device, size: int = 8192) -> Primitive:
+    """bf16 ``size^3`` matrix product; work = 2 size^3 FLOPs."""
+    out = torch.empty(size, size, dtype=BF16, device=device)
+    bufs = [(torch.randn(size, size, dtype=BF16, device=device), torch.randn(size, size, dtype=BF16, device=device))
+            for _ in range(rotation_sets(2 * 2 * size * size))]
+    return Primitive(lambda i: torch.mm(*bufs[i % len(bufs)], out=out), 2.0 * size ** 3)
+
+
+PRIMITIVE_FACTORIES = {"copy": copy_primitive, "gemv": gemv_primitive, "gemm": gemm_primitive}
+
+
+def time_on_stream(run: Callable[[int], object], stream, warmup: int, repeats: int) -> float:
+    """Median seconds of ``run(i)`` on ``stream``, a pair of CUDA events around each call,
+    after ``warmup`` untimed calls."""
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(repeats)]
+    with torch.cuda.stream(stream):
+        for i in range(warmup):
+            run(i)
+        for i, (start, end) in enumerate(events):
+            start.record()
+            run(warmup + i)
+            end.record()
+    events[-1][1].synchronize()
+    return statistics.median(start.elapsed_time(end) for start, end in events) / 1e3
+
+
+def median_wall_seconds(fn: Callable[[], object], warmup: int, repeats: int) -> float:
+    """Median host seconds of ``fn()`` (which must end in a host sync) after ``warmup`` calls."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+class CudaBench:
+    """``runner.Bench`` on a CUDA device.
+
+    Args:
+        partition: ``greenctx``, ``tpcmask`` or ``none`` (``make_partition_backend``; a backend
+            that fails its self-test falls back, and ``facts.note`` says why).
+        device: ``cuda`` or ``cuda:N``.
+        repeats: timed repeats per measurement (warm-up: a quarter of it, at least 2).
+        attention_backend: the engine's attention backend (``EngineConfig``).
+
+    Raises (constructor):
+        RuntimeError: no CUDA device.
+    """
+
+    def __init__(self, partition: str = "greenctx", device: str = "cuda", repeats: int = 20,
+                 attention_backend: str = "auto"):
+        if not torch.cuda.is_available():
+            raise RuntimeError("calibrate needs a CUDA GPU and none is visible")
+        self.device = torch.device(device)
+        self.repeats, self.warmup = repeats, max(2, repeats // 4)
+        self.attention_backend = attention_backend
+        self.backend = make_partition_backend(partition, self.device)
+        props = torch.cuda.get_device_properties(self.device)
+        levels = tuple(self.backend.levels()) if self.backend.granularity else ()
+        note = getattr(self.backend, "reason", "") or getattr(self.backend, "fallback_reason", "")
+        self.facts = DeviceFacts(props.name, props.multi_processor_count, props.major, props.total_memory,
+                                 self.backend.name, levels, f"({note})" if note else "")
+        self._primitives: dict[str, Primitive] = {}
+        self.engine = None
+
+    def _stream(self, sms: int):
+        """The device's own stream for all SMs, else the decode stream of the backend's pair."""
+        if sms == self.facts.num_sms:
+            return torch.cuda.current_stream(self.device)
+        pair = self.backend.pair(sms)
+        if pair.s_decode != sms:
+            raise RuntimeError(f"asked for {sms} SMs, the {self.backend.name} backend granted {pair.s_decode}")
+        return pair.decode
+
+    def primitive_rate(self, name: str, sms: int) -> float:
+        """Bytes/s (copy, gemv) or FLOP/s (gemm) on ``sms`` SMs; inputs are built on first use."""
+        if name not in self._primitives:
+            self._primitives[name] = PRIMITIVE_FACTORIES[name](self.device)
+        prim = self._primitives[name]
+        return prim.work / time_on_stream(prim.run, self._stream(sms), self.warmup, self.repeats)
+
+    def load_model(self, folder: Path, load_format: str) -> Capacity:
+        """Build the engine (bf16, CUDA graphs, KV cache filled with random values) for ``folder``."""
+        from duetserve.config import EngineConfig
+        from duetserve.engine.engine import LLMEngine
+
+        self._primitives.clear()
+        torch.cuda.empty_cache()
+        config = EngineConfig(model=str(folder), load_format=load_format, device=str(self.device), dtype="bfloat16",
+                              max_num_seqs=max(DECODE_BATCHES),
+                              max_num_batched_tokens=max(b * n for b, n in PREFILLS),
+                              kv_cache_memory_fraction=0.75, max_model_len=MAX_CONTEXT,
+                              attention_backend=self.attention_backend)
+        self.engine = LLMEngine(config)
+        for k, v in self.engine.runner.kv_caches:
+            k.normal_()
+            v.normal_()
+        if self.backend.granularity:
+            self.engine.runner.partition = self.backend
+        return Capacity(self.facts.num_sms, self.engine.block_manager.num_blocks, config.block_size,
+                        config.max_num_seqs, config.max_num_batched_tokens, self.engine.max_model_len)
+
+    def iteration_seconds(self, shape: Shape) -> float:
+        """Median seconds of ``runner.execute`` on ``shape``.
+
+        All SMs: wall time of a temporal iteration (decode replays its CUDA graph), host sync
+        included, as the engine loop sees it. Fewer SMs (decode only): a spatial plan with
+        ``shape.k`` look-ahead steps and no prefill; the decode stream's event time over k.
+
+        Raises ValueError for a prefill shape on fewer than all SMs.
+        """
+        from duetserve.engine.policy import Plan
+        from duetserve.engine.scheduler import SchedulerOutput
+
+        spatial = shape.sms < self.facts.num_sms
+        if spatial and shape.kind != "decode":
+            raise ValueError("only decode is measured on fewer than all SMs")
+        engine = self.engine
+        seqs = make_batch(engine, shape.batch, shape.q + shape.c, shape.q, shape.k - 1)
+        try:
+            if not spatial:
+                decodes, prefills = (seqs, []) if shape.kind == "decode" else ([], seqs)
+                out = SchedulerOutput(decodes, prefills, Plan(), [])
+                return median_wall_seconds(lambda: engine.runner.execute(out), self.warmup, self.repeats)
+            plan = Plan(spatial=True, s_prefill=self.facts.num_sms - shape.sms, s_decode=shape.sms, k=shape.k)
+            out = SchedulerOutput(seqs, [], plan, [])
+            engine.runner.execute(out)
+            steps = []
+            for _ in range(max(3, self.repeats // 4)):
+                engine.runner.execute(out)
+                steps.append(engine.runner.last_stream_seconds["decode"] / shape.k)
+            return statistics.median(steps)
+        finally:
+            for s in seqs:
+                engine.block_manager.free(s.seq)

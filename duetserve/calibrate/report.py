@@ -1,0 +1,133 @@
+"""The cost model's prediction error against measured iteration latencies (DESIGN section 3:
+"validate predictions against measured iteration latencies"): statistics, tables, a plot.
+
+A row is one entry of a calibrated profile's ``"calibration"`` list: ``kind`` (``decode`` or
+``prefill``), ``batch``, ``q``, ``c``, ``sms``, ``k`` (look-ahead steps, > 1 for decode on a
+split of the SMs), ``measured_s`` and the predictions in seconds, ``predicted_s`` (calibrated
+profile) and ``base_predicted_s`` (base profile; None when the base profile has fewer SMs
+than the shape uses). Statistics are kept per group: prefill, decode on all SMs, and decode
+on split SM levels.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from duetserve.calibrate.profile import Curve
+
+GROUPS = {"prefill": "tab:orange", "decode": "tab:blue", "decode, split SMs": "tab:green"}
+"""Row groups of the statistics and their plot colours."""
+PREDICTIONS = {"predicted_s": "calibrated", "base_predicted_s": "base"}
+"""Row key of each prediction and the profile it comes from."""
+
+
+def group(row: Mapping) -> str:
+    """The statistics group of ``row`` (a key of ``GROUPS``)."""
+    return "decode, split SMs" if row["kind"] == "decode" and row.get("k", 1) > 1 else row["kind"]
+
+
+@dataclass(frozen=True)
+class ErrorStats:
+    """Relative errors ``|predicted - measured| / measured`` of one group of iterations under one
+    profile: ``count`` shapes, their ``median`` and 90th percentile ``p90`` (fractions)."""
+
+    count: int
+    median: float
+    p90: float
+
+
+def relative_errors(predicted: Sequence[float], measured: Sequence[float]) -> np.ndarray:
+    """``|predicted - measured| / measured`` element-wise (fractions).
+
+    Raises ValueError for different lengths or a measured time that is not positive.
+    """
+    p, m = np.asarray(predicted, dtype=float), np.asarray(measured, dtype=float)
+    if p.shape != m.shape:
+        raise ValueError(f"{p.size} predictions for {m.size} measurements")
+    if np.any(m <= 0):
+        raise ValueError("measured times must be positive")
+    return np.abs(p - m) / m
+
+
+def error_stats(rows: Sequence[Mapping], key: str) -> dict[str, ErrorStats]:
+    """Per group (``GROUPS``), the error of prediction ``key`` (``predicted_s`` or
+    ``base_predicted_s``) over the rows that have it; p90 interpolates linearly between order
+    statistics (numpy's default). Groups without rows are left out."""
+    stats = {}
+    for name in GROUPS:
+        sel = [r for r in rows if group(r) == name and r.get(key) is not None]
+        if sel:
+            err = relative_errors([r[key] for r in sel], [r["measured_s"] for r in sel])
+            stats[name] = ErrorStats(len(sel), float(np.median(err)), float(np.percentile(err, 90)))
+    return stats
+
+
+def format_errors(rows: Sequence[Mapping]) -> str:
+    """Table: median and p90 relative error per group, calibrated and base profile."""
+    lines = [f"{'iterations':<18} {'profile':<10} {'shapes':>6} {'median':>7} {'p90':>7}"]
+    for key, profile in PREDICTIONS.items():
+        for name, s in error_stats(rows, key).items():
+            lines.append(f"{name:<18} {profile:<10} {s.count:>6} {100 * s.median:6.1f}% {100 * s.p90:6.1f}%")
+    return "\n".join(lines)
+
+
+def format_rows(rows: Sequence[Mapping]) -> str:
+    """Table: one line per measured shape, times in ms, errors in %."""
+    lines = [(f"{'kind':<8} {'batch':>5} {'q':>5} {'c':>5} {'SMs':>4} {'meas ms':>9} {'pred ms':>9} {'err':>6} "
+              f"{'base ms':>9} {'err':>6}")]
+    for r in rows:
+        cells = []
+        for key in PREDICTIONS:
+            if r.get(key) is None:
+                cells.append(f"{'-':>9} {'-':>6}")
+            else:
+                err = relative_errors([r[key]], [r["measured_s"]])[0]
+                cells.append(f"{1e3 * r[key]:9.3f} {100 * err:5.1f}%")
+        lines.append(f"{r['kind']:<8} {r['batch']:>5} {r['q']:>5} {r['c']:>5} {r['sms']:>4} "
+                     f"{1e3 * r['measured_s']:9.3f} {' '.join(cells)}")
+    return "\n".join(lines)
+
+
+def format_curves(curves: Mapping[str, Curve], base_bandwidth: Curve, base_compute: Curve) -> str:
+    """Table: measured copy and gemv GB/s and GEMM TFLOP/s by SM count, beside the base
+    profile's BW(S) and Pi(S) at the same S ('-' where not measured)."""
+    def cell(curve: Curve, s: int, scale: float) -> str:
+        return f"{curve[s] / scale:9.0f}" if s in curve else f"{'-':>9}"
+
+    sms = sorted(set().union(*curves.values()))
+    lines = [f"{'SMs':>4} {'copy GB/s':>9} {'gemv GB/s':>9} {'base BW':>9} {'GEMM TF/s':>9} {'base Pi':>9}"]
+    for s in sms:
+        lines.append(f"{s:>4} {cell(curves['copy'], s, 1e9)} {cell(curves['gemv'], s, 1e9)} "
+                     f"{cell(base_bandwidth, s, 1e9)} {cell(curves['gemm'], s, 1e12)} {cell(base_compute, s, 1e12)}")
+    return "\n".join(lines)
+
+
+def plot_predictions(rows: Sequence[Mapping], path: Path, title: str) -> None:
+    """Predicted against measured seconds, log-log, with the line y = x: filled markers for the
+    calibrated profile, hollow ones for the base profile, one colour per group. PNG via Agg."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(6.5, 6))
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    for name, colour in GROUPS.items():
+        sel = [r for r in rows if group(r) == name]
+        for key, profile in PREDICTIONS.items():
+            pts = [(r["measured_s"], r[key]) for r in sel if r.get(key) is not None]
+            if pts:
+                x, y = zip(*pts)
+                face = colour if key == "predicted_s" else "none"
+                ax.scatter(x, y, facecolors=face, edgecolors=colour, label=f"{name}, {profile} profile")
+    values = [v for r in rows for v in (r["measured_s"], r.get("predicted_s"), r.get("base_predicted_s")) if v]
+    if values:
+        lo, hi = min(values) / 1.5, max(values) * 1.5
+        ax.plot([lo, hi], [lo, hi], color="grey", linewidth=1, label="y = x")
+    ax.set(xscale="log", yscale="log", xlabel="measured iteration latency (s)",
+           ylabel="predicted iteration latency (s)", title=title)
+    ax.legend(fontsize="small")
+    ax.grid(True, which="both", alpha=0.3)
+    fig.savefig(path, dpi=120, bbox_inches="tight")

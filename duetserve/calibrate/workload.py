@@ -1,0 +1,169 @@
+"""What calibration measures: SM levels, primitive sizes, iteration shapes, and how a shape
+becomes a batch for the engine's model runner (DESIGN sections 3 and 5; issue 5, part 4).
+
+Nothing here touches a GPU: the selection rules are plain functions, so they are tested on
+the CPU, and ``make_batch`` only does KV-block bookkeeping.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Literal
+
+from duetserve.engine.scheduler import ScheduledSeq
+from duetserve.engine.sequence import Sequence
+from duetserve.sampling import SamplingParams
+
+QWEN3_8B = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": 4096,
+            "intermediate_size": 12288, "num_hidden_layers": 36, "num_attention_heads": 32,
+            "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 151936, "max_position_embeddings": 40960,
+            "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "tie_word_embeddings": False, "eos_token_id": 2}
+"""Qwen3-8B's published config.json (the default served model; weights are dummy bf16)."""
+
+L2_BYTES = 60e6
+"""Inputs of one timed run are rotated so that consecutive runs never find them in L2
+(H200: 50 MB of L2; 60 MB leaves a margin)."""
+
+PRIMITIVE_SMS = (16, 24, 32, 48, 64, 96)
+"""SM counts of DESIGN section 5's table (all SMs are always added)."""
+
+TPCMASK_SAFE_MIN_SMS = 48
+"""Under TPC masks, decode-shaped cuBLAS matmuls hung at 16 SMs and none of 36 shapes hung at
+48 (DESIGN section 5): calibration uses no TPC-mask level below this."""
+
+DECODE_BATCHES = (1, 8, 32, 64, 128)
+CONTEXTS = (512, 2048, 8192)
+PREFILLS = ((1, 512), (1, 2048), (1, 8192), (8, 1024))
+"""Prefill iterations as (requests, prompt tokens each)."""
+
+SPLIT_SMS = (16, 32, 64)
+SPLIT_DECODES = ((8, 2048), (32, 2048), (128, 2048))
+"""Decode batches (requests, context tokens) also measured on ``SPLIT_SMS`` SMs; ``--quick``
+keeps only the middle one."""
+
+LOOKAHEAD_K = 8
+"""Decode steps per measured spatial iteration; its decode stream time is divided by this."""
+
+MAX_CONTEXT = max(CONTEXTS) + LOOKAHEAD_K
+"""Longest sequence any shape needs, tokens (the engine's ``max_model_len``)."""
+
+
+@dataclass(frozen=True)
+class Shape:
+    """One measured iteration: ``batch`` requests of ``q`` new tokens on ``c`` cached ones, on
+    ``sms`` SMs. Decode has ``q == 1``; prefill ``c == 0``. ``k > 1`` (decode on fewer than all
+    SMs) runs ``k`` look-ahead steps, as spatial plans do, and reports seconds per step.
+    """
+
+    kind: Literal["decode", "prefill"]
+    batch: int
+    q: int
+    c: int
+    sms: int
+    k: int = 1
+
+    @property
+    def reqs(self) -> list[tuple[int, int]]:
+        """The batch as the cost model takes it: ``(q, c)`` per request."""
+        return [(self.q, self.c)] * self.batch
+
+    @property
+    def tokens_per_request(self) -> int:
+        """KV slots one request needs, tokens (the look-ahead steps included)."""
+        return self.q + self.c + self.k - 1
+
+    @property
+    def label(self) -> str:
+        """``"decode 32x2048 @132"``: kind, requests x tokens each (context or prompt), SMs."""
+        size = self.q + self.c if self.kind == "decode" else self.q
+        return f"{self.kind} {self.batch}x{size} @{self.sms}"
+
+
+@dataclass(frozen=True)
+class Capacity:
+    """What the engine built for calibration can hold.
+
+    Attributes:
+        num_sms: SMs of the device.
+        kv_blocks: KV-cache blocks; ``block_size`` tokens each.
+        max_num_seqs: most requests in one batch.
+        max_num_batched_tokens: most new tokens in one iteration.
+        max_model_len: longest sequence, tokens.
+    """
+
+    num_sms: int
+    kv_blocks: int
+    block_size: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+
+    def misfit(self, shape: Shape) -> str | None:
+        """Why ``shape`` cannot run on this engine (None when it fits)."""
+        blocks = shape.batch * math.ceil(shape.tokens_per_request / self.block_size)
+        if blocks > self.kv_blocks:
+            return f"needs {blocks} KV blocks, the cache has {self.kv_blocks}"
+        if shape.batch > self.max_num_seqs:
+            return f"batch {shape.batch} > max_num_seqs {self.max_num_seqs}"
+        if shape.batch * shape.q > self.max_num_batched_tokens:
+            return f"{shape.batch * shape.q} tokens > max_num_batched_tokens {self.max_num_batched_tokens}"
+        if shape.tokens_per_request > self.max_model_len:
+            return f"{shape.tokens_per_request} tokens > max_model_len {self.max_model_len}"
+        return None
+
+
+def sm_levels(offered: Iterable[int], num_sms: int, wanted: Iterable[int] = PRIMITIVE_SMS,
+              min_sms: int = 0) -> list[int]:
+    """SM counts to measure: those of ``wanted`` that the partition backend ``offered`` and
+    that are at least ``min_sms``, then ``num_sms`` (all SMs, the device's own stream)."""
+    offered = set(offered)
+    return sorted(s for s in set(wanted) if s in offered and min_sms <= s < num_sms) + [num_sms]
+
+
+def rotation_sets(set_bytes: float, l2_bytes: float = L2_BYTES) -> int:
+    """How many input sets of ``set_bytes`` bytes to rotate between timed runs: at least 2,
+    and together at least twice ``l2_bytes``, so no run finds its inputs in L2.
+
+    Raises ValueError for a non-positive size.
+    """
+    if set_bytes <= 0:
+        raise ValueError("set_bytes must be positive")
+    return max(2, math.ceil(2 * l2_bytes / set_bytes))
+
+
+def plan_shapes(capacity: Capacity, split_levels: Iterable[int], quick: bool = False
+                ) -> tuple[list[Shape], list[tuple[Shape, str]]]:
+    """The iteration shapes to measure and the ones skipped, each with its reason.
+
+    Temporal (all SMs): decode ``DECODE_BATCHES x CONTEXTS``, then ``PREFILLS``. Then decode
+    ``SPLIT_DECODES`` on each SM count of ``SPLIT_SMS`` found in ``split_levels`` (the levels
+    the partition backend offers; empty for ``none``), with ``LOOKAHEAD_K`` steps.
+    """
+    n = capacity.num_sms
+    shapes = [Shape("decode", b, 1, ctx - 1, n) for b in DECODE_BATCHES for ctx in CONTEXTS]
+    shapes += [Shape("prefill", b, length, 0, n) for b, length in PREFILLS]
+    split_decodes = SPLIT_DECODES[1:2] if quick else SPLIT_DECODES
+    levels = set(split_levels)
+    shapes += [Shape("decode", b, 1, ctx - 1, s, LOOKAHEAD_K)
+               for s in SPLIT_SMS if s in levels for b, ctx in split_decodes]
+    reasons = [(shape, capacity.misfit(shape)) for shape in shapes]
+    return [s for s, why in reasons if why is None], [(s, why) for s, why in reasons if why is not None]
+
+
+def make_batch(engine, batch: int, ctx: int, q: int, extra_tokens: int = 0) -> list[ScheduledSeq]:
+    """``batch`` sequences of ``ctx`` tokens, ``ctx - q`` of them cached and ``q`` new, with KV
+    blocks allocated in ``engine.block_manager`` for ``ctx + extra_tokens`` tokens (look-ahead
+    steps write past ``ctx``). Free them with ``engine.block_manager.free(s.seq)``.
+
+    Raises RuntimeError when the cache runs out of blocks (``Capacity.misfit`` says beforehand).
+    """
+    out = []
+    for i in range(batch):
+        # A decode holds one generated token (the one it feeds); a prefill holds only prompt tokens.
+        prompt_len = ctx - 1 if q == 1 else ctx
+        seq = Sequence(10_000_000 + i, [7] * ctx, prompt_len, SamplingParams(max_tokens=1 << 20, ignore_eos=True))
+        seq.num_computed_tokens = ctx - q
+        engine.block_manager.allocate(seq, ctx + extra_tokens)
+        out.append(ScheduledSeq(seq, q, ctx - q))
+    return out

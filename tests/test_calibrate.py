@@ -1,0 +1,359 @@
+"""duetserve calibrate: error statistics, profile round trip, envelope, shape selection, the
+procedure with a fake GPU, CLI errors; one GPU test (marker gpu) of the CUDA bench."""
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import dataclass, field
+
+import numpy as np
+import pytest
+import torch
+
+from duetserve.calibrate import cli as calibrate_cli
+from duetserve.calibrate.__main__ import main as calibrate_main
+from duetserve.calibrate.profile import (
+    DeviceFacts,
+    build_profile,
+    curve_points,
+    lower_envelope,
+    write_profile,
+)
+from duetserve.calibrate.report import (
+    error_stats,
+    format_errors,
+    plot_predictions,
+    relative_errors,
+)
+from duetserve.calibrate.runner import Options, prediction_row, run_calibration
+from duetserve.calibrate.workload import (
+    MAX_CONTEXT,
+    Capacity,
+    Shape,
+    make_batch,
+    plan_shapes,
+    rotation_sets,
+    sm_levels,
+)
+from duetserve.engine.kv_cache import BlockManager
+from duetserve.planner.cost_model import CostModel, ModelShape
+from duetserve.planner.hardware import load_profile
+
+H200 = load_profile("h200")
+QWEN = ModelShape.preset("qwen3-8b")
+GREEN_LEVELS = tuple(range(8, 125, 8))
+FACTS = DeviceFacts("NVIDIA H200", 132, 9, 149250113536, "greenctx", GREEN_LEVELS)
+# DESIGN section 5: copy and gemv GB/s on green contexts of S SMs.
+COPY = {16: 1197, 24: 1724, 32: 2204, 48: 3029, 64: 3570, 96: 3867, 132: 4187}
+GEMV = {16: 1721, 24: 2282, 32: 2638, 48: 3201, 64: 3714, 96: 3636, 132: 4037}
+KV_TOKEN_BYTES = 36 * 2 * 8 * 128 * 2  # Qwen3-8B bf16 K and V, all layers
+
+
+def row(kind, measured, predicted, base=None, sms=132):
+    return {"kind": kind, "batch": 1, "q": 1, "c": 0, "sms": sms, "measured_s": measured,
+            "predicted_s": predicted, "base_predicted_s": base}
+
+
+# --- error statistics -------------------------------------------------------------------------
+
+def test_relative_errors_and_stats_on_hand_computed_numbers():
+    assert relative_errors([1.1, 0.5], [1.0, 1.0]) == pytest.approx([0.1, 0.5])
+    # decode errors 10%, 20%, 30%, 40%, 50% (order shuffled): median 30%, p90 = 40% + 0.6 * 10% = 46%
+    rows = [row("decode", 1.0, p) for p in (1.3, 0.5, 1.1, 0.8, 1.4)]
+    rows += [row("prefill", 2.0, 2.5, base=1.0), row("prefill", 4.0, 3.0, base=None)]
+    stats = error_stats(rows, "predicted_s")
+    assert (stats["decode"].count, stats["decode"].median, stats["decode"].p90) == (5, pytest.approx(0.3),
+                                                                                    pytest.approx(0.46))
+    assert stats["prefill"].median == pytest.approx(0.25)  # 25% and 25%
+    base = error_stats(rows, "base_predicted_s")
+    assert list(base) == ["prefill"] and base["prefill"].count == 1 and base["prefill"].p90 == pytest.approx(0.5)
+    table = format_errors(rows)
+    assert "decode             calibrated      5   30.0%   46.0%" in table
+    assert "prefill            base            1   50.0%   50.0%" in table
+
+
+def test_relative_errors_refuse_bad_input():
+    with pytest.raises(ValueError, match="2 predictions for 1"):
+        relative_errors([1, 2], [1])
+    with pytest.raises(ValueError, match="positive"):
+        relative_errors([1], [0])
+
+
+# --- envelope, profile round trip -------------------------------------------------------------
+
+def test_lower_envelope_of_design_table_is_the_shipped_h200_bandwidth_curve():
+    env = lower_envelope({s: v * 1e9 for s, v in COPY.items()}, {s: v * 1e9 for s, v in GEMV.items()})
+    assert curve_points(env, 132, "bw") == H200.bandwidth_points
+
+
+def test_lower_envelope_fills_a_missing_point_from_the_other_curve():
+    assert lower_envelope({16: 5.0, 132: 9.0}, {132: 8.0, 64: 7.0}) == {16: 5.0, 64: 7.0, 132: 8.0}
+    with pytest.raises(ValueError, match="no measurement on all 132 SMs"):
+        curve_points({16: 1.0, 64: 2.0}, 132, "gemm")
+
+
+def measured_profile(bandwidth=None):
+    compute = {s: float(H200.compute_rate(s)) for s in (16, 32, 64, 132)}
+    bandwidth = bandwidth or {s: v * 1e9 for s, v in COPY.items()}
+    return build_profile(H200, "h200-lent", FACTS, compute, bandwidth, "method.")
+
+
+def test_profile_round_trip_through_load_profile(tmp_path):
+    path = tmp_path / "p.json"
+    written = measured_profile()
+    written["calibration"] = [row("decode", 1e-3, 1.1e-3)]
+    loaded = write_profile(written, path)
+    assert loaded == load_profile(path)
+    assert json.loads(path.read_text())["calibration"][0]["measured_s"] == 1e-3
+    assert loaded.name == "h200-lent" and loaded.num_sms == 132 and loaded.num_tpcs == 66
+    assert loaded.compute_points[0] == (16.0, 111e12)
+    assert loaded.provenance["bandwidth_points"] == "measured" and loaded.provenance["peak_flops"] == "datasheet"
+    assert loaded.decode_interference == H200.decode_interference and "method." in loaded.notes
+    # between measured points BW(S) is the chord: 40 SMs halfway between 32 and 48
+    assert loaded.bandwidth(40) == pytest.approx((2204e9 + 3029e9) / 2)
+    assert not (tmp_path / "p.json.tmp").exists()
+
+
+def test_write_profile_keeps_the_old_file_when_the_new_one_does_not_load(tmp_path):
+    path = tmp_path / "p.json"
+    write_profile(measured_profile(), path)
+    before = path.read_text()
+    with pytest.raises(ValueError, match="datasheet peak"):
+        write_profile(measured_profile({16: 1e12, 132: 9e12}), path)  # above the 4.8 TB/s of the base
+    assert path.read_text() == before and not (tmp_path / "p.json.tmp").exists()
+
+
+# --- levels, rotation, shapes -----------------------------------------------------------------
+
+def test_sm_levels_per_backend():
+    assert sm_levels(GREEN_LEVELS, 132) == [16, 24, 32, 48, 64, 96, 132]
+    assert sm_levels(range(2, 131, 2), 132, min_sms=48) == [48, 64, 96, 132]
+    assert sm_levels((), 132) == [132]
+    assert sm_levels(GREEN_LEVELS, 78) == [16, 24, 32, 48, 64, 78]  # 96 is past the device's SMs
+
+
+def test_rotation_sets_exceed_l2():
+    assert rotation_sets(1 << 30) == 2
+    assert rotation_sets(10e6) == 12  # 12 x 10 MB >= 2 x 60 MB
+    with pytest.raises(ValueError):
+        rotation_sets(0)
+
+
+def capacity(kv_bytes=90 << 30, **kw):
+    args = {"num_sms": 132, "kv_blocks": kv_bytes // (16 * KV_TOKEN_BYTES), "block_size": 16, "max_num_seqs": 128,
+                "max_num_batched_tokens": 8192, "max_model_len": MAX_CONTEXT}
+    return Capacity(**{**args, **kw})
+
+
+def test_plan_shapes_skips_what_does_not_fit_in_the_kv_cache():
+    shapes, skipped = plan_shapes(capacity(), GREEN_LEVELS)
+    labels = {s.label for s in shapes}
+    assert {s.label for s, _ in skipped} == {"decode 128x8192 @132"}  # 1M tokens > 655k
+    assert "decode 64x8192 @132" in labels and "prefill 8x1024 @132" in labels
+    assert sum(s.kind == "decode" and s.sms == 132 for s in shapes) == 14
+    assert [s.sms for s in shapes if s.sms < 132] == [16, 16, 16, 32, 32, 32, 64, 64, 64]
+    assert all(s.k == 8 for s in shapes if s.sms < 132)
+    assert "needs 65536 KV blocks" in skipped[0][1]
+
+
+def test_plan_shapes_quick_none_backend_and_limits():
+    shapes, _ = plan_shapes(capacity(), GREEN_LEVELS, quick=True)
+    assert [(s.batch, s.sms) for s in shapes if s.sms < 132] == [(32, 16), (32, 32), (32, 64)]
+    shapes, _ = plan_shapes(capacity(), ())
+    assert all(s.sms == 132 for s in shapes)
+    _, skipped = plan_shapes(capacity(max_num_seqs=32, max_num_batched_tokens=4096, max_model_len=4096), ())
+    reasons = {s.label: why for s, why in skipped}
+    assert reasons["decode 64x512 @132"] == "batch 64 > max_num_seqs 32"
+    assert reasons["prefill 1x8192 @132"] == "8192 tokens > max_num_batched_tokens 4096"
+    assert reasons["decode 1x8192 @132"] == "8192 tokens > max_model_len 4096"
+
+
+def test_lookahead_steps_need_their_kv_slots():
+    split = Shape("decode", 32, 1, 2047, 32, k=8)
+    assert split.tokens_per_request == 2055
+    exact = capacity(kv_blocks=32 * 128)  # 32 requests x 2048 tokens, nothing more
+    assert exact.misfit(Shape("decode", 32, 1, 2047, 132)) is None
+    assert exact.misfit(split) == "needs 4128 KV blocks, the cache has 4096"
+
+
+@dataclass
+class FakeEngine:
+    block_manager: BlockManager = field(default_factory=lambda: BlockManager(100, 16))
+
+
+def test_make_batch_allocates_context_and_lookahead_slots():
+    engine = FakeEngine()
+    seqs = make_batch(engine, 2, 40, 1, extra_tokens=7)
+    assert [(s.num_new_tokens, s.num_cached_tokens, len(s.seq.block_table)) for s in seqs] == [(1, 39, 3)] * 2
+    assert seqs[0].seq.num_prompt_tokens == 39 and seqs[0].samples
+    prefill = make_batch(engine, 1, 32, 32)[0]
+    assert (prefill.num_cached_tokens, prefill.seq.num_prompt_tokens, len(prefill.seq.block_table)) == (0, 32, 2)
+    assert engine.block_manager.num_free_blocks == 100 - 8
+
+
+# --- the procedure with a fake GPU --------------------------------------------------------------
+
+class FakeBench:
+    """Rates from the shipped H200 profile (gemv 10% above copy); iteration times the H200 cost
+    model's times 1.2 (decode) and 0.9 (prefill); failures where asked."""
+
+    def __init__(self, facts=FACTS, fail=()):
+        self.facts, self.fail = facts, set(fail)
+        self.truth = CostModel(QWEN, H200)
+        self.loaded = None
+
+    def primitive_rate(self, name, sms):
+        if (name, sms) in self.fail:
+            raise RuntimeError(f"{name} broke")
+        bw = float(H200.bandwidth(sms))
+        return {"copy": bw, "gemv": 1.1 * bw, "gemm": float(H200.compute_rate(sms))}[name]
+
+    def load_model(self, folder, load_format):
+        self.loaded = (folder, load_format)
+        return capacity()
+
+    def iteration_seconds(self, shape):
+        if shape.label in self.fail:
+            raise RuntimeError("out of memory")
+        return float(self.truth.predict_total(shape.reqs, shape.sms)) * (1.2 if shape.kind == "decode" else 0.9)
+
+
+def options(tmp_path, **kw):
+    return Options(**{"gpu_name": "h200-lent", "out": tmp_path / "p.json", "base": H200, "model_folder": tmp_path,
+                             "model_shape": QWEN, **kw})
+
+
+def test_run_calibration_measures_writes_and_reports_failures(tmp_path):
+    bench = FakeBench(fail={("gemv", 24), ("gemm", 16), "decode 8x2048 @132", "decode 32x2048 @16"})
+    logs = []
+    result = run_calibration(bench, options(tmp_path), logs.append)
+    assert bench.loaded == (tmp_path, "dummy")
+    assert len(result.errors) == 4 and "gemm on 16 SMs: RuntimeError('gemm broke')" in result.errors
+    assert any(line.startswith("FAILED decode 8x2048 @132") for line in logs)
+    assert result.curves["gemv"].keys() == {16, 32, 48, 64, 96, 132}
+    assert result.profile.compute_points[0][0] == 24  # the 16-SM GEMM failed
+    assert result.profile.bandwidth_points == H200.bandwidth_points  # envelope = copy = the H200 curve
+    assert result.skipped == ["decode 128x8192 @132: needs 65536 KV blocks, the cache has 40960"]
+    written = json.loads((tmp_path / "p.json").read_text())
+    assert written["calibration"] == result.rows and len(result.rows) == 14 + 4 + 9 - 2
+    assert load_profile(tmp_path / "p.json") == result.profile
+    base = error_stats(result.rows, "base_predicted_s")
+    assert base["decode"].median == pytest.approx(0.2 / 1.2) and base["prefill"].p90 == pytest.approx(0.1 / 0.9)
+    # Same curves at the measured S as the base (compute differs only below 24 SMs, used by no shape)
+    calibrated = error_stats(result.rows, "predicted_s")
+    assert calibrated["decode"].median == pytest.approx(0.2 / 1.2)
+    assert (calibrated["decode"].count, calibrated["decode, split SMs"].count) == (13, 8)
+
+
+def test_profile_is_written_before_the_iterations(tmp_path):
+    class NoModel(FakeBench):
+        def load_model(self, folder, load_format):
+            raise RuntimeError("CUDA out of memory")
+
+    with pytest.raises(RuntimeError, match="out of memory"):
+        run_calibration(NoModel(), options(tmp_path), lambda _: None)
+    assert load_profile(tmp_path / "p.json").provenance["compute_points"] == "measured"
+
+
+def test_missing_all_sm_point_is_an_error(tmp_path):
+    with pytest.raises(ValueError, match="gemm: no measurement on all 132 SMs"):
+        run_calibration(FakeBench(fail={("gemm", 132)}), options(tmp_path), lambda _: None)
+
+
+def test_prediction_row_has_no_base_prediction_beyond_the_base_gpu():
+    a100 = CostModel(QWEN, load_profile("a100"))  # 108 SMs
+    r = prediction_row(Shape("decode", 1, 1, 511, 132), 1e-2, CostModel(QWEN, H200), a100)
+    assert r["base_predicted_s"] is None and r["predicted_s"] > 0 and (r["batch"], r["c"]) == (1, 511)
+
+
+def test_plot_draws_a_png(tmp_path):
+    rows = [row("decode", 1e-2, 1.1e-2, 0.9e-2), row("prefill", 0.3, 0.28, None)]
+    plot_predictions(rows, tmp_path / "c.png", "t")
+    assert (tmp_path / "c.png").read_bytes()[:4] == b"\x89PNG"
+
+
+# --- command line -------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("extra, flag", [
+    (["--base", "no-such-gpu"], "--base"),
+    (["--model", "/no/such/config.json"], "--model"),
+    (["--out", "/no/such/dir/p.json"], "--out"),
+    (["--plot", "/no/such/dir/c.png"], "--plot"),
+    (["--partition-backend", "mig"], "--partition-backend"),
+])
+def test_cli_argument_errors_name_the_flag(tmp_path, capsys, extra, flag):
+    with pytest.raises(SystemExit) as exc:
+        calibrate_main(["--gpu-name", "x", "--out", str(tmp_path / "p.json"), *extra])
+    assert exc.value.code == 2 and f"argument {flag}" in capsys.readouterr().err
+
+
+def test_cli_requires_gpu_name_and_out(capsys):
+    with pytest.raises(SystemExit):
+        calibrate_main([])
+    assert "--gpu-name" in capsys.readouterr().err
+
+
+def test_cli_config_file_needs_dummy_weights(tmp_path, capsys):
+    (tmp_path / "config.json").write_text(json.dumps({"hidden_size": 64}))
+    code = calibrate_main(["--gpu-name", "x", "--out", str(tmp_path / "p.json"), "--model",
+                           str(tmp_path / "config.json"), "--load-format", "auto"])
+    assert code == 1 and "--load-format auto needs --model FOLDER" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message without CUDA")
+def test_cli_without_cuda_fails_cleanly(tmp_path, capsys):
+    assert calibrate_main(["--gpu-name", "x", "--out", str(tmp_path / "p.json")]) == 1
+    assert "needs a CUDA GPU" in capsys.readouterr().err
+
+
+def test_cli_end_to_end_with_a_fake_gpu(tmp_path, capsys, monkeypatch):
+    from duetserve import cli as main_cli
+    from duetserve.calibrate import gpu
+
+    made = {}
+
+    def fake_bench(partition, device, repeats, attention_backend):
+        made.update(partition=partition, repeats=repeats)
+        return FakeBench()
+
+    monkeypatch.setattr(gpu, "CudaBench", fake_bench)
+    tiny = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "intermediate_size": 128,
+            "vocab_size": 320}
+    (tmp_path / "config.json").write_text(json.dumps(tiny))
+    code = main_cli.main(["calibrate", "--gpu-name", "lent", "--out", str(tmp_path / "p.json"), "--model",
+                          str(tmp_path / "config.json"), "--plot", str(tmp_path / "c.png"), "--quick",
+                          "--partition-backend", "none"])
+    out = capsys.readouterr().out
+    assert code == 0 and made == {"partition": "none", "repeats": 8}
+    assert "relative error |pred - meas| / meas" in out and "decode             base" in out
+    assert (tmp_path / "c.png").exists() and load_profile(tmp_path / "p.json").name == "lent"
+
+
+def test_model_folder_default_is_qwen3_8b(tmp_path):
+    args = argparse.Namespace(model=None, load_format="dummy")
+    folder, shape = calibrate_cli.model_folder(args, tmp_path)
+    assert folder == tmp_path and shape == QWEN
+    assert json.loads((tmp_path / "config.json").read_text())["model_type"] == "qwen3"
+
+
+# --- on a GPU -----------------------------------------------------------------------------------
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_bench_rates_and_iterations(tiny_qwen3_folder):
+    from duetserve.calibrate.gpu import CudaBench
+
+    bench = CudaBench("greenctx", repeats=4)
+    n = bench.facts.num_sms
+    copy = bench.primitive_rate("copy", n)
+    assert 1e11 < copy < 2 * 8e12 and bench.primitive_rate("gemm", n) > 1e12
+    if bench.facts.levels:
+        assert bench.primitive_rate("copy", 16) < copy
+    cap = bench.load_model(tiny_qwen3_folder, "auto")
+    assert cap.num_sms == n and cap.kv_blocks > 0
+    shapes = [Shape("decode", 8, 1, 63, n), Shape("prefill", 2, 100, 0, n)]
+    if bench.facts.levels:
+        shapes.append(Shape("decode", 8, 1, 63, bench.facts.levels[1], k=4))
+    times = [bench.iteration_seconds(s) for s in shapes]
+    assert all(0 < t < 1 for t in times) and bench.engine.block_manager.num_free_blocks == cap.kv_blocks
+    assert np.isfinite(times).all()
