@@ -37,7 +37,7 @@ def summarize(result: SimResult, qps: float, tbt_slo_s: float) -> dict[str, Any]
     """One table/JSON row: ``policy``, ``qps``, request and output token throughput (per
     second), TTFT and TBT mean/p50/p99 (ms), ``tbt_slo_attainment`` (share of TBT gaps
     <= ``tbt_slo_s``; None without gaps), ``spatial_fraction`` and ``slo_risk_fraction``
-    (shares of iterations), and counts.
+    (shares of iterations), counts, and the simulation's host time ``sim_wall_s``.
 
     Raises:
         ValueError: no request produced a token (nothing to measure).
@@ -67,6 +67,7 @@ def summarize(result: SimResult, qps: float, tbt_slo_s: float) -> dict[str, Any]
         "iterations": len(its),
         "preemptions": result.num_preemptions,
         "kv_cache_tokens": result.kv_cache_tokens,
+        "sim_wall_s": result.wall_s,
     }
 
 

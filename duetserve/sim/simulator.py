@@ -26,7 +26,7 @@ times a utilization, minus the weights, divided by the KV bytes per token (vLLM'
 
 from __future__ import annotations
 
-import math
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -133,6 +133,7 @@ class SimResult:
         duration_s: from the first arrival (0) to the last token, seconds.
         num_preemptions: sequences preempted (recomputed).
         kv_cache_tokens: KV-cache capacity simulated, tokens (whole blocks).
+        wall_s: host seconds the simulation took.
     """
 
     policy: str
@@ -141,6 +142,7 @@ class SimResult:
     duration_s: float
     num_preemptions: int
     kv_cache_tokens: int
+    wall_s: float
 
 
 @dataclass
@@ -260,6 +262,7 @@ def simulate(trace: Sequence[TraceRequest], policy: Policy, config: SimConfig, p
         ValueError: bad memory settings (see ``kv_cache_tokens``).
         RuntimeError: the scheduler stops making progress with requests left (a bug).
     """
+    start = time.perf_counter()
     run = _Run(trace, policy, config)
     sched, nxt = run.scheduler, 0
     with tqdm(total=len(trace), desc=label, unit="req", disable=None if progress else True) as bar:
@@ -277,4 +280,4 @@ def simulate(trace: Sequence[TraceRequest], policy: Policy, config: SimConfig, p
             bar.update(len(run.step(out)))
     ends = [r.arrival_s + r.chunk_times_s[-1] for r in run.records if r.chunk_times_s]
     return SimResult(policy.name, run.records, run.iterations, max(ends, default=0.0), sched.num_preemptions,
-                     run.blocks.num_blocks * run.blocks.block_size)
+                     run.blocks.num_blocks * run.blocks.block_size, time.perf_counter() - start)
