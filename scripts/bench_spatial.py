@@ -21,8 +21,8 @@ from duetserve.partition import make_partition_backend
 from duetserve.planner.cost_model import CostModel, ModelShape
 from duetserve.planner.hardware import load_profile
 
-sys.path.insert(0, str(Path(__file__).parent))
-from bench_engine import QWEN3_8B, make_batch  # noqa: E402
+
+from duetserve.calibrate.workload import QWEN3_8B, make_batch  # noqa: E402
 
 
 def stream_times(engine: LLMEngine, out: SchedulerOutput, reps: int = 3) -> dict[str, float]:
@@ -55,7 +55,7 @@ def main() -> int:
         return 1
     engine.runner.partition = backend
     model = CostModel(ModelShape.preset("qwen3-8b"), load_profile("h200"))
-    decodes = make_batch(engine, 32, 2048, 1)
+    decodes = make_batch(engine, 32, 2048, 1, extra_tokens=args.k - 1)  # KV slots for the k look-ahead steps
     prefill = make_batch(engine, 1, 16384, 16384)
     rows = []
     for s_d in (16, 24, 32, 48, 64):
