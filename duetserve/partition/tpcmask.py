@@ -74,7 +74,10 @@ class TpcMaskBackend:
 
     name = "tpcmask"
     granularity = 2
-    min_sms = 2
+    # Fewest SMs on either stream. On the H200, cuBLAS decode GEMMs (qkv 4096->6144, down
+    # 12288->4096) never finished on a stream masked to 16 SMs and all finished on 32
+    # (scripts/tpcmask_watchdog.py, docs/benchmarks.md 2026-11-30).
+    min_sms = 32
 
     def __init__(self, device_index: int = 0, libsmctrl: str | None = None):
         from cuda.bindings import driver as cu
