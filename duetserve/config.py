@@ -72,7 +72,7 @@ class EngineConfig:
     policy: str = "chunked"
     tbt_slo_s: float = 0.1
     hardware_profile: str = "h200"
-    partition_backend: str = "none"
+    partition_backend: str = "auto"
     seed: int = 0
     attention_backend: str = "auto"
     enforce_eager: bool = False
@@ -92,8 +92,8 @@ class EngineConfig:
             (0 < self.kv_cache_memory_fraction <= 1, "--kv-cache-memory-fraction", "must be in (0, 1]"),
             (self.max_model_len is None or self.max_model_len >= 2, "--max-model-len", "must be >= 2"),
             (self.tbt_slo_s > 0, "--tbt-slo", "must be positive"),
-            (self.partition_backend in PARTITION_BACKENDS, "--partition-backend",
-             f"must be one of {', '.join(PARTITION_BACKENDS)}"),
+            (self.partition_backend in PARTITION_BACKENDS + ("auto",), "--partition-backend",
+             f"must be auto or one of {', '.join(PARTITION_BACKENDS)}"),
             (self.policy != "pdmux" or self.partition_backend != "none", "--policy",
              "pdmux needs an SM partition backend (greenctx or tpcmask); this engine has none: "
              "use duet, chunked or prefill-first"),

@@ -35,10 +35,14 @@ class DecodeGraphs:
         max_batch: largest decode batch to record, sequences.
         max_blocks: block-table width, blocks (``ceil(max_model_len / block_size)``).
         scratch_slot: a KV slot no sequence owns (padding rows write there).
+        stream: stream to record on; a graph keeps the SM restriction of the (green-context)
+            stream it was recorded on (DESIGN section 5), so each split level records its own.
+            None: a side stream on all SMs.
     """
 
     def __init__(self, model: CausalLM, kv_caches, max_batch: int, max_blocks: int, scratch_slot: int,
-                 device: torch.device):
+                 device: torch.device, stream: torch.cuda.Stream | None = None):
+        self.stream = stream
         self.model, self.kv_caches = model, kv_caches
         self.buckets = graph_buckets(max_batch)
         self.scratch_slot = scratch_slot
@@ -65,11 +69,11 @@ class DecodeGraphs:
         return self.model.compute_logits(hidden)
 
     @torch.inference_mode()
-    def capture(self) -> None:
-        """Record one graph per bucket (largest first, sharing one memory pool)."""
+    def capture(self, pool=None) -> None:
+        """Record one graph per bucket (largest first) in the memory pool ``pool`` (None: a new one)."""
         before = torch.cuda.memory_allocated()
-        pool = torch.cuda.graph_pool_handle()
-        side = torch.cuda.Stream()
+        pool = pool if pool is not None else torch.cuda.graph_pool_handle()
+        side = self.stream or torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             for b in reversed(self.buckets):
@@ -77,13 +81,13 @@ class DecodeGraphs:
         torch.cuda.current_stream().wait_stream(side)
         for b in reversed(self.buckets):
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
+            with torch.cuda.graph(graph, pool=pool, stream=self.stream):
                 self.logits[b] = self._step(b)
             self.graphs[b] = graph
         torch.cuda.synchronize()
         self.memory_bytes = torch.cuda.memory_allocated() - before
-        log.info("recorded %d decode CUDA graphs (batch %s), %.1f MiB", len(self.graphs), self.buckets,
-                 self.memory_bytes / 2**20)
+        log.info("recorded %d decode CUDA graphs (batch %s)%s, %.1f MiB", len(self.graphs), self.buckets,
+                 "" if self.stream is None else " on a partitioned stream", self.memory_bytes / 2**20)
 
     def bucket(self, n: int) -> int | None:
         """Smallest recorded batch size holding ``n`` decodes, or None (run eagerly)."""

@@ -1,6 +1,7 @@
 """The LLM engine: requests in, token and text deltas out, one iteration per ``step()``."""
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import time
@@ -10,6 +11,7 @@ import torch
 
 from duetserve.config import EngineConfig
 from duetserve.engine.cuda_graphs import DecodeGraphs
+from duetserve.partition import make_partition_backend
 from duetserve.engine.detokenizer import IncrementalDetokenizer
 from duetserve.engine.kv_cache import BlockManager
 from duetserve.engine.model_runner import ModelRunner, allocate_kv_cache, kv_bytes_per_block
@@ -94,24 +96,39 @@ class LLMEngine:
         # One extra block, owned by no sequence: CUDA-graph padding rows write their K/V there.
         kv = allocate_kv_cache(self.model, num_blocks + 1, config.block_size, self.dtype, self.device)
         self.sampler = Sampler(self.device, config.seed)
-        self.graphs = self._capture_graphs(kv, num_blocks)
-        self.runner = ModelRunner(self.model, kv, config.block_size, self.device, self.sampler, self.graphs)
-        self.scheduler = Scheduler(make_policy(config), self.block_manager, config.max_num_seqs,
+        self.partition = make_partition_backend(config.partition_backend, self.device)
+        if self.partition.name == "none" and config.partition_backend not in ("none", "auto"):
+            log.warning("--partition-backend %s unavailable, spatial plans disabled: %s",
+                        config.partition_backend, self.partition.reason)
+        policy = make_policy(dataclasses.replace(config, partition_backend=self.partition.name))
+        self.graphs, split_graphs = self._capture_graphs(kv, num_blocks)
+        self.runner = ModelRunner(self.model, kv, config.block_size, self.device, self.sampler, self.graphs,
+                                  self.partition, split_graphs)
+        self.scheduler = Scheduler(policy, self.block_manager, config.max_num_seqs,
                                    config.max_num_batched_tokens, self.max_model_len)
         self.eos_token_ids = self._eos_ids(loaded.config)
         self._requests: dict[str, _Request] = {}
         self._ids = itertools.count()
         self.last_stats: StepStats | None = None
 
-    def _capture_graphs(self, kv, scratch_block: int) -> DecodeGraphs | None:
+    def _capture_graphs(self, kv, scratch_block: int) -> tuple[DecodeGraphs | None, dict[int, DecodeGraphs]]:
+        """Decode graphs for all SMs, and one set per split level of the partition backend
+        (recorded on that level's decode stream), all in one memory pool."""
         backend = self.model.model.layers[0].self_attn.backend
         if self.device.type != "cuda" or self.config.enforce_eager or not getattr(backend, "cuda_graph_safe", False):
-            return None
+            return None, {}
         bs = self.config.block_size
-        graphs = DecodeGraphs(self.model, kv, self.config.max_num_seqs, -(-self.max_model_len // bs),
-                              scratch_block * bs, self.device)
-        graphs.capture()
-        return graphs
+
+        def record(stream=None) -> DecodeGraphs:
+            graphs = DecodeGraphs(self.model, kv, self.config.max_num_seqs, -(-self.max_model_len // bs),
+                                  scratch_block * bs, self.device, stream)
+            graphs.capture(pool)
+            return graphs
+
+        pool = torch.cuda.graph_pool_handle()
+        full = record()
+        levels = self.partition.levels() if self.partition.granularity else []
+        return full, {s: record(self.partition.pair(s).decode) for s in levels}
 
     def _blocks_from_memory(self) -> int:
         per_block = kv_bytes_per_block(self.model, self.config.block_size, self.dtype)

@@ -81,10 +81,13 @@ class ModelRunner:
         graphs: recorded decode graphs, replayed for decode-only temporal batches.
         partition: SM partition backend for spatial plans; None or ``none`` runs both parts
             of a spatial plan one after the other on the current stream (same tokens).
+        split_graphs: decode graphs recorded on each split level's decode stream, by decode SMs.
     """
 
     def __init__(self, model: CausalLM, kv_caches, block_size: int, device: torch.device, sampler: Sampler,
-                 graphs: DecodeGraphs | None = None, partition: PartitionBackend | None = None):
+                 graphs: DecodeGraphs | None = None, partition: PartitionBackend | None = None,
+                 split_graphs: dict[int, DecodeGraphs] | None = None):
+        self.split_graphs = split_graphs or {}
         self.model = model
         self.kv_caches = kv_caches
         self.block_size = block_size
@@ -102,13 +105,14 @@ class ModelRunner:
             inputs = self._prepare(batch, len(out.decodes), [None] * len(batch))
             if inputs is None:
                 return {}
-            tokens = self._sample(inputs, use_graphs=True).tolist()
+            tokens = self._sample(inputs, self.graphs).tolist()
             return {sid: [t] for sid, t in zip(inputs.sample_seq_ids, tokens)}
         return self._execute_spatial(out)
 
     def _execute_spatial(self, out: SchedulerOutput) -> dict[int, list[int]]:
         k = out.plan.k
         decode_ctx, prefill_ctx = self._streams(out.plan)
+        graphs = self.split_graphs.get(out.plan.s_decode) if isinstance(decode_ctx, torch.cuda.StreamContext) else None
         # Everything is uploaded before the first launch: no host sync between the k steps.
         steps = [self._prepare(out.decodes, len(out.decodes), [j] * len(out.decodes)) for j in range(k)]
         prefill = self._prepare(out.prefills, 0, [None] * len(out.prefills)) if out.prefills else None
@@ -122,14 +126,14 @@ class ModelRunner:
             for step in steps:
                 if ids is not None:
                     step.input_ids = ids  # the previous step's tokens, still on the device
-                ids = self._sample(step, use_graphs=False)
+                ids = self._sample(step, graphs)
                 decode_tokens.append(ids)
             timers.mark("decode")
         with prefill_ctx as stream:
             if stream is not None:
                 stream.wait_stream(main)
             timers.mark("prefill")
-            prefill_tokens = self._sample(prefill, use_graphs=False) if prefill else None
+            prefill_tokens = self._sample(prefill, None) if prefill else None
             timers.mark("prefill")
         for ctx_stream in (decode_ctx, prefill_ctx):
             if isinstance(ctx_stream, torch.cuda.StreamContext):
@@ -183,13 +187,13 @@ class ModelRunner:
                           self.sampler.prepare([s.seq_id for s in sample_seqs], [s.params for s in sample_seqs],
                                                self.model.dims.vocab_size))
 
-    def _sample(self, inputs: StepInputs, use_graphs: bool) -> torch.Tensor:
+    def _sample(self, inputs: StepInputs, graphs: DecodeGraphs | None) -> torch.Tensor:
         """Forward pass (writes the K/V) and sampling; returns the sampled tokens ``[n]`` on the device
         (empty when no row samples, e.g. a prefill chunk in the middle of its prompt)."""
         n = inputs.input_ids.shape[0]
         decode_only = inputs.meta.num_decodes == n
-        if use_graphs and decode_only and self.graphs is not None and self.graphs.bucket(n):
-            logits = self.graphs.run(inputs.input_ids, inputs.positions, inputs.meta)
+        if decode_only and graphs is not None and graphs.bucket(n):
+            logits = graphs.run(inputs.input_ids, inputs.positions, inputs.meta)
         else:
             hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
             if inputs.sample_rows is not None:
