@@ -3,11 +3,14 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
+from pathlib import Path
 
 from duetserve.bench import cli as bench_cli
 from duetserve.calibrate import cli as calibrate_cli
 from duetserve.config import ATTENTION_BACKENDS, POLICIES, EngineConfig, parse_duration
+from duetserve.partition.base import BACKENDS as PARTITION_BACKENDS
 from duetserve.sim import cli as sim_cli
 
 
@@ -52,6 +55,11 @@ def _add_serve(sub) -> None:
                    help="auto: flash-attn if it imports and fits, else triton on CUDA; torch on the CPU")
     p.add_argument("--profile", default="h200", metavar="NAME|PATH", help="GPU profile the planner predicts with: "
                    "a shipped name or a JSON file from duetserve calibrate")
+    p.add_argument("--partition-backend", choices=("auto", *PARTITION_BACKENDS), default="auto",
+                   help="SM partitioning for spatial plans: auto = green contexts on CUDA (self-tested at "
+                        "start, falls back to none), none on the CPU")
+    p.add_argument("--libsmctrl", default=None, metavar="PATH",
+                   help="use this libsmctrl.so for --partition-backend tpcmask instead of the built-in shim")
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode")
@@ -71,6 +79,10 @@ def _serve(args, parser: argparse.ArgumentParser) -> int:
     if device.startswith("cuda") and not torch.cuda.is_available():
         parser.error(f"--device {device}: CUDA is not available on this machine")
     budget = args.max_num_batched_tokens or (8192 if device.startswith("cuda") else 512)
+    if args.libsmctrl:
+        if not Path(args.libsmctrl).is_file():
+            parser.error(f"--libsmctrl {args.libsmctrl}: no such file")
+        os.environ["DUETSERVE_LIBSMCTRL"] = args.libsmctrl
     try:
         config = EngineConfig(model=args.model, load_format=args.load_format, device=device, dtype=args.dtype,
                               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=budget,
@@ -78,7 +90,7 @@ def _serve(args, parser: argparse.ArgumentParser) -> int:
                               kv_cache_memory_fraction=args.kv_cache_memory_fraction,
                               cpu_kv_cache_bytes=int(args.cpu_kv_cache_gb * (1 << 30)),
                               max_model_len=args.max_model_len, policy=args.policy, tbt_slo_s=args.tbt_slo,
-                              hardware_profile=args.profile,
+                              hardware_profile=args.profile, partition_backend=args.partition_backend,
                               seed=args.seed, enforce_eager=args.enforce_eager,
                               attention_backend=args.attention_backend)
         engine = LLMEngine(config)
