@@ -2,7 +2,8 @@
 # Everything the lent GPU should run: GPU tests, kernel checks, engine benchmarks, partition
 # checks, calibration. Results go to $OUT (default ./out); a short table is printed last.
 # Usage: bash scripts/device_check.sh [STEP ...]   (no argument: every step; one call is
-# limited to 10 minutes, so split: `tests attention spatial` then `engine calibrate watchdog`).
+# limited to 10 minutes, so split: `tests attention spatial` then `engine calibrate watchdog`;
+# `core-tests` is the quick subset: engine vs transformers, spatial vs temporal, fused ops).
 # The GPU image has torch/triton/transformers/cuda-bindings but no FastAPI: only GPU-side code runs here.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -24,6 +25,8 @@ step() {  # name, timeout seconds, command...
   git log -1 --format='commit %H %cd' 2>/dev/null || true; } | tee "$OUT/env.txt"
 step tests 420 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu_engine.py tests/test_gpu_spatial.py \
   tests/test_partition.py tests/test_triton_attention.py
+step core-tests 300 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu_engine.py tests/test_gpu_spatial.py \
+  $(ls tests/test_fused_ops.py 2>/dev/null)
 step attention 240 python3 scripts/bench_attention.py --out "$OUT/attention.json"
 step engine 420 python3 scripts/bench_engine.py --iters 10 --out "$OUT/engine.json"
 step spatial 300 python3 scripts/bench_spatial.py --out "$OUT/spatial.json"
