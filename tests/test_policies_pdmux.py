@@ -84,3 +84,14 @@ def test_simulated_rounds_follow_the_decode_step(config):
     gaps = a.itls_s
     assert sum(abs(g - t_d) < 0.2e-3 for g in gaps) >= len(split) - 1  # A's steps on 20 SMs during the prefill
     assert b.output_tokens == 4 and a.output_tokens == 200
+
+
+def test_preempted_layer_split_prefill_restarts_from_its_first_layer(config):
+    """B's pinned prefill loses its KV blocks to A's decode; run again later, it costs a full prefill."""
+    trace = [TraceRequest(0.0, 111, 50), TraceRequest(0.001, 1000, 5)]  # B is admitted beside A's first decode
+    result = simulate(trace, PdmuxPolicy(config), SimConfig(config, kv_cache_tokens=70 * 16))
+    assert result.num_preemptions == 1
+    a, b = result.records
+    a_done = a.arrival_s + a.chunk_times_s[-1]
+    alone = float(config.cost_model.predict_total([(1000, 0)], 132))
+    assert b.arrival_s + b.ttft_s == pytest.approx(a_done + alone, rel=1e-9)

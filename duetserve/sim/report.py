@@ -134,7 +134,7 @@ def plot_rows(rows: Sequence[dict[str, Any]], out_path: str | Path) -> None:
         ax_thr.plot(qps, [r["request_throughput"] for r in mine], "o-", color=line.get_color(), label=policy)
     for slo in {r["tbt_slo_ms"] for r in rows}:
         ax_tbt.axhline(slo, color="red", linestyle=":", label=f"SLO {slo:g} ms")
-    ax_tbt.set(title="TBT", xlabel="QPS (req/s)", ylabel="TBT (ms)")
+    ax_tbt.set(title="TBT", xlabel="QPS (req/s)", ylabel="TBT (ms)", yscale="log")
     ax_ttft.set(title="TTFT", xlabel="QPS (req/s)", ylabel="TTFT (s)", yscale="log")
     ax_thr.set(title="Request throughput", xlabel="QPS (req/s)", ylabel="finished req/s")
     for ax in (ax_tbt, ax_ttft, ax_thr):

@@ -149,9 +149,14 @@ class SimResult:
 class _LayerSplit:
     """The prefill stream of a layer-split prefill batch in flight."""
 
+    batch: list[ScheduledSeq]  # the batch as first scheduled (the scheduler hands out these objects)
     layer_s: float  # seconds per layer of the batch on its SMs
     layers_left: int  # layers not yet submitted
     busy_until_s: float  # when the layers submitted so far are done
+
+    def holds(self, prefills: list[ScheduledSeq]) -> bool:
+        """Whether ``prefills`` is (what preemption left of) this batch."""
+        return any(prefills[0] is s for s in self.batch)
 
 
 def _reqs(batch: list[ScheduledSeq]) -> list[tuple[int, int]]:
@@ -231,22 +236,22 @@ class _Run:
                      prefill: list[tuple[int, int]]) -> tuple[float, list[float], float | None]:
         """One pdmux round (see the module docstring)."""
         plan, layers = out.plan, self.config.planner.shape.layers
-        t_d = 0.0
+        t_d, t_p = 0.0, 0.0
         if plan.spatial:
             t_d, t_p = (float(x) for x in self.cm.predict_spatial(decode, prefill, plan.s_decode, self.total_sms))
-        else:
-            t_p = float(self.cm.predict_total(prefill, self.total_sms))
-        if self.split is None:
-            self.split = _LayerSplit(t_p / layers, layers, self.now)
+        if self.split is None or not self.split.holds(out.prefills):
+            if not plan.spatial:
+                t_p = float(self.cm.predict_total(prefill, self.total_sms))
+            self.split = _LayerSplit(out.prefills, t_p / layers, layers, self.now)
         split = self.split
         submitted = min(plan.prefill_layers, split.layers_left)
         split.layers_left -= submitted
         split.busy_until_s = max(split.busy_until_s, self.now) + submitted * split.layer_s
         end = self.now + t_d if decode else split.busy_until_s
-        done = split.layers_left == 0 and split.busy_until_s <= end
-        if done:
-            self.split = None
-        return end - self.now, [end], end if done else None
+        if split.layers_left or split.busy_until_s > end:
+            return end - self.now, [end], None
+        self.split = None
+        return end - self.now, [end], end
 
 
 def simulate(trace: Sequence[TraceRequest], policy: Policy, config: SimConfig, progress: bool = False,
