@@ -1,11 +1,47 @@
-"""Shared fixtures: the embedded SmolLM2 folder and a tiny random Qwen3 checkpoint."""
+"""Shared fixtures: the embedded SmolLM2 folder, a tiny random Qwen3 checkpoint, Triton's interpreter on CPU."""
 from __future__ import annotations
 
+import importlib
 import json
+import os
+import sys
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 import torch
+
+CUDA = torch.cuda.is_available()
+_triton_interpreted = False  # triton was first imported by import_triton_module, interpreted
+
+
+def import_triton_module(name: str) -> ModuleType:
+    """Import module ``name`` (it defines Triton kernels) so that without CUDA they run interpreted.
+
+    Triton decides at definition time whether a jit function (its own library's too) is compiled
+    or interpreted, so without CUDA ``TRITON_INTERPRET=1`` must be set before triton is first
+    imported. Skips the calling test module when triton is missing, or was imported without it.
+    """
+    global _triton_interpreted
+    interpreted = _triton_interpreted or os.environ.get("TRITON_INTERPRET") == "1"
+    if not CUDA and "triton" in sys.modules and not interpreted:
+        pytest.skip("triton was imported without TRITON_INTERPRET=1 before this module; run it on its own",
+                    allow_module_level=True)
+    with pytest.MonkeyPatch.context() as mp:
+        if not CUDA:
+            mp.setenv("TRITON_INTERPRET", "1")
+        pytest.importorskip("triton")
+        _triton_interpreted = not CUDA
+        return importlib.import_module(name)
+
+
+@pytest.fixture(scope="module")
+def triton_interpreter():
+    """Keep ``TRITON_INTERPRET=1`` set (without CUDA) while a module's tests run, and only then."""
+    with pytest.MonkeyPatch.context() as mp:
+        if not CUDA:
+            mp.setenv("TRITON_INTERPRET", "1")
+        yield
 
 
 @pytest.fixture(scope="session")

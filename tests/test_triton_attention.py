@@ -8,44 +8,25 @@ or a read past a sequence's context shows up as NaN.
 """
 from __future__ import annotations
 
-import importlib
 import itertools
 import math
-import os
 import sys
 import types
 from dataclasses import dataclass
 
 import pytest
 import torch
+from conftest import CUDA, import_triton_module
 
 from duetserve.model.attention import AttentionMetadata, TorchAttention
 from duetserve.model.backends import FlashAttnBackend, make_attention_backend
 
-CUDA = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if CUDA else "cpu")
 needs_cuda = pytest.mark.skipif(not CUDA, reason="needs CUDA")
 FP32_TOL, BF16_TOL = 1e-3, 1e-2
 
-# Triton decides at definition time whether a jit function (its own library's too) is compiled
-# or interpreted, so without CUDA the variable must be set before triton is first imported.
-if not CUDA and "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
-    pytest.skip("triton was imported without TRITON_INTERPRET=1 before this module; run it on its own",
-                allow_module_level=True)
-with pytest.MonkeyPatch.context() as _mp:
-    if not CUDA:
-        _mp.setenv("TRITON_INTERPRET", "1")
-    pytest.importorskip("triton")
-    ta = importlib.import_module("duetserve.model.triton_attention")
-
-
-@pytest.fixture(scope="module", autouse=True)
-def interpreter_env():
-    """Keep ``TRITON_INTERPRET=1`` set (without CUDA) while this module's tests run, and only then."""
-    with pytest.MonkeyPatch.context() as mp:
-        if not CUDA:
-            mp.setenv("TRITON_INTERPRET", "1")
-        yield
+ta = import_triton_module("duetserve.model.triton_attention")
+pytestmark = pytest.mark.usefixtures("triton_interpreter")
 
 
 @dataclass

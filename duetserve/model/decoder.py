@@ -1,7 +1,10 @@
 """One decoder for the Llama family (Llama 2/3, SmolLM2) and Qwen3.
 
-Parameter names follow Hugging Face (``model.layers.N.self_attn.q_proj.weight``, ...), so
-safetensors checkpoints load by name. Qwen3 adds a per-head RMSNorm on queries and keys.
+Parameter names follow Hugging Face (``model.layers.N.self_attn.o_proj.weight``, ...), except
+that q/k/v and gate/up projections are merged into one GEMM each (``qkv_proj``, ``gate_up_proj``);
+``CausalLM.checkpoint_tensors`` maps the checkpoint names onto them, so safetensors checkpoints
+load by name. Qwen3 adds a per-head RMSNorm on queries and keys. Residual adds are fused into the
+following norm (vLLM's layout): each layer takes and returns ``(hidden, residual)``.
 """
 from __future__ import annotations
 
@@ -11,7 +14,7 @@ import torch
 from torch import nn
 
 from duetserve.model.attention import AttentionBackend, AttentionMetadata
-from duetserve.model.layers import RMSNorm, RotaryEmbedding, SwiGLU
+from duetserve.model.layers import MergedLinear, RMSNorm, RotaryEmbedding, SwiGLU
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen3", "mistral")
 
@@ -67,9 +70,8 @@ class Attention(nn.Module):
         super().__init__()
         d, h, hkv, hd = dims.hidden_size, dims.num_heads, dims.num_kv_heads, dims.head_dim
         self.num_heads, self.num_kv_heads, self.head_dim = h, hkv, hd
-        self.q_proj = nn.Linear(d, h * hd, bias=dims.attention_bias)
-        self.k_proj = nn.Linear(d, hkv * hd, bias=dims.attention_bias)
-        self.v_proj = nn.Linear(d, hkv * hd, bias=dims.attention_bias)
+        self.qkv_proj = MergedLinear(d, {"q_proj": h * hd, "k_proj": hkv * hd, "v_proj": hkv * hd},
+                                     bias=dims.attention_bias)
         self.o_proj = nn.Linear(h * hd, d, bias=dims.attention_bias)
         if dims.qk_norm:
             self.q_norm = RMSNorm(hd, dims.rms_norm_eps)
@@ -80,13 +82,14 @@ class Attention(nn.Module):
         self.scale = hd ** -0.5
 
     def forward(self, x, positions, kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata):
+        """``x`` ``[T, hidden]`` at ``positions`` ``[T]``: write K/V to ``kv_cache``, return ``[T, hidden]``."""
         t = x.shape[0]
-        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary[0](positions, q, k)
+        q, k, v = self.qkv_proj(x).split(list(self.qkv_proj.parts.values()), dim=-1)
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        norms = (self.q_norm, self.k_norm) if self.qk_norm else ()
+        q, k = self.rotary[0](positions, q, k, *norms)
         o = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
         return self.o_proj(o.reshape(t, -1))
 
@@ -99,9 +102,13 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(dims.hidden_size, dims.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(dims.hidden_size, dims.rms_norm_eps)
 
-    def forward(self, x, positions, kv_cache, meta):
-        x = x + self.self_attn(self.input_layernorm(x), positions, kv_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, residual, positions, kv_cache, meta):
+        """``x`` ``[T, hidden]``, the previous layer's output, and ``residual`` (None in layer 0): the
+        stream before it. Returns this layer's ``(output, residual)``; the stream is their sum."""
+        h, residual = self.input_layernorm(x, residual)
+        h = self.self_attn(h, positions, kv_cache, meta)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
 
 
 class _Body(nn.Module):
@@ -133,10 +140,29 @@ class CausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata) -> torch.Tensor:
         """Hidden states ``[T, hidden]`` of ``input_ids`` ``[T]`` (int64) at ``positions`` ``[T]`` (int64)."""
-        x = self.model.embed_tokens(input_ids)
+        x, residual = self.model.embed_tokens(input_ids), None
         for layer, kv in zip(self.model.layers, kv_caches):
-            x = layer(x, positions, kv, meta)
-        return self.model.norm(x)
+            x, residual = layer(x, residual, positions, kv, meta)
+        return self.model.norm(x, residual)[0]
+
+    def checkpoint_tensors(self) -> dict[str, torch.Tensor]:
+        """Every tensor a Hugging Face checkpoint fills, by its checkpoint name (views of the parameters).
+
+        Parameters appear under their own names, merged projections as row slices under their
+        parts' names (``...self_attn.q_proj.weight``, ``...mlp.up_proj.weight``); a tied
+        ``lm_head.weight`` is left out (it is the embedding).
+        """
+        merged = {name: m for name, m in self.named_modules() if isinstance(m, MergedLinear)}
+        tensors = {}
+        for name, p in self.named_parameters():  # deduplicated: a tied lm_head is not listed
+            module, _, param = name.rpartition(".")
+            if module in merged:
+                parent = module.rpartition(".")[0]
+                tensors.update((f"{parent}.{part}.{param}", view)
+                               for part, view in merged[module].shard_views(param).items())
+            else:
+                tensors[name] = p.data
+        return tensors
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits ``[n, vocab]`` in float32 from hidden states ``[n, hidden]``."""

@@ -1,15 +1,21 @@
-"""Building blocks of the decoder: RMSNorm, rotary position embedding, SwiGLU MLP."""
+"""Building blocks of the decoder: RMSNorm, rotary position embedding, merged linear layers, SwiGLU MLP.
+
+The arithmetic lives in ``duetserve.model.fused_ops`` (fused Triton kernels on CUDA, torch
+elsewhere); these modules hold the weights and tables.
+"""
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
+
+from duetserve.model.fused_ops import apply_rope, rms_norm, silu_and_mul
 
 
 class RMSNorm(nn.Module):
     """Root-mean-square norm (Zhang & Sennrich 2019), computed in float32 like Hugging Face.
 
-    Input ``x``: ``[..., dim]`` any float dtype; output has the same shape and dtype.
+    ``forward(x, residual=None)`` returns ``(normed, x + residual)`` (see ``fused_ops.rms_norm``):
+    ``x`` ``[..., dim]`` any float dtype; ``normed`` has its shape and dtype (the weight's dtype is the model's).
     """
 
     def __init__(self, dim: int, eps: float):
@@ -17,11 +23,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        return rms_norm(x, self.weight, self.eps, residual)
 
 
 class RotaryEmbedding(nn.Module):
@@ -47,28 +50,50 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", freqs.cos() * scaling, persistent=False)
         self.register_buffer("sin", freqs.sin() * scaling, persistent=False)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rotate ``q`` ``[T, Hq, D]`` and ``k`` ``[T, Hkv, D]`` by ``positions`` ``[T]`` (int64)."""
-        cos = self.cos[positions].unsqueeze(1)
-        sin = self.sin[positions].unsqueeze(1)
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, q_norm: RMSNorm | None = None,
+                k_norm: RMSNorm | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotate ``q`` ``[T, Hq, D]`` and ``k`` ``[T, Hkv, D]`` by ``positions`` ``[T]`` (int64), after
+        the per-head norms ``q_norm``/``k_norm`` when given (Qwen3), in one fused op."""
+        if q_norm is None:
+            return apply_rope(positions, q, k, self.cos, self.sin)
+        return apply_rope(positions, q, k, self.cos, self.sin, q_norm.weight, k_norm.weight, q_norm.eps)
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    x1, x2 = x[..., :half], x[..., half:]
-    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+class MergedLinear(nn.Linear):
+    """Linear layers over the same input run as one GEMM: their weight rows concatenated in order.
+
+    Checkpoints keep the parts' Hugging Face names (``q_proj``/``k_proj``/``v_proj``,
+    ``gate_proj``/``up_proj``); ``shard_views`` maps those names to row slices of the merged weight.
+
+    Args:
+        in_features: input size.
+        parts: output size of each part, by its checkpoint name, in order.
+        bias: whether the parts have biases.
+    """
+
+    def __init__(self, in_features: int, parts: dict[str, int], bias: bool = False):
+        super().__init__(in_features, sum(parts.values()), bias=bias)
+        self.parts = dict(parts)
+
+    def shard_views(self, param: str) -> dict[str, torch.Tensor]:
+        """Views ``[size_i, ...]`` of parameter ``param`` (``weight`` or ``bias``) by part name."""
+        data, views, start = getattr(self, param).data, {}, 0
+        for name, size in self.parts.items():
+            views[name] = data[start:start + size]
+            start += size
+        return views
 
 
 class SwiGLU(nn.Module):
-    """Gated MLP ``down(silu(gate(x)) * up(x))`` (Shazeer 2020). ``x``: ``[T, hidden]``."""
+    """Gated MLP ``down(silu(gate(x)) * up(x))`` (Shazeer 2020), gate and up as one GEMM.
+
+    ``x``: ``[T, hidden]``; ``gate_up_proj`` gives ``[T, 2 * intermediate]``.
+    """
 
     def __init__(self, hidden: int, intermediate: int, bias: bool = False):
         super().__init__()
-        self.gate_proj = nn.Linear(hidden, intermediate, bias=bias)
-        self.up_proj = nn.Linear(hidden, intermediate, bias=bias)
+        self.gate_up_proj = MergedLinear(hidden, {"gate_proj": intermediate, "up_proj": intermediate}, bias)
         self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))

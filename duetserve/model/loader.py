@@ -160,15 +160,13 @@ def _load_safetensors(lm: CausalLM, folder: Path) -> None:
     files = sorted(folder.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"{folder} has no *.safetensors weights (use --load-format dummy for random weights)")
-    params = dict(lm.named_parameters())
-    missing = set(params)
+    targets = lm.checkpoint_tensors()
+    missing = set(targets)
     for file in files:
         with safe_open(str(file), framework="pt") as f:
             for key in f.keys():
-                if key in params:
-                    params[key].data.copy_(f.get_tensor(key))
+                if key in targets:
+                    targets[key].copy_(f.get_tensor(key))
                     missing.discard(key)
-    if lm.dims.tie_word_embeddings:
-        missing.discard("lm_head.weight")
     if missing:
         raise KeyError(f"checkpoint in {folder} lacks {len(missing)} parameters, e.g. {sorted(missing)[:3]}")

@@ -1,0 +1,169 @@
+"""Triton kernels for the decoder's token-level ops: add+RMSNorm, q/k-norm+RoPE, SiLU-and-mul.
+
+Each replaces a chain of small torch kernels by one launch (the torch references, and the
+dispatch between the two, are in ``duetserve.model.fused_ops``). Arithmetic is float32 inside a
+kernel; results are rounded to the input dtype where the Hugging Face code rounds (after the
+normalisation, before the norm weight; cos/sin to the input dtype; SiLU before the product),
+so bf16 results stay within one rounding of transformers' at each step.
+
+No kernel takes the number of tokens as an argument (it is only the grid), so one compiled
+kernel serves every batch size, and all of them can be captured in a CUDA graph once warm.
+
+On a machine without a GPU the kernels run under Triton's interpreter (``TRITON_INTERPRET=1``
+set before this module is imported).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+_SILU_BLOCK = 1024  # intermediate columns per SiLU-and-mul program
+_ROPE_TILE = 512  # elements (heads x half head size) per RoPE program and half
+
+
+def _warps(elements: int) -> int:
+    """Warps for a program of ``elements`` values: about 8 values a thread, 1 to 8 warps."""
+    return max(1, min(8, elements // 256))
+
+
+@triton.jit
+def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, stride_x, stride_r, stride_o, stride_ro, n, eps,
+                     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+    """One row: ``s = x (+ residual)`` in the input dtype, then ``w * (s * rsqrt(mean(s^2) + eps))``."""
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < n
+    x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        r = tl.load(res_ptr + row * stride_r + offs, mask=mask, other=0.0)
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
+        tl.store(res_out_ptr + row * stride_ro + offs, x, mask=mask)
+    x32 = x.to(tl.float32)
+    inv = tl.rsqrt(tl.sum(x32 * x32, 0) / n + eps)
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0)
+    y = w.to(tl.float32) * (x32 * inv).to(x.dtype).to(tl.float32)
+    tl.store(out_ptr + row * stride_o + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fused residual add and RMSNorm over the last dim (see ``fused_ops.rms_norm``).
+
+    Args:
+        x: ``[T, N]`` (last dim contiguous), float32/float16/bfloat16.
+        weight: ``[N]``.
+        residual: ``[T, N]`` in x's dtype, or None.
+
+    Returns:
+        ``(normed, new_residual)``: normed ``[T, N]`` in the promoted dtype of weight and x;
+        new_residual ``x + residual`` in x's dtype (a new tensor), or ``x`` itself without residual.
+    """
+    n = x.shape[-1]
+    out = torch.empty(x.shape, dtype=torch.result_type(weight, x), device=x.device)
+    res_out = torch.empty_like(x) if residual is not None else x
+    res = residual if residual is not None else x
+    block = triton.next_power_of_2(n)
+    _rms_norm_kernel[(x.shape[0],)](x, res, weight, out, res_out, x.stride(0), res.stride(0), out.stride(0),
+                                    res_out.stride(0), n, eps, HAS_RESIDUAL=residual is not None, BLOCK=block,
+                                    num_warps=_warps(block))
+    return out, res_out
+
+
+@triton.jit
+def _rope_heads(src, dst, w_ptr, stride_t, stride_h, heads, h0, t, cos, sin, offs_d, d_ok, eps,
+                HALF: tl.constexpr, BLOCK_H: tl.constexpr, NORM: tl.constexpr):
+    """Heads ``h0..h0+BLOCK_H-1`` of token ``t``: optional per-head RMSNorm, then rotate-half RoPE.
+
+    ``dst`` is contiguous ``[T, heads, 2 * HALF]``; ``cos``/``sin`` are ``[BLOCK_D]`` float32.
+    """
+    offs_h = h0 + tl.arange(0, BLOCK_H)
+    mask = (offs_h < heads)[:, None] & d_ok[None, :]
+    ptr = src + t * stride_t + offs_h[:, None] * stride_h + offs_d[None, :]
+    x1 = tl.load(ptr, mask=mask, other=0.0)
+    x2 = tl.load(ptr + HALF, mask=mask, other=0.0)
+    dtype = x1.dtype
+    a, b = x1.to(tl.float32), x2.to(tl.float32)
+    if NORM:
+        inv = tl.rsqrt((tl.sum(a * a, 1) + tl.sum(b * b, 1)) / (2 * HALF) + eps)[:, None]
+        w1 = tl.load(w_ptr + offs_d, mask=d_ok, other=0.0).to(tl.float32)[None, :]
+        w2 = tl.load(w_ptr + HALF + offs_d, mask=d_ok, other=0.0).to(tl.float32)[None, :]
+        a = (w1 * (a * inv).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+        b = (w2 * (b * inv).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+    out = dst + (t * heads + offs_h[:, None]) * (2 * HALF) + offs_d[None, :]
+    tl.store(out, (a * cos[None, :] - b * sin[None, :]).to(dtype), mask=mask)
+    tl.store(out + HALF, (b * cos[None, :] + a * sin[None, :]).to(dtype), mask=mask)
+
+
+@triton.jit
+def _rope_kernel(q_ptr, k_ptr, q_out, k_out, pos_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr, stride_qt, stride_qh,
+                 stride_kt, stride_kh, stride_cos, num_q_heads, num_kv_heads, eps, HALF: tl.constexpr,
+                 BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr, NORM: tl.constexpr):
+    """Program ``(t, tile)``: a tile of ``BLOCK_H`` query heads, or (tiles past the queries') key heads."""
+    t = tl.program_id(0).to(tl.int64)
+    tile = tl.program_id(1)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HALF
+    pos = tl.load(pos_ptr + t).to(tl.int64)
+    dtype = q_out.dtype.element_ty
+    cos = tl.load(cos_ptr + pos * stride_cos + offs_d, mask=d_ok, other=0.0).to(dtype).to(tl.float32)
+    sin = tl.load(sin_ptr + pos * stride_cos + offs_d, mask=d_ok, other=0.0).to(dtype).to(tl.float32)
+    q_tiles = tl.cdiv(num_q_heads, BLOCK_H)
+    if tile < q_tiles:
+        _rope_heads(q_ptr, q_out, qw_ptr, stride_qt, stride_qh, num_q_heads, tile * BLOCK_H, t, cos, sin, offs_d,
+                    d_ok, eps, HALF, BLOCK_H, NORM)
+    else:
+        _rope_heads(k_ptr, k_out, kw_ptr, stride_kt, stride_kh, num_kv_heads, (tile - q_tiles) * BLOCK_H, t, cos,
+                    sin, offs_d, d_ok, eps, HALF, BLOCK_H, NORM)
+
+
+def apply_rope(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+               q_weight: torch.Tensor | None = None, k_weight: torch.Tensor | None = None,
+               eps: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Optional per-head RMSNorm of q and k, then rotate-half RoPE, in one launch (see ``fused_ops.apply_rope``).
+
+    Args:
+        positions: ``[T]`` integer positions.
+        q: ``[T, Hq, D]``, k: ``[T, Hkv, D]`` (same dtype; last dim contiguous, other strides free,
+            e.g. column slices of a fused QKV projection).
+        cos, sin: ``[P, D/2]`` float32 tables.
+        q_weight, k_weight: ``[D]`` norm weights in q's dtype, both or neither.
+
+    Returns:
+        New contiguous ``(q, k)`` in q's dtype.
+    """
+    t, hq, d = q.shape
+    hkv = k.shape[1]
+    q_out, k_out = torch.empty((t, hq, d), dtype=q.dtype, device=q.device), torch.empty(
+        (t, hkv, d), dtype=q.dtype, device=q.device)
+    half = d // 2
+    block_d = triton.next_power_of_2(half)
+    block_h = max(1, min(triton.next_power_of_2(max(hq, hkv)), _ROPE_TILE // block_d))
+    grid = (t, triton.cdiv(hq, block_h) + triton.cdiv(hkv, block_h))
+    norm = q_weight is not None
+    _rope_kernel[grid](q, k, q_out, k_out, positions, cos, sin, q_weight if norm else q, k_weight if norm else k,
+                       q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos.stride(0), hq, hkv, eps, HALF=half,
+                       BLOCK_D=block_d, BLOCK_H=block_h, NORM=norm, num_warps=_warps(block_h * block_d))
+    return q_out, k_out
+
+
+@triton.jit
+def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, n, BLOCK: tl.constexpr):
+    """Program ``(t, j)``: ``silu(gate) * up`` for columns ``j*BLOCK..`` of token ``t``, silu rounded first."""
+    t = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    gate = tl.load(x_ptr + t * stride_x + offs, mask=mask, other=0.0)
+    up = tl.load(x_ptr + t * stride_x + n + offs, mask=mask, other=0.0)
+    g = gate.to(tl.float32)
+    act = (g / (1.0 + tl.exp(-g))).to(gate.dtype).to(tl.float32)
+    tl.store(out_ptr + t * stride_o + offs, (act * up.to(tl.float32)).to(gate.dtype), mask=mask)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """``silu(x[:, :n]) * x[:, n:]`` ``[T, n]`` from ``x`` ``[T, 2n]`` (last dim contiguous), one launch."""
+    n = x.shape[-1] // 2
+    out = torch.empty((x.shape[0], n), dtype=x.dtype, device=x.device)
+    grid = (x.shape[0], triton.cdiv(n, _SILU_BLOCK))
+    _silu_and_mul_kernel[grid](x, out, x.stride(0), out.stride(0), n, BLOCK=_SILU_BLOCK, num_warps=4)
+    return out
