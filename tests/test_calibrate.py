@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import pytest
@@ -12,7 +12,9 @@ import torch
 
 from duetserve.calibrate import cli as calibrate_cli
 from duetserve.calibrate.__main__ import main as calibrate_main
+from duetserve.calibrate.overhead import split_kernel_counts
 from duetserve.calibrate.profile import (
+    OVERHEAD_FIELDS,
     DeviceFacts,
     build_profile,
     curve_points,
@@ -49,9 +51,9 @@ GEMV = {16: 1721, 24: 2282, 32: 2638, 48: 3201, 64: 3714, 96: 3636, 132: 4037}
 KV_TOKEN_BYTES = 36 * 2 * 8 * 128 * 2  # Qwen3-8B bf16 K and V, all layers
 
 
-def row(kind, measured, predicted, base=None, sms=132):
-    return {"kind": kind, "batch": 1, "q": 1, "c": 0, "sms": sms, "measured_s": measured,
-            "predicted_s": predicted, "base_predicted_s": base}
+def row(kind, measured, predicted, base=None, sms=132, roofline=None, split=None, held=None):
+    return {"kind": kind, "batch": 1, "q": 1, "c": 0, "sms": sms, "measured_s": measured, "roofline_s": roofline,
+            "predicted_s": predicted, "base_predicted_s": base, "split": split, "holdout_predicted_s": held}
 
 
 # --- error statistics -------------------------------------------------------------------------
@@ -68,8 +70,22 @@ def test_relative_errors_and_stats_on_hand_computed_numbers():
     base = error_stats(rows, "base_predicted_s")
     assert list(base) == ["prefill"] and base["prefill"].count == 1 and base["prefill"].p90 == pytest.approx(0.5)
     table = format_errors(rows)
-    assert "decode             calibrated      5   30.0%   46.0%" in table
-    assert "prefill            base            1   50.0%   50.0%" in table
+    prefill, decode = table.splitlines()[1:3]
+    assert decode.startswith("decode                  5") and " 30.0% / 46.0% ( 5)" in decode
+    assert prefill.endswith(" 50.0% / 50.0% ( 1)")  # the base profile, last column
+
+
+def test_error_stats_of_held_out_rows():
+    # roofline 50% under on every row; the fit half's overheads predict the held-out rows within 10% and 0%
+    rows = [row("decode", 1.0, 1.0, roofline=0.5, split="fit"),
+            row("decode", 1.0, 1.05, roofline=0.5, split="holdout", held=1.1),
+            row("decode", 2.0, 2.0, roofline=1.0, split="holdout", held=2.0)]
+    assert error_stats(rows, "roofline_s", "holdout")["decode"].count == 2
+    held = error_stats(rows, "holdout_predicted_s")["decode"]
+    assert (held.count, held.median) == (2, pytest.approx(0.05))
+    cells = format_errors(rows).splitlines()[1]
+    assert cells.split()[:2] == ["decode", "3"]
+    assert "50.0% / 50.0% ( 3)" in cells and "50.0% / 50.0% ( 2)" in cells and "5.0% /  9.0% ( 2)" in cells
 
 
 def test_relative_errors_refuse_bad_input():
@@ -193,13 +209,22 @@ def test_make_batch_allocates_context_and_lookahead_slots():
 
 # --- the procedure with a fake GPU --------------------------------------------------------------
 
-class FakeBench:
-    """Rates from the shipped H200 profile (gemv 10% above copy); iteration times the H200 cost
-    model's times 1.2 (decode) and 0.9 (prefill); failures where asked."""
+G, H = 3e-6, 15e-6
+"""The fake GPU's per-kernel constants, seconds: GPU time per kernel, host time per eager launch."""
 
-    def __init__(self, facts=FACTS, fail=()):
-        self.facts, self.fail = facts, set(fail)
-        self.truth = CostModel(QWEN, H200)
+
+class FakeBench:
+    """Rates from the shipped H200 profile (gemv 10% above copy); iteration times from the H200
+    roofline plus per-kernel overheads ``G`` and ``H`` (decode 28 kernels per layer + 3 outside,
+    prefill 30 + 4); decode replayed from CUDA graphs except on the 16-SM level; failures
+    where asked."""
+
+    def __init__(self, facts=FACTS, fail=(), layers=36):
+        self.facts, self.fail, self.layers = facts, set(fail), layers
+        self.truth = CostModel(QWEN, replace(H200, kernel_gpu_s=G, launch_cpu_s=H,
+                                             kernels_per_layer={"decode": 28, "prefill": 30},
+                                             kernels_per_forward={"decode": 3, "prefill": 4},
+                                             provenance={**H200.provenance, **dict.fromkeys(OVERHEAD_FIELDS, "measured")}))
         self.loaded = None
 
     def primitive_rate(self, name, sms):
@@ -212,10 +237,19 @@ class FakeBench:
         self.loaded = (folder, load_format)
         return capacity()
 
+    def runs_graphs(self, shape):
+        return shape.kind == "decode" and shape.sms != 16
+
+    def kernel_names(self, shape):
+        if "kernels" in self.fail:
+            raise RuntimeError("CUPTI unavailable")
+        per_layer = ["gemm"] * 4 + ["norm"] * 2 + ["attn"] + ["add"] * (21 if shape.kind == "decode" else 23)
+        return per_layer * self.layers + ["embed", "norm", "gemm"] + ([] if shape.kind == "decode" else ["index"])
+
     def iteration_seconds(self, shape):
         if shape.label in self.fail:
             raise RuntimeError("out of memory")
-        return float(self.truth.predict_total(shape.reqs, shape.sms)) * (1.2 if shape.kind == "decode" else 0.9)
+        return float(self.truth.predict_total(shape.reqs, shape.sms, graphs=self.runs_graphs(shape)))
 
 
 def options(tmp_path, **kw):
@@ -237,12 +271,42 @@ def test_run_calibration_measures_writes_and_reports_failures(tmp_path):
     written = json.loads((tmp_path / "p.json").read_text())
     assert written["calibration"] == result.rows and len(result.rows) == 14 + 4 + 9 - 2
     assert load_profile(tmp_path / "p.json") == result.profile
-    base = error_stats(result.rows, "base_predicted_s")
-    assert base["decode"].median == pytest.approx(0.2 / 1.2) and base["prefill"].p90 == pytest.approx(0.1 / 0.9)
-    # Same curves at the measured S as the base (compute differs only below 24 SMs, used by no shape)
-    calibrated = error_stats(result.rows, "predicted_s")
-    assert calibrated["decode"].median == pytest.approx(0.2 / 1.2)
-    assert (calibrated["decode"].count, calibrated["decode, split SMs"].count) == (13, 8)
+    # kernels: 28 / 30 per layer, the final norm, lm_head and embedding (+ an index for prefill) outside
+    assert result.kernel_counts == {"decode": (28, 3), "prefill": (30, 4)}
+    assert result.profile.kernels_per_layer == {"decode": 28, "prefill": 30}
+    assert result.profile.provenance["kernel_gpu_s"] == "measured"
+    # Same curves at the measured S as the H200's (compute differs only below 24 SMs, which
+    # decode on 16 SMs, bandwidth bound, barely feels), so both fits recover the constants
+    for fit in (result.fit, result.holdout_fit):
+        assert fit.kernel_gpu_s == pytest.approx(G) and fit.launch_cpu_s == pytest.approx(H)
+    assert (result.profile.kernel_gpu_s, result.profile.launch_cpu_s) == (result.fit.kernel_gpu_s, result.fit.launch_cpu_s)
+    roofline = error_stats(result.rows, "roofline_s")
+    assert roofline["decode"].median > 0.2 and roofline["prefill"].p90 > 0.2  # small prefills: host bound
+    for key in ("predicted_s", "holdout_predicted_s"):
+        stats = error_stats(result.rows, key)
+        assert max(s.p90 for s in stats.values()) < 1e-3
+    assert (stats["decode"].count, stats["decode, split SMs"].count, stats["prefill"].count) == (6, 4, 2)
+    assert {r["split"] for r in result.rows} == {"fit", "holdout"}
+    split_16 = [r for r in result.rows if r["sms"] == 16]
+    assert [r["graphs"] for r in split_16] == [False, False] and split_16[0]["kernels"] == 36 * 28 + 3
+    base = error_stats(result.rows, "base_predicted_s")  # the shipped H200: a pure roofline
+    assert base["decode"].median == pytest.approx(roofline["decode"].median)
+
+
+def test_failed_kernel_count_leaves_the_roofline(tmp_path):
+    result = run_calibration(FakeBench(fail={"kernels"}), options(tmp_path), lambda _: None)
+    assert result.fit is None and result.kernel_counts is None
+    assert any("CUPTI unavailable" in e for e in result.errors)
+    assert all(r["predicted_s"] == r["roofline_s"] and r["kernels"] is None for r in result.rows)
+    assert load_profile(tmp_path / "p.json").kernel_gpu_s == 0
+    assert "not fitted" in calibrate_cli.fit_summary(result)
+
+
+def test_a_base_profile_with_overheads_does_not_leak_into_the_roofline(tmp_path):
+    base = FakeBench().truth.profile
+    result = run_calibration(FakeBench(), options(tmp_path, base=base), lambda _: None)
+    assert result.fit.kernel_gpu_s == pytest.approx(G)
+    assert all(r["base_predicted_s"] == pytest.approx(r["measured_s"]) for r in result.rows)
 
 
 def test_profile_is_written_before_the_iterations(tmp_path):
@@ -262,12 +326,13 @@ def test_missing_all_sm_point_is_an_error(tmp_path):
 
 def test_prediction_row_has_no_base_prediction_beyond_the_base_gpu():
     a100 = CostModel(QWEN, load_profile("a100"))  # 108 SMs
-    r = prediction_row(Shape("decode", 1, 1, 511, 132), 1e-2, CostModel(QWEN, H200), a100)
-    assert r["base_predicted_s"] is None and r["predicted_s"] > 0 and (r["batch"], r["c"]) == (1, 511)
+    r = prediction_row(Shape("decode", 1, 1, 511, 132), 1e-2, True, 1011, CostModel(QWEN, H200), a100)
+    assert r["base_predicted_s"] is None and r["predicted_s"] == r["roofline_s"] > 0
+    assert (r["batch"], r["c"], r["graphs"], r["kernels"]) == (1, 511, True, 1011)
 
 
 def test_plot_draws_a_png(tmp_path):
-    rows = [row("decode", 1e-2, 1.1e-2, 0.9e-2), row("prefill", 0.3, 0.28, None)]
+    rows = [row("decode", 1e-2, 1.1e-2, 0.9e-2, roofline=0.5e-2), row("prefill", 0.3, 0.28, None)]
     plot_predictions(rows, tmp_path / "c.png", "t")
     assert (tmp_path / "c.png").read_bytes()[:4] == b"\x89PNG"
 
@@ -314,7 +379,7 @@ def test_cli_end_to_end_with_a_fake_gpu(tmp_path, capsys, monkeypatch):
 
     def fake_bench(partition, device, repeats, attention_backend):
         made.update(partition=partition, repeats=repeats)
-        return FakeBench()
+        return FakeBench(layers=2)
 
     monkeypatch.setattr(gpu, "CudaBench", fake_bench)
     tiny = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "intermediate_size": 128,
@@ -325,7 +390,8 @@ def test_cli_end_to_end_with_a_fake_gpu(tmp_path, capsys, monkeypatch):
                           "--partition-backend", "none"])
     out = capsys.readouterr().out
     assert code == 0 and made == {"partition": "none", "repeats": 8}
-    assert "relative error |pred - meas| / meas" in out and "decode             base" in out
+    assert "relative error |pred - meas| / meas" in out and "held out (every second shape of each group): " in out
+    assert "kernels per iteration: decode 28 per layer + 3, prefill 30 per layer + 4" in out
     assert (tmp_path / "c.png").exists() and load_profile(tmp_path / "p.json").name == "lent"
 
 
@@ -357,3 +423,9 @@ def test_cuda_bench_rates_and_iterations(tiny_qwen3_folder):
     times = [bench.iteration_seconds(s) for s in shapes]
     assert all(0 < t < 1 for t in times) and bench.engine.block_manager.num_free_blocks == cap.kv_blocks
     assert np.isfinite(times).all()
+    assert bench.runs_graphs(shapes[0]) and not bench.runs_graphs(shapes[1])
+    for shape in shapes[:2]:
+        names = bench.kernel_names(shape)
+        per_layer, _ = split_kernel_counts(names, 2)  # the tiny model's 2 layers
+        assert per_layer >= 5 and bench.engine.runner.graphs is not None
+    assert bench.engine.block_manager.num_free_blocks == cap.kv_blocks

@@ -3,10 +3,12 @@ this machine's GPU, write a hardware profile, and report the cost model's predic
 
 The profile (``--out``) has the schema of ``duetserve/planner/profiles/*.json``; load it with
 ``--profile PATH`` (serve) or ``--gpu PATH`` (simulate). Unmeasured fields come from
-``--base``. Its ``"calibration"`` list keeps each measured iteration with the predictions of
-the calibrated and the base profile. Prints the median and p90 relative error
-``|pred - meas| / meas`` for prefill and decode, both profiles; ``--plot`` draws predicted
-against measured. Exit status: 0 on success (failed single measurements are listed), 1 on an
+``--base``. The per-kernel overheads ``kernel_gpu_s`` and ``launch_cpu_s`` are fitted to the
+measured iteration latencies, with the engine's kernel counts (``duetserve.calibrate.overhead``).
+Its ``"calibration"`` list keeps each measured iteration with its predictions. Prints the
+median and p90 relative error ``|pred - meas| / meas`` for prefill and decode: the roofline
+before the fit, the calibrated profile after it, the held-out shapes before and after a fit
+on the other shapes, and the base profile; ``--plot`` draws predicted against measured. Exit status: 0 on success (failed single measurements are listed), 1 on an
 error (no GPU, bad input: the message names the flag), 2 on bad usage.
 """
 from __future__ import annotations
@@ -99,6 +101,23 @@ def model_folder(args: argparse.Namespace, scratch: Path) -> tuple[Path, ModelSh
     return scratch, ModelShape.from_hf_config(config)
 
 
+def fit_summary(result: Calibration) -> str:
+    """The kernel counts, the fitted overheads (every shape, and the fit half) and which shapes
+    were held out, or why nothing was fitted."""
+    if result.fit is None or result.holdout_fit is None:
+        return "per-kernel overheads: not fitted (no kernel count or no measured iteration; see the failures)"
+    counts = ", ".join(f"{kind} {per_layer} per layer + {outside}" for kind, (per_layer, outside)
+                       in (result.kernel_counts or {}).items())
+    held = [f"{r['kind']} {r['batch']}x{r['q'] + r['c']} @{r['sms']}" for r in result.rows if r.get("split") == "holdout"]
+    return "\n".join([
+        f"kernels per iteration: {counts}",
+        (f"per-kernel overheads (written to the profile, fitted on all {len(result.rows)} shapes): "
+         f"kernel_gpu_s {result.fit.kernel_gpu_s * 1e6:.2f} us, launch_cpu_s {result.fit.launch_cpu_s * 1e6:.2f} us"),
+        (f"fit half ({len(result.rows) - len(held)} shapes): kernel_gpu_s {result.holdout_fit.kernel_gpu_s * 1e6:.2f} "
+         f"us, launch_cpu_s {result.holdout_fit.launch_cpu_s * 1e6:.2f} us"),
+        "held out (every second shape of each group): " + ", ".join(held)])
+
+
 def report(result: Calibration, base: HardwareProfile) -> str:
     """The printed summary: measured curves beside the base profile's, shapes, errors, failures."""
     sms = sorted(s for curve in result.curves.values() for s in curve if s <= base.num_sms)
@@ -106,7 +125,7 @@ def report(result: Calibration, base: HardwareProfile) -> str:
              format_curves(result.curves, {s: float(base.bandwidth(s)) for s in sms},
                            {s: float(base.compute_rate(s)) for s in sms}),
              "", "iteration latency, measured and predicted", format_rows(result.rows),
-             "", "relative error |pred - meas| / meas", format_errors(result.rows)]
+             "", "relative error |pred - meas| / meas", format_errors(result.rows), "", fit_summary(result)]
     if result.skipped:
         parts += ["", "skipped (do not fit):", *result.skipped]
     if result.errors:

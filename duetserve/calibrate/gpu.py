@@ -4,6 +4,7 @@ events, warm-up, median of repeats, random inputs (never zeros) rotated past L2.
 """
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
 from collections.abc import Callable
@@ -138,7 +139,8 @@ class CudaBench:
         return prim.work / time_on_stream(prim.run, self._stream(sms), self.warmup, self.repeats)
 
     def load_model(self, folder: Path, load_format: str) -> Capacity:
-        """Build the engine (bf16, CUDA graphs, KV cache filled with random values) for ``folder``."""
+        """Build the engine (bf16, CUDA graphs, KV cache filled with random values) for ``folder``,
+        on this bench's partition backend (decode graphs recorded per split level, as serve does)."""
         from duetserve.config import EngineConfig
         from duetserve.engine.engine import LLMEngine
 
@@ -148,7 +150,7 @@ class CudaBench:
                               max_num_seqs=max(DECODE_BATCHES),
                               max_num_batched_tokens=max(b * n for b, n in PREFILLS),
                               kv_cache_memory_fraction=0.75, max_model_len=MAX_CONTEXT,
-                              attention_backend=self.attention_backend)
+                              attention_backend=self.attention_backend, partition_backend=self.backend.name)
         self.engine = LLMEngine(config)
         for k, v in self.engine.runner.kv_caches:
             k.normal_()
@@ -157,6 +159,50 @@ class CudaBench:
             self.engine.runner.partition = self.backend
         return Capacity(self.facts.num_sms, self.engine.block_manager.num_blocks, config.block_size,
                         config.max_num_seqs, config.max_num_batched_tokens, self.engine.max_model_len)
+
+    def runs_graphs(self, shape: Shape) -> bool:
+        """Whether the engine replays ``shape``'s iterations from CUDA graphs: decode-only batches
+        that fit a recorded bucket, on all SMs or on a split level with its own graphs."""
+        runner = self.engine.runner
+        graphs = runner.graphs if shape.sms == self.facts.num_sms else runner.split_graphs.get(shape.sms)
+        return shape.kind == "decode" and graphs is not None and graphs.bucket(shape.batch) is not None
+
+    def kernel_names(self, shape: Shape) -> list[str]:
+        """Names of the GPU activities (kernels, memcpy, memset) of one iteration of ``shape`` on
+        all SMs, run eagerly (for a decode shape: the kernels its graph records, plus the input
+        copies), from ``torch.profiler`` after one unprofiled warm-up run."""
+        from torch.autograd import DeviceType
+        from torch.profiler import ProfilerActivity, profile
+
+        runner = self.engine.runner
+        graphs, runner.graphs = runner.graphs, None
+        try:
+            with self._temporal(shape) as out:
+                runner.execute(out)
+                torch.cuda.synchronize(self.device)
+                with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                    runner.execute(out)
+                    torch.cuda.synchronize(self.device)
+        finally:
+            runner.graphs = graphs
+        return [e.name for e in prof.events()
+                if e.device_type == DeviceType.CUDA and not getattr(e, "is_user_annotation", False)]
+
+    @contextlib.contextmanager
+    def _temporal(self, shape: Shape, extra_tokens: int = 0):
+        """A ``SchedulerOutput`` running ``shape`` as one temporal iteration on all SMs; its KV
+        blocks (plus ``extra_tokens`` look-ahead slots per request) are freed on exit."""
+        from duetserve.engine.policy import Plan
+        from duetserve.engine.scheduler import SchedulerOutput
+
+        engine = self.engine
+        seqs = make_batch(engine, shape.batch, shape.q + shape.c, shape.q, extra_tokens)
+        try:
+            decodes, prefills = (seqs, []) if shape.kind == "decode" else ([], seqs)
+            yield SchedulerOutput(decodes, prefills, Plan(), [])
+        finally:
+            for s in seqs:
+                engine.block_manager.free(s.seq)
 
     def iteration_seconds(self, shape: Shape) -> float:
         """Median seconds of ``runner.execute`` on ``shape``.
@@ -170,24 +216,18 @@ class CudaBench:
         from duetserve.engine.policy import Plan
         from duetserve.engine.scheduler import SchedulerOutput
 
-        spatial = shape.sms < self.facts.num_sms
-        if spatial and shape.kind != "decode":
+        runner = self.engine.runner
+        if shape.sms == self.facts.num_sms:
+            with self._temporal(shape) as out:
+                return median_wall_seconds(lambda: runner.execute(out), self.warmup, self.repeats)
+        if shape.kind != "decode":
             raise ValueError("only decode is measured on fewer than all SMs")
-        engine = self.engine
-        seqs = make_batch(engine, shape.batch, shape.q + shape.c, shape.q, shape.k - 1)
-        try:
-            if not spatial:
-                decodes, prefills = (seqs, []) if shape.kind == "decode" else ([], seqs)
-                out = SchedulerOutput(decodes, prefills, Plan(), [])
-                return median_wall_seconds(lambda: engine.runner.execute(out), self.warmup, self.repeats)
-            plan = Plan(spatial=True, s_prefill=self.facts.num_sms - shape.sms, s_decode=shape.sms, k=shape.k)
-            out = SchedulerOutput(seqs, [], plan, [])
-            engine.runner.execute(out)
+        plan = Plan(spatial=True, s_prefill=self.facts.num_sms - shape.sms, s_decode=shape.sms, k=shape.k)
+        with self._temporal(shape, shape.k - 1) as temporal:
+            out = SchedulerOutput(temporal.decodes, [], plan, [])
+            runner.execute(out)
             steps = []
             for _ in range(max(3, self.repeats // 4)):
-                engine.runner.execute(out)
-                steps.append(engine.runner.last_stream_seconds["decode"] / shape.k)
+                runner.execute(out)
+                steps.append(runner.last_stream_seconds["decode"] / shape.k)
             return statistics.median(steps)
-        finally:
-            for s in seqs:
-                engine.block_manager.free(s.seq)

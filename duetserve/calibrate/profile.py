@@ -3,7 +3,9 @@
 ``Pi(S)`` is the bf16 GEMM curve. ``BW(S)`` is, at each measured S, the lower of the copy
 curve and the decode-gemv curve, as the shipped H200 profile does: the slower streaming
 workload keeps decode predictions conservative (DESIGN section 3). Fields calibration does
-not measure are copied, with their provenance, from a base profile.
+not measure are copied, with their provenance, from a base profile, except the per-kernel
+overheads: they belong to the curves they were fitted with, so a new profile starts without
+them and ``with_overheads`` adds the ones fitted here.
 """
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ from dataclasses import dataclass
 from datetime import date
 from pathlib import Path
 
+from duetserve.calibrate.overhead import OverheadFit
 from duetserve.planner.hardware import HardwareProfile, Points, load_profile
 
 Curve = dict[int, float]
@@ -21,6 +24,8 @@ Curve = dict[int, float]
 
 MEASURED_FIELDS = ("num_sms", "num_tpcs", "compute_capability_major", "compute_points", "bandwidth_points",
                    "hbm_bytes")
+OVERHEAD_FIELDS = ("kernel_gpu_s", "launch_cpu_s", "kernels_per_layer", "kernels_per_forward")
+"""``HardwareProfile``'s per-kernel overhead fields, fitted by calibration (``overhead`` module)."""
 
 
 @dataclass(frozen=True)
@@ -67,12 +72,14 @@ def curve_points(curve: Mapping[int, float], num_sms: int, label: str) -> Points
 def build_profile(base: HardwareProfile, name: str, facts: DeviceFacts, compute: Mapping[int, float],
                   bandwidth: Mapping[int, float], method: str) -> dict:
     """A profile dict (the JSON schema of ``duetserve/planner/profiles``) named ``name``:
-    ``MEASURED_FIELDS`` from ``facts`` and the curves (FLOP/s and bytes/s by SM count), every
-    other field copied from ``base`` with its provenance. ``method`` goes into ``notes``.
+    ``MEASURED_FIELDS`` from ``facts`` and the curves (FLOP/s and bytes/s by SM count), no
+    per-kernel overheads, every other field copied from ``base`` with its provenance.
+    ``method`` goes into ``notes``.
 
     Raises ValueError as ``curve_points``; ``write_profile`` checks the rest.
     """
-    profile = dataclasses.asdict(base)
+    profile = {k: v for k, v in dataclasses.asdict(base).items() if k not in OVERHEAD_FIELDS}
+    provenance = {k: v for k, v in base.provenance.items() if k not in OVERHEAD_FIELDS}
     profile.update(
         name=name,
         description=f"{facts.name} ({facts.num_sms} SMs), calibrated by duetserve calibrate on {date.today()}",
@@ -82,10 +89,21 @@ def build_profile(base: HardwareProfile, name: str, facts: DeviceFacts, compute:
         compute_points=curve_points(compute, facts.num_sms, "gemm"),
         bandwidth_points=curve_points(bandwidth, facts.num_sms, "copy/gemv"),
         hbm_bytes=facts.hbm_bytes,
-        provenance={**base.provenance, **dict.fromkeys(MEASURED_FIELDS, "measured")},
+        provenance={**provenance, **dict.fromkeys(MEASURED_FIELDS, "measured")},
         notes=f"{method} Fields not measured come from the base profile {base.name!r}: {base.notes}",
     )
     return profile
+
+
+def with_overheads(profile: HardwareProfile, fit: OverheadFit, counts: Mapping[str, tuple[int, int]]
+                   ) -> HardwareProfile:
+    """``profile`` with the fitted constants and the engine's kernel counts (``counts``: per
+    iteration kind, ``(per layer, per forward outside the layers)``), all marked measured."""
+    fields = {"kernel_gpu_s": fit.kernel_gpu_s, "launch_cpu_s": fit.launch_cpu_s,
+              "kernels_per_layer": {kind: c[0] for kind, c in counts.items()},
+              "kernels_per_forward": {kind: c[1] for kind, c in counts.items()}}
+    return dataclasses.replace(profile, **fields,
+                               provenance={**profile.provenance, **dict.fromkeys(OVERHEAD_FIELDS, "measured")})
 
 
 def write_profile(profile: dict, path: Path) -> HardwareProfile:

@@ -2,9 +2,17 @@
 
 1. ``BW(S)`` and ``Pi(S)``: copy, decode gemv and GEMM rates on S SMs, for the SM levels of
    ``workload.sm_levels``; the profile is written as soon as they are in.
-2. Iteration latencies of the served model over ``workload.plan_shapes``.
-3. Predictions of the cost model for each shape with the calibrated and the base profile,
-   kept in the profile's ``"calibration"`` list; the profile is written again.
+2. Kernel counts of one decode and one prefill iteration of the served model, split into
+   per layer and per forward (``overhead.split_kernel_counts``).
+3. Iteration latencies of the served model over ``workload.plan_shapes``, each noting whether
+   the engine replayed it from CUDA graphs.
+4. The per-kernel overheads ``kernel_gpu_s`` and ``launch_cpu_s`` fitted to the measured
+   latencies (``overhead.fit_overheads``): once on a fit half of the shapes, to predict the
+   held-out half (``overhead.holdout_mask``), and once on every shape for the profile.
+5. Predictions for each shape, kept in the profile's ``"calibration"`` list: the roofline of
+   the measured curves (before the fit), the calibrated profile (after), the fit half's
+   (held-out shapes only) and the base profile; the profile is written again, with the
+   overheads.
 
 Every measurement runs in its own try/except: a failure is reported and the rest goes on.
 The GPU side is a ``Bench`` (``duetserve.calibrate.gpu.CudaBench`` on CUDA; tests pass fakes).
@@ -12,18 +20,26 @@ The GPU side is a ``Bench`` (``duetserve.calibrate.gpu.CudaBench`` on CUDA; test
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from functools import partial
 from pathlib import Path
-from typing import Protocol
+from typing import Protocol, TypeVar
 
+from duetserve.calibrate.overhead import (
+    OverheadFit,
+    fit_overheads,
+    holdout_mask,
+    split_kernel_counts,
+)
 from duetserve.calibrate.profile import (
     Curve,
     DeviceFacts,
     build_profile,
     lower_envelope,
+    with_overheads,
     write_profile,
 )
+from duetserve.calibrate.report import group
 from duetserve.calibrate.workload import (
     TPCMASK_SAFE_MIN_SMS,
     Capacity,
@@ -32,7 +48,7 @@ from duetserve.calibrate.workload import (
     sm_levels,
 )
 from duetserve.planner.cost_model import CostModel, ModelShape
-from duetserve.planner.hardware import HardwareProfile
+from duetserve.planner.hardware import ITERATION_KINDS, HardwareProfile
 
 PRIMITIVES = ("copy", "gemv", "gemm")
 """``copy``: bf16 tensor copy, bytes read + written per second; ``gemv``: bf16
@@ -55,6 +71,15 @@ class Bench(Protocol):
 
     def iteration_seconds(self, shape: Shape) -> float:
         """Median seconds of one iteration (one step for ``shape.k > 1``) of ``shape``."""
+        ...
+
+    def runs_graphs(self, shape: Shape) -> bool:
+        """Whether the engine replays ``shape``'s iterations from CUDA graphs."""
+        ...
+
+    def kernel_names(self, shape: Shape) -> list[str]:
+        """Names of the GPU activities (kernels, copies) of one iteration of ``shape`` on all
+        SMs, one entry per launch. Raises on any failure."""
         ...
 
 
@@ -88,7 +113,11 @@ class Calibration:
     Attributes:
         profile: the calibrated profile, as written to ``Options.out``.
         curves: measured rates by primitive and SM count (bytes/s or FLOP/s).
-        rows: measured iteration latencies with both predictions (``report`` module's rows).
+        rows: measured iteration latencies with the predictions (``report`` module's rows).
+        kernel_counts: per iteration kind, ``(kernels per layer, per forward outside the
+            layers)``; None when counting failed (then nothing is fitted).
+        fit: the overheads fitted on every shape (written to the profile), or None.
+        holdout_fit: the overheads fitted on the fit half, or None.
         skipped: shapes that do not fit the engine, with the reason.
         errors: failed measurements, with the exception.
     """
@@ -96,11 +125,17 @@ class Calibration:
     profile: HardwareProfile
     curves: dict[str, Curve]
     rows: list[dict] = field(default_factory=list)
+    kernel_counts: dict[str, tuple[int, int]] | None = None
+    fit: OverheadFit | None = None
+    holdout_fit: OverheadFit | None = None
     skipped: list[str] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
 
 
-def _attempt(errors: list[str], what: str, fn: Callable[[], float], log: Callable[[str], None]) -> float | None:
+T = TypeVar("T")
+
+
+def _attempt(errors: list[str], what: str, fn: Callable[[], T], log: Callable[[str], None]) -> T | None:
     try:
         return fn()
     except Exception as exc:  # noqa: BLE001 - any failure of one measurement: report it, go on
@@ -124,17 +159,73 @@ def measure_curves(bench: Bench, levels: list[int], log: Callable[[str], None] =
     return curves, errors
 
 
-def prediction_row(shape: Shape, measured_s: float, calibrated: CostModel, base: CostModel) -> dict:
-    """One ``"calibration"`` entry: the shape, its measured seconds and both predictions."""
-    predicted = float(calibrated.predict_total(shape.reqs, shape.sms))
-    base_s = float(base.predict_total(shape.reqs, shape.sms)) if shape.sms <= base.profile.num_sms else None
+def prediction_row(shape: Shape, measured_s: float, graphs: bool, kernels: int | None, roofline: CostModel,
+                   base: CostModel) -> dict:
+    """One ``"calibration"`` entry before the fit: the shape, whether it ran from CUDA graphs,
+    its kernel count (None: not counted), measured seconds, the roofline of the measured
+    curves (no overheads) and the base profile's prediction (None beyond the base GPU's SMs).
+    ``predicted_s`` is the roofline until ``apply_fit`` replaces it."""
+    rooflined = float(roofline.predict_total(shape.reqs, shape.sms, graphs=graphs))
+    base_s = float(base.predict_total(shape.reqs, shape.sms, graphs=graphs)) \
+        if shape.sms <= base.profile.num_sms else None
     return {"kind": shape.kind, "batch": shape.batch, "q": shape.q, "c": shape.c, "sms": shape.sms, "k": shape.k,
-            "measured_s": measured_s, "predicted_s": predicted, "base_predicted_s": base_s}
+            "graphs": graphs, "kernels": kernels, "measured_s": measured_s, "roofline_s": rooflined,
+            "predicted_s": rooflined, "base_predicted_s": base_s}
+
+
+def count_kernels(bench: Bench, shapes: list[Shape], layers: int, errors: list[str],
+                  log: Callable[[str], None] = print) -> dict[str, tuple[int, int]] | None:
+    """Kernels of the first decode and the first prefill shape on all SMs, as
+    ``{kind: (per layer, per forward outside the layers)}``; None (and an entry in
+    ``errors``) when either cannot be counted."""
+    counts = {}
+    for kind in ITERATION_KINDS:
+        shape = next((s for s in shapes if s.kind == kind and s.k == 1), None)
+        if shape is None:
+            errors.append(f"kernel count: no {kind} shape fits the engine")
+            return None
+        names = _attempt(errors, f"kernel count of {shape.label}", partial(bench.kernel_names, shape), log)
+        if names is None:
+            return None
+        if not names:
+            errors.append(f"kernel count of {shape.label}: the profiler saw no GPU activity")
+            return None
+        counts[kind] = split_kernel_counts(names, layers)
+        log(f"{shape.label}: {len(names)} kernels, {counts[kind][0]} per layer + {counts[kind][1]} outside")
+    return counts
+
+
+def apply_fit(shapes: list[Shape], rows: list[dict], profile: HardwareProfile, model_shape: ModelShape,
+              counts: dict[str, tuple[int, int]]) -> tuple[HardwareProfile, OverheadFit, OverheadFit]:
+    """Fit the overheads to ``rows`` (measured ``shapes``, with their kernel counts) and fill
+    in each row's ``split`` (``fit`` or ``holdout``), ``predicted_s`` (overheads fitted on
+    every row) and ``holdout_predicted_s`` (fitted on the fit rows; held-out rows only).
+
+    The held-out rows are every second row of each (report group, graphs) group in
+    measurement order (``holdout_mask``). Returns the profile with the overheads fitted on
+    every row, that fit, and the fit half's.
+    """
+    held = holdout_mask((group(r), r["graphs"]) for r in rows)
+
+    def fit(sel: list[dict]) -> OverheadFit:
+        return fit_overheads([r["roofline_s"] for r in sel], [r["kernels"] for r in sel],
+                             [r["graphs"] for r in sel], [r["measured_s"] for r in sel])
+
+    full, half = fit(rows), fit([r for r, h in zip(rows, held) if not h])
+    calibrated = with_overheads(profile, full, counts)
+    full_model, half_model = CostModel(model_shape, calibrated), CostModel(model_shape, with_overheads(profile, half,
+                                                                                                      counts))
+    for shape, r, h in zip(shapes, rows, held):
+        r["split"] = "holdout" if h else "fit"
+        r["predicted_s"] = float(full_model.predict_total(shape.reqs, shape.sms, graphs=r["graphs"]))
+        r["holdout_predicted_s"] = float(half_model.predict_total(shape.reqs, shape.sms, graphs=r["graphs"])) \
+            if h else None
+    return calibrated, full, half
 
 
 def run_calibration(bench: Bench, opts: Options, log: Callable[[str], None] = print) -> Calibration:
-    """Measure, write ``opts.out`` (twice: after the curves, then with the latencies) and
-    return what was measured.
+    """Measure, write ``opts.out`` (twice: after the curves, then with the latencies and the
+    fitted overheads) and return what was measured.
 
     Raises:
         ValueError: a curve lacks its all-SM point, or the profile does not load (see
@@ -148,7 +239,9 @@ def run_calibration(bench: Bench, opts: Options, log: Callable[[str], None] = pr
     curves, errors = measure_curves(bench, levels, log)
     method = (f"Measured on {facts.name} with {facts.partition} streams of S SMs (CUDA events, median): "
               "compute_points from a bf16 8192^3 GEMM; bandwidth_points the lower of a bf16 tensor copy "
-              "(bytes read + written) and a bf16 [32,4096]x[4096,28672] gemv (weight bytes).")
+              "(bytes read + written) and a bf16 [32,4096]x[4096,28672] gemv (weight bytes). "
+              "kernel_gpu_s, launch_cpu_s: fitted to the measured iteration latencies of the served model, "
+              "kernel counts from torch.profiler (duetserve.calibrate.overhead).")
     profile_dict = build_profile(opts.base, opts.gpu_name, facts, curves["gemm"],
                                  lower_envelope(curves["copy"], curves["gemv"]), method)
     profile = write_profile(profile_dict, opts.out)
@@ -159,11 +252,20 @@ def run_calibration(bench: Bench, opts: Options, log: Callable[[str], None] = pr
     split_levels = [s for s in facts.levels if s >= min_sms]
     shapes, skipped = plan_shapes(capacity, split_levels, opts.quick)
     result.skipped = [f"{shape.label}: {why}" for shape, why in skipped]
-    calibrated, base = CostModel(opts.model_shape, profile), CostModel(opts.model_shape, opts.base)
+    counts = count_kernels(bench, shapes, opts.model_shape.layers, errors, log)
+    result.kernel_counts = counts
+    roofline, base = CostModel(opts.model_shape, profile), CostModel(opts.model_shape, opts.base)
+    counted = with_overheads(profile, OverheadFit(0.0, 0.0), counts) if counts else None
+    measured = []
     for shape in shapes:
         seconds = _attempt(errors, shape.label, partial(bench.iteration_seconds, shape), log)
         if seconds is not None:
-            result.rows.append(prediction_row(shape, seconds, calibrated, base))
-            log(f"{shape.label}: {seconds * 1e3:.3f} ms (predicted {result.rows[-1]['predicted_s'] * 1e3:.3f} ms)")
-    write_profile({**profile_dict, "calibration": result.rows}, opts.out)
+            kernels = counted.kernel_count(shape.kind, opts.model_shape.layers) if counted else None
+            measured.append(shape)
+            result.rows.append(prediction_row(shape, seconds, bench.runs_graphs(shape), kernels, roofline, base))
+            log(f"{shape.label}: {seconds * 1e3:.3f} ms (roofline {result.rows[-1]['roofline_s'] * 1e3:.3f} ms)")
+    if counts and result.rows:
+        result.profile, result.fit, result.holdout_fit = apply_fit(measured, result.rows, profile, opts.model_shape,
+                                                                   counts)
+    write_profile({**asdict(result.profile), "calibration": result.rows}, opts.out)
     return result

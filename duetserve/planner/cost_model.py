@@ -30,6 +30,28 @@ lm_head: a token-level linear ``hidden -> vocab``. With ``lm_head="last"`` (defa
 runs over one token per request, the logits sampling needs; pass ``lm_head_tokens`` when the
 caller knows better (a prefill chunk that does not finish its prompt needs none). With
 ``lm_head="all"`` it runs over every query token, as the seed ``000_...txt`` estimate does.
+
+Per-kernel overheads (beyond the paper; DESIGN section 3, "go beyond the paper where
+measurement says so"). On the H200 the roofline under-predicted every CUDA-graph decode step
+by about 6 ms and eager iterations by far more (docs/benchmarks.md, 2026-11-30): the engine
+launches ~60 small kernels per layer, each costing a few microseconds of GPU time even inside
+a graph, and ~15 us of host time when launched eagerly. With ``n`` kernels in the iteration
+(``HardwareProfile.kernel_count``), ``g = kernel_gpu_s`` and ``h = launch_cpu_s``:
+
+* replayed from CUDA graphs: ``t = roofline + n g``;
+* eager: ``t = max(roofline + n g, n h)``; the GPU runs while the host launches, so the
+  slower of the two wins.
+
+The engine replays decode-only batches from graphs (buckets up to ``max_num_seqs``, also on
+split SM levels); iterations with prefill tokens run eagerly. So by default (``graphs=None``)
+an iteration whose requests all have ``q <= 1`` counts as graph-replayed with the profile's
+``"decode"`` kernel count, any other as eager with the ``"prefill"`` count; ``cuda_graphs=False``
+(an engine with ``enforce_eager``) makes every iteration eager, and ``predict`` /
+``predict_total`` take ``graphs`` to say it per call. The counts are measured at the
+calibrated TP degree; all-reduce kernels added by other degrees are not counted. With the
+default profile (both constants 0) ``t`` is exactly the roofline. The overheads are the
+``Breakdown.overhead`` field, and ``predict_spatial``'s interference factors scale them with
+the rest (conservative on both sides).
 """
 
 from __future__ import annotations
@@ -41,7 +63,7 @@ from typing import Literal
 import numpy as np
 from numpy.typing import ArrayLike
 
-from duetserve.planner.hardware import HardwareProfile
+from duetserve.planner.hardware import ITERATION_KINDS, HardwareProfile
 
 Request = tuple[int, int]
 """One request in a batch: (q new/query tokens, c cached tokens). q=1 decode, c=0 prefill."""
@@ -116,11 +138,13 @@ class Breakdown:
     norm_act: float
     communication: float
     lm_head: float
+    overhead: float
+    """Per-kernel GPU time, or the host launch time by which it exceeds the GPU's (module docstring)."""
 
     @property
     def total(self) -> float:
         """Predicted iteration time in seconds."""
-        return self.linear + self.attention + self.norm_act + self.communication + self.lm_head
+        return self.linear + self.attention + self.norm_act + self.communication + self.lm_head + self.overhead
 
 
 def _linear_op(d_in: float, d_out: float, b: int) -> tuple[float, float, float]:
@@ -144,6 +168,8 @@ class CostModel:
             profile's ``decode_interference``; the knob for being more conservative about
             decode on few SMs (DESIGN section 3, Chinese seed section 5: underestimating
             decode starves prefill, overestimating only wastes a little decode time).
+        cuda_graphs: whether the engine replays decode-only iterations from CUDA graphs
+            (False for ``enforce_eager``); decides the default of ``graphs`` (module docstring).
 
     Raises:
         ValueError: on non-positive sizes, heads not divisible by ``tp``, an unknown
@@ -155,7 +181,7 @@ class CostModel:
 
     def __init__(self, shape: ModelShape, profile: HardwareProfile, dtype_bytes: int = 2, tp: int = 1,
                  causal: bool = True, lm_head: Literal["last", "all"] = "last",
-                 decode_margin: float = 1.0) -> None:
+                 decode_margin: float = 1.0, cuda_graphs: bool = True) -> None:
         if dtype_bytes <= 0 or tp <= 0:
             raise ValueError("dtype_bytes and tp must be positive")
         if shape.q_heads % tp or shape.intermediate % tp or (shape.kv_heads >= tp and shape.kv_heads % tp):
@@ -166,6 +192,8 @@ class CostModel:
             raise ValueError("decode_margin must be >= 1")
         self.shape, self.profile, self.tp = shape, profile, tp
         self.dtype_bytes, self.causal, self.lm_head, self.decode_margin = dtype_bytes, causal, lm_head, decode_margin
+        self.cuda_graphs = cuda_graphs
+        self._kernels = {kind: profile.kernel_count(kind, shape.layers) for kind in ITERATION_KINDS}
 
         b, d, dh = dtype_bytes, shape.hidden, shape.head_dim
         self._hq = shape.q_heads // tp
@@ -188,31 +216,35 @@ class CostModel:
         self._pi = np.concatenate(([np.nan], profile.compute_rate(grid)))
         self._bw = np.concatenate(([np.nan], profile.bandwidth(grid)))
 
-    def predict(self, reqs: Sequence[Request] | np.ndarray, sms: int, lm_head_tokens: int | None = None) -> Breakdown:
+    def predict(self, reqs: Sequence[Request] | np.ndarray, sms: int, lm_head_tokens: int | None = None,
+                graphs: bool | None = None) -> Breakdown:
         """Predicted seconds, by operator class, of one forward pass of ``reqs`` on ``sms`` SMs.
 
         ``reqs``: (q, c) per request (or an (R, 2) integer array); ``lm_head_tokens``
-        overrides how many tokens go through lm_head. Raises ValueError for q < 1, c < 0,
-        or ``sms`` outside 1..num_sms.
+        overrides how many tokens go through lm_head; ``graphs`` says whether the iteration is
+        replayed from CUDA graphs (None: decode-only batches are when ``cuda_graphs``).
+        Raises ValueError for q < 1, c < 0, or ``sms`` outside 1..num_sms.
         """
-        parts = self._components([_columns(reqs)], np.asarray([sms]), lm_head_tokens)[:, 0]
+        parts = self._components([_columns(reqs)], np.asarray([sms]), lm_head_tokens, graphs)[:, 0]
         return Breakdown(*(float(x) for x in parts))
 
     def predict_total(self, reqs: Sequence[Request] | np.ndarray, sms: ArrayLike,
-                      lm_head_tokens: int | None = None) -> np.ndarray:
+                      lm_head_tokens: int | None = None, graphs: bool | None = None) -> np.ndarray:
         """Predicted iteration seconds of ``reqs`` for each SM count in ``sms`` (int or array).
 
         Same arguments and errors as ``predict``; returns an array shaped like ``sms``.
         """
         s = np.asarray(sms)
-        return self._components([_columns(reqs)], s.reshape(-1), lm_head_tokens).sum(axis=0).reshape(s.shape)
+        parts = self._components([_columns(reqs)], s.reshape(-1), lm_head_tokens, graphs)
+        return parts.sum(axis=0).reshape(s.shape)
 
     def predict_variants(self, fixed_reqs: Sequence[Request] | np.ndarray, q: np.ndarray, c: np.ndarray,
                          sms: int) -> np.ndarray:
         """Predicted seconds on ``sms`` SMs of M variants of one batch: ``fixed_reqs`` (q, c)
         run in every variant; J more requests with ``c`` (J,) cached tokens run ``q`` (J, M)
         query tokens in variant m, 0 where a request sits it out. lm_head counts follow the
-        ``lm_head`` mode. Sizes prefill chunks (the optimizer's fallback). Returns M seconds.
+        ``lm_head`` mode, CUDA graphs the default rule per variant. Sizes prefill chunks (the
+        optimizer's fallback). Returns M seconds.
 
         Raises ValueError for invalid ``fixed_reqs``, negative ``q`` or ``c``, or ``sms``
         outside 1..num_sms.
@@ -220,7 +252,7 @@ class CostModel:
         q, c = np.asarray(q, dtype=np.int64), np.asarray(c, dtype=np.int64)
         if q.size and (q.min() < 0 or c.min() < 0):
             raise ValueError("token counts must be >= 0")
-        return self._components([_columns(fixed_reqs), (q, c[:, None])], np.asarray([sms]), None).sum(axis=0)
+        return self._components([_columns(fixed_reqs), (q, c[:, None])], np.asarray([sms]), None, None).sum(axis=0)
 
     def predict_spatial(self, decode_reqs: Sequence[Request] | np.ndarray,
                         prefill_reqs: Sequence[Request] | np.ndarray,
@@ -229,8 +261,9 @@ class CostModel:
         ``total_sms - s_decode`` SMs, when both run at once (a spatial plan).
 
         Decode is scaled by the profile's ``decode_interference`` times ``decode_margin``,
-        prefill by ``prefill_interference`` (DESIGN section 5). Returns (t_decode, t_prefill),
-        arrays shaped like ``s_decode``. Raises ValueError as ``predict``.
+        prefill by ``prefill_interference`` (DESIGN section 5); decode is replayed from graphs
+        when ``cuda_graphs`` (the engine records them per split level). Returns (t_decode,
+        t_prefill), arrays shaped like ``s_decode``. Raises ValueError as ``predict``.
         """
         s_d = np.asarray(s_decode)
         t_d = self.predict_total(decode_reqs, s_d) * (self.profile.decode_interference * self.decode_margin)
@@ -238,12 +271,13 @@ class CostModel:
         return t_d, t_p
 
     def _components(self, groups: list[tuple[np.ndarray, np.ndarray]], sms: np.ndarray,
-                    lm_head_tokens: int | None) -> np.ndarray:
-        """Rows linear, attention, norm_act, communication, lm_head; one column per variant.
+                    lm_head_tokens: int | None, graphs: bool | None) -> np.ndarray:
+        """Rows linear, attention, norm_act, communication, lm_head, overhead; one column per variant.
 
         ``groups`` hold the batch's requests as (q, c) with q (R, X) or (R, 1) and c (R, 1);
         ``sms`` is (X,) or (1,). The columns are one batch on X SM counts, or X variants of
         a batch on one SM count (a group with q (R, 1) takes part in every variant).
+        ``graphs`` as in ``predict``.
         """
         if sms.dtype.kind not in "iu" or sms.min() < 1 or sms.max() > self.profile.num_sms:
             raise ValueError(f"SM counts must be integers in 1..{self.profile.num_sms}, got {sms}")
@@ -258,7 +292,21 @@ class CostModel:
         linear, norm_act, lm_head = self._tok_groups @ token_ops
         attention = self.shape.layers * sum(self._attention_time(q, c, pi, bw) for q, c in groups)
         communication = self.shape.layers * self._allreduce_time(n, pi)
-        return np.vstack([linear, attention, norm_act, communication, lm_head])
+        roofline = np.vstack([linear, attention, norm_act, communication, lm_head])
+        decode_only = sum(np.count_nonzero(q > 1, axis=0) for q, _ in groups) == 0
+        overhead = self._overhead(roofline.sum(axis=0), decode_only, n > 0, graphs)
+        return np.vstack([roofline, overhead])
+
+    def _overhead(self, roofline: np.ndarray, decode_only: np.ndarray, nonempty: np.ndarray,
+                  graphs: bool | None) -> np.ndarray:
+        """Seconds the per-kernel model adds to each column's ``roofline`` seconds (module
+        docstring): ``n g`` replayed from graphs, ``max(roofline + n g, n h) - roofline`` eager;
+        an empty column launches nothing."""
+        p = self.profile
+        kernels = np.where(decode_only, self._kernels["decode"], self._kernels["prefill"]) * nonempty
+        replayed = decode_only & self.cuda_graphs if graphs is None else np.full(decode_only.shape, graphs)
+        gpu = roofline + kernels * p.kernel_gpu_s
+        return np.where(replayed, gpu, np.maximum(gpu, kernels * p.launch_cpu_s)) - roofline
 
     def _attention_time(self, q: np.ndarray, c: np.ndarray, pi: np.ndarray, bw: np.ndarray) -> np.ndarray:
         """One layer: the sum over requests (rows) of max(F_r/Pi, B_r/BW), per column.

@@ -15,6 +15,18 @@ Which curve means what:
   the tensor-copy curve and the decode-gemv curve: the slower of two streaming workloads,
   which keeps decode predictions conservative as DESIGN section 3 asks.
 
+Per-kernel overheads (optional, fitted by ``duetserve calibrate``; beyond the DuetServe paper,
+whose roofline prices only FLOPs and bytes): ``kernel_gpu_s`` is the GPU time each kernel costs
+beyond its roofline (launch gaps, ramp-up and tail of a small grid), ``launch_cpu_s`` the host
+time to launch one kernel eagerly (Python, the dispatcher and the driver), and
+``kernels_per_layer`` / ``kernels_per_forward`` how many kernels the engine launches per decoder
+layer and per forward outside the layers (embedding, final norm, lm_head, sampling, input
+copies), for a decode-only iteration (``"decode"``) and for one with prefill tokens
+(``"prefill"``). The counts belong to the engine's implementation of the Llama/Qwen3 layer,
+not to the GPU; they sit in the profile because the constants were fitted with them (a
+profile carries one consistent set). All default to 0: a pure roofline.
+``duetserve.planner.cost_model`` says how they enter a prediction.
+
 Between points both curves are interpolated linearly, starting from ``(0, 0)``: below the
 first measured point the rate is the straight line from the origin. Bandwidth is concave in
 S (DESIGN section 5), so that chord lies under the true curve and over-predicts decode time
@@ -26,7 +38,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from importlib import resources
 from itertools import pairwise
 from pathlib import Path
@@ -38,6 +50,10 @@ Points = tuple[tuple[float, float], ...]
 """Curve points ``((S, rate), ...)`` with S in SMs, strictly increasing, the last at num_sms."""
 
 PROVENANCE_VALUES = ("measured", "datasheet")
+
+ITERATION_KINDS = ("decode", "prefill")
+"""Keys of ``kernels_per_layer`` and ``kernels_per_forward``: a decode-only iteration (replayed
+from CUDA graphs when the engine has them) and one with prefill tokens (always eager)."""
 
 
 @dataclass(frozen=True)
@@ -53,11 +69,17 @@ class HardwareProfile:
     time of the decode and prefill side of a spatial plan, for the memory bandwidth and L2
     the two sides still share (DESIGN section 5 measured decode +39%, GEMM +9%).
 
-    ``provenance`` maps every number field to ``"measured"`` or ``"datasheet"``.
+    ``kernel_gpu_s`` and ``launch_cpu_s`` (seconds per kernel, >= 0) and ``kernels_per_layer``
+    and ``kernels_per_forward`` (kernel counts by ``ITERATION_KINDS``) are the optional
+    per-kernel overhead model (module docstring); nonzero constants need counts for both kinds.
+
+    ``provenance`` maps every number field to ``"measured"`` or ``"datasheet"``; the overhead
+    fields need an entry only when they differ from their default.
 
     Raises:
         ValueError: on inconsistent fields (unsorted or out-of-range points, a curve
-            above the datasheet peak, missing or unknown provenance entries).
+            above the datasheet peak, negative overheads, kernel counts of unknown kinds,
+            missing or unknown provenance entries).
     """
 
     name: str
@@ -80,6 +102,10 @@ class HardwareProfile:
     notes: str = ""
     compute_efficiency: float = 1.0
     bandwidth_efficiency: float = 1.0
+    kernel_gpu_s: float = 0.0
+    launch_cpu_s: float = 0.0
+    kernels_per_layer: Mapping[str, int] = field(default_factory=dict)
+    kernels_per_forward: Mapping[str, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self._check_points("compute_points", self.compute_points, self.peak_flops)
@@ -91,16 +117,34 @@ class HardwareProfile:
             raise ValueError(f"{self.name}: interference factors must be >= 1")
         if set(self.partition_granularity) != set(self.partition_min_sms):
             raise ValueError(f"{self.name}: granularity and min SMs name different backends")
-        expected = set(_PROVENANCE_FIELDS)
-        if set(self.provenance) != expected:
+        self._check_overheads()
+        expected = set(_PROVENANCE_FIELDS) | {f for f in _OPTIONAL_PROVENANCE_FIELDS if getattr(self, f)}
+        allowed = set(_PROVENANCE_FIELDS) | set(_OPTIONAL_PROVENANCE_FIELDS)
+        if not expected <= set(self.provenance) <= allowed:
             raise ValueError(
-                f"{self.name}: provenance must cover exactly {sorted(expected)}; "
+                f"{self.name}: provenance must cover {sorted(expected)} and may add {_OPTIONAL_PROVENANCE_FIELDS}; "
                 f"missing {sorted(expected - set(self.provenance))}, "
-                f"unknown {sorted(set(self.provenance) - expected)}"
+                f"unknown {sorted(set(self.provenance) - allowed)}"
             )
         bad = {k: v for k, v in self.provenance.items() if v not in PROVENANCE_VALUES}
         if bad:
             raise ValueError(f"{self.name}: provenance values must be in {PROVENANCE_VALUES}: {bad}")
+
+    def _check_overheads(self) -> None:
+        if min(self.kernel_gpu_s, self.launch_cpu_s) < 0:
+            raise ValueError(f"{self.name}: kernel_gpu_s and launch_cpu_s must be >= 0 seconds")
+        for label in ("kernels_per_layer", "kernels_per_forward"):
+            counts = getattr(self, label)
+            if not set(counts) <= set(ITERATION_KINDS) or any(int(n) != n or n < 0 for n in counts.values()):
+                raise ValueError(f"{self.name}: {label} maps {ITERATION_KINDS} to kernel counts >= 0, got {counts}")
+            if (self.kernel_gpu_s or self.launch_cpu_s) and set(counts) != set(ITERATION_KINDS):
+                raise ValueError(f"{self.name}: per-kernel overheads need {label} for {ITERATION_KINDS}")
+
+    def kernel_count(self, kind: str, layers: int) -> int:
+        """Kernels of one forward of a ``layers``-layer model in an iteration of ``kind``
+        (``ITERATION_KINDS``): ``layers * kernels_per_layer + kernels_per_forward``; 0 where the
+        profile has no counts."""
+        return layers * self.kernels_per_layer.get(kind, 0) + self.kernels_per_forward.get(kind, 0)
 
     def _check_points(self, label: str, points: Points, peak: float) -> None:
         sms = [p[0] for p in points]
@@ -153,10 +197,12 @@ class HardwareProfile:
         return table[backend]
 
 
+_OPTIONAL_PROVENANCE_FIELDS = ("kernel_gpu_s", "launch_cpu_s", "kernels_per_layer", "kernels_per_forward")
 _PROVENANCE_FIELDS = tuple(
     f.name
     for f in fields(HardwareProfile)
-    if f.name not in ("name", "description", "provenance", "notes", "compute_efficiency", "bandwidth_efficiency")
+    if f.name not in ("name", "description", "provenance", "notes", "compute_efficiency", "bandwidth_efficiency",
+                      *_OPTIONAL_PROVENANCE_FIELDS)
 )
 
 

@@ -30,7 +30,13 @@ from duetserve.partition.base import BACKENDS
 from duetserve.planner.cost_model import CostModel, ModelShape, Request
 from duetserve.planner.hardware import HardwareProfile
 from duetserve.planner.optimizer import Plan, plan_iteration
-from duetserve.planner.pdmux import PdmuxConfig, choose_group, prefill_layers_per_round, stream_groups
+from duetserve.planner.pdmux import (
+    PdmuxConfig,
+    choose_group,
+    prefill_layers_per_round,
+    stream_groups,
+)
+
 
 @dataclass(frozen=True)
 class PlannerConfig:
@@ -45,6 +51,9 @@ class PlannerConfig:
             the profile.
         pdmux: SGLang's pdmux settings.
         tp: tensor-parallel degree for the cost model.
+        cuda_graphs: whether the engine replays decode-only iterations from CUDA graphs (False
+            under ``enforce_eager``); with a profile that has per-kernel overheads, graph-replayed
+            and eager iterations are priced differently (``cost_model`` module docstring).
 
     Raises:
         ValueError: ``tau_s <= 0``, or a backend that is not in ``BACKENDS`` or not in the
@@ -57,6 +66,7 @@ class PlannerConfig:
     partition_backend: str = "greenctx"
     pdmux: PdmuxConfig = field(default_factory=PdmuxConfig)
     tp: int = 1
+    cuda_graphs: bool = True
 
     def __post_init__(self) -> None:
         if self.tau_s <= 0:
@@ -78,8 +88,9 @@ class PlannerConfig:
 
     @cached_property
     def cost_model(self) -> CostModel:
-        """The roofline cost model of ``shape`` on ``profile`` (bf16, ``tp`` GPUs)."""
-        return CostModel(self.shape, self.profile, tp=self.tp)
+        """The cost model of ``shape`` on ``profile`` (bf16, ``tp`` GPUs): the roofline plus the
+        profile's per-kernel overheads, so TBT predictions include them."""
+        return CostModel(self.shape, self.profile, tp=self.tp, cuda_graphs=self.cuda_graphs)
 
 
 class DuetPolicy:

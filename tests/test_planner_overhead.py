@@ -1,0 +1,200 @@
+"""Per-kernel overhead model: hand-computed predictions, the default (no overheads) leaving the
+roofline unchanged, profile fields and round trip, and the calibration fit recovering known
+constants from synthetic measurements.
+
+Hand cases: the made-up GPU of test_planner_cost_model (100 SMs, Pi(S) = 1e12 S FLOP/s,
+BW(S) = 2e10 S bytes/s up to 50 SMs) and a two-layer model (hidden 1024, 8/2 heads of 128,
+intermediate 4096, vocab 32000), with g = kernel_gpu_s = 2 us, h = launch_cpu_s = 10 us,
+50 kernels per layer + 10 outside for decode (110 in all), 60 + 12 for prefill (132).
+"""
+
+import json
+from dataclasses import asdict, replace
+
+import numpy as np
+import pytest
+
+from duetserve.calibrate.overhead import (
+    fit_overheads,
+    holdout_mask,
+    split_kernel_counts,
+)
+from duetserve.planner.cost_model import CostModel, ModelShape
+from duetserve.planner.hardware import load_profile, saturating_points
+from duetserve.planner.policies import PlannerConfig
+
+SHAPE = ModelShape(hidden=1024, layers=2, q_heads=8, kv_heads=2, head_dim=128, intermediate=4096, vocab=32000)
+QWEN = ModelShape.preset("qwen3-8b")
+OVERHEADS = {"kernel_gpu_s": 2e-6, "launch_cpu_s": 10e-6, "kernels_per_layer": {"decode": 50, "prefill": 60},
+             "kernels_per_forward": {"decode": 10, "prefill": 12}}
+MEASURED = dict.fromkeys(OVERHEADS, "measured")
+
+
+def with_overheads(profile, **fields):
+    fields = {**OVERHEADS, **fields}
+    return replace(profile, **fields, provenance={**profile.provenance, **dict.fromkeys(fields, "measured")})
+
+
+@pytest.fixture
+def gpu():
+    return replace(load_profile("h200"), name="round", num_sms=100, num_tpcs=50,
+                   compute_points=saturating_points(1e14, 100, 100),
+                   bandwidth_points=saturating_points(1e12, 50, 100), nvlink_bandwidth=1e11)
+
+
+DECODE = [(1, 1023)] * 4
+PREFILL = [(4096, 0)]
+
+
+def test_graph_replayed_decode_adds_n_times_g(gpu):
+    roof = CostModel(SHAPE, gpu).predict(DECODE, 100)
+    bd = CostModel(SHAPE, with_overheads(gpu)).predict(DECODE, 100)
+    assert gpu.kernel_count("decode", 2) == 0 and with_overheads(gpu).kernel_count("decode", 2) == 110
+    assert bd.overhead == pytest.approx(110 * 2e-6)  # decode-only: graphs by default
+    assert bd.total == pytest.approx(roof.total + 2.2e-4)
+    assert (bd.linear, bd.attention, bd.lm_head) == (roof.linear, roof.attention, roof.lm_head)
+
+
+def test_eager_is_the_slower_of_gpu_and_host(gpu):
+    cm = CostModel(SHAPE, with_overheads(gpu))
+    roof = CostModel(SHAPE, gpu)
+    # decode run eagerly: the roofline is ~0.1 ms, so the host's 110 x 10 us = 1.1 ms wins
+    assert float(roof.predict_total(DECODE, 100)) < 1.1e-3 - 2.2e-4
+    assert float(cm.predict_total(DECODE, 100, graphs=False)) == pytest.approx(1.1e-3)
+    assert float(CostModel(SHAPE, with_overheads(gpu), cuda_graphs=False).predict_total(DECODE, 100)) \
+        == pytest.approx(1.1e-3)
+    # a 4096-token prefill: ~2.5 ms of GPU work beats 132 x 10 us = 1.32 ms of launches, so GPU + 132 x 2 us
+    r = float(roof.predict_total(PREFILL, 100))
+    assert r > 1.32e-3
+    assert cm.predict(PREFILL, 100).overhead == pytest.approx(132 * 2e-6)
+    # a small mixed batch runs eagerly with the prefill count: host bound, 1.32 ms
+    assert float(cm.predict_total(DECODE + [(16, 0)], 100)) == pytest.approx(1.32e-3)
+    # forcing graphs on a prefill prices it as replayed: roofline + 132 g
+    assert float(cm.predict_total(PREFILL, 100, graphs=True)) == pytest.approx(r + 2.64e-4)
+
+
+def test_spatial_and_variants_use_the_default_rule(gpu):
+    cm, roof = CostModel(SHAPE, with_overheads(gpu)), CostModel(SHAPE, gpu)
+    p = cm.profile
+    t_d, t_p = cm.predict_spatial(DECODE, [(16, 0)], [20, 50], 100)
+    r_d = roof.predict_total(DECODE, [20, 50])
+    np.testing.assert_allclose(t_d, (r_d + 2.2e-4) * p.decode_interference)  # graphs on the split level
+    np.testing.assert_allclose(t_p, 1.32e-3 * p.prefill_interference)  # eager, host bound
+    # variants: prefill request out (decode only: graphs), 16 tokens (eager), 4096 tokens
+    t = cm.predict_variants(DECODE, np.array([[0, 16, 4096]]), np.array([0]), 100)
+    expected = [cm.predict_total(DECODE, 100), cm.predict_total(DECODE + [(16, 0)], 100),
+                cm.predict_total(DECODE + PREFILL, 100)]
+    np.testing.assert_allclose(t, np.ravel(expected))
+    assert cm.predict_variants([], np.array([[0, 16]]), np.array([0]), 100)[0] == 0  # nothing runs
+
+
+def test_zero_overheads_leave_every_number_unchanged(gpu):
+    shipped = load_profile("h200")
+    assert (shipped.kernel_gpu_s, shipped.launch_cpu_s, dict(shipped.kernels_per_layer)) == (0, 0, {})
+    counted = with_overheads(gpu, kernel_gpu_s=0.0, launch_cpu_s=0.0)
+    batches = [DECODE, PREFILL, DECODE + [(512, 100)], [(1, 0)]]
+    for a, b in ((CostModel(SHAPE, gpu), CostModel(SHAPE, counted)), (CostModel(QWEN, shipped),) * 2):
+        for reqs in batches:
+            assert a.predict(reqs, 100).overhead == 0.0
+            for graphs in (None, True, False):
+                np.testing.assert_array_equal(a.predict_total(reqs, [16, 100], graphs=graphs),
+                                              b.predict_total(reqs, [16, 100]))
+
+
+def test_planner_tbt_predictions_include_the_overheads():
+    h200 = load_profile("h200")
+    plain = PlannerConfig(QWEN, h200, 0.1)
+    fitted = PlannerConfig(QWEN, with_overheads(h200), 0.1)
+    eager = PlannerConfig(QWEN, with_overheads(h200), 0.1, cuda_graphs=False)
+    decode = [(1, 2047)] * 32
+    n = 36 * 50 + 10
+    base = float(plain.cost_model.predict_total(decode, 132))
+    assert float(fitted.cost_model.predict_total(decode, 132)) == pytest.approx(base + n * 2e-6)
+    assert float(eager.cost_model.predict_total(decode, 132)) == pytest.approx(max(base + n * 2e-6, n * 10e-6))
+
+
+# --- profile fields ---------------------------------------------------------------------------
+
+def test_profile_round_trip_with_overheads(tmp_path):
+    raw = {**asdict(load_profile("h200")), **OVERHEADS}
+    raw["provenance"] = {**raw["provenance"], **MEASURED}
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps(raw))
+    loaded = load_profile(path)
+    assert loaded == with_overheads(load_profile("h200"))
+    assert loaded.kernel_count("prefill", 36) == 36 * 60 + 12 and loaded.provenance["launch_cpu_s"] == "measured"
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"kernel_gpu_s": -1e-6}, ">= 0"),
+    ({"kernels_per_layer": {"decode": 50}}, "need kernels_per_layer for"),
+    ({"kernels_per_forward": {"decode": 1, "prefill": 2, "mixed": 3}}, "kernels_per_forward maps"),
+    ({"kernels_per_layer": {"decode": 1.5, "prefill": 2}}, "kernel counts >= 0"),
+])
+def test_invalid_overheads_are_rejected(change, message):
+    with pytest.raises(ValueError, match=message):
+        with_overheads(load_profile("h200"), **change)
+
+
+def test_overhead_provenance_is_required_once_set_and_allowed_at_default():
+    h200 = load_profile("h200")
+    with pytest.raises(ValueError, match=r"missing \['kernel_gpu_s'\]"):
+        replace(h200, kernel_gpu_s=1e-6, kernels_per_layer={"decode": 1, "prefill": 1},
+                kernels_per_forward={"decode": 0, "prefill": 0},
+                provenance={**h200.provenance, "kernels_per_layer": "measured", "kernels_per_forward": "measured"})
+    zeros = replace(h200, provenance={**h200.provenance, "launch_cpu_s": "measured"})
+    assert zeros.launch_cpu_s == 0
+
+
+# --- the fit ---------------------------------------------------------------------------------
+
+def test_split_kernel_counts_and_holdout_mask():
+    names = ["gemm"] * (4 * 3 + 1) + ["norm"] * (2 * 3 + 1) + ["rope"] * 3 + ["embed", "argmax"]
+    assert split_kernel_counts(names, 3) == (7, 4)  # 4 gemm + 2 norm + 1 rope; lm_head, final norm, embed, argmax
+    with pytest.raises(ValueError):
+        split_kernel_counts(names, 0)
+    groups = ["d", "d", "p", "d", "p", "d", "s"]
+    assert holdout_mask(groups).tolist() == [False, True, False, False, True, True, False]
+
+
+def synthetic(g, h, noise=0.0, seed=0):
+    """Calibration-like iterations of Qwen3-8B on the H200: decode from graphs (all SMs and
+    split levels), eager prefills and eager split decodes, timed by the overhead model with
+    ``g``, ``h`` and ~1000 kernels a forward, times (1 + noise * N(0, 1))."""
+    h200 = load_profile("h200")
+    truth = CostModel(QWEN, with_overheads(h200, kernel_gpu_s=g, launch_cpu_s=h,
+                                           kernels_per_layer={"decode": 28, "prefill": 30}))
+    roof = CostModel(QWEN, h200)
+    cases = [([(1, ctx - 1)] * b, 132, True) for b in (1, 8, 32, 64, 128) for ctx in (512, 2048, 8192)]
+    cases += [([(1, 2047)] * b, s, graphs) for b in (8, 32) for s in (16, 32, 64) for graphs in (True, False)]
+    cases += [([(n, 0)] * b, 132, False) for b, n in ((1, 512), (1, 2048), (1, 8192), (8, 1024), (4, 256))]
+    rng = np.random.default_rng(seed)
+    rows = []
+    for reqs, sms, graphs in cases:
+        kind = "decode" if reqs[0][0] == 1 else "prefill"
+        measured = float(truth.predict_total(reqs, sms, graphs=graphs)) * (1 + noise * rng.standard_normal())
+        rows.append((float(roof.predict_total(reqs, sms)), truth.profile.kernel_count(kind, 36), graphs, measured))
+    return [list(col) for col in zip(*rows)]
+
+
+def test_fit_recovers_exact_constants():
+    fit = fit_overheads(*synthetic(3e-6, 15e-6))
+    assert fit.kernel_gpu_s == pytest.approx(3e-6) and fit.launch_cpu_s == pytest.approx(15e-6)
+
+
+def test_fit_recovers_constants_under_noise():
+    for seed in range(5):
+        fit = fit_overheads(*synthetic(3e-6, 15e-6, noise=0.02, seed=seed))
+        assert fit.kernel_gpu_s == pytest.approx(3e-6, rel=0.1)
+        assert fit.launch_cpu_s == pytest.approx(15e-6, rel=0.05)
+
+
+def test_fit_of_a_pure_roofline_is_zero_and_bad_input_raises():
+    fit = fit_overheads(*synthetic(0.0, 0.0))
+    assert (fit.kernel_gpu_s, fit.launch_cpu_s) == (0.0, 0.0)
+    # measured below the roofline never gives negative constants
+    assert fit_overheads([2.0], [10], [True], [1.0]).kernel_gpu_s == 0.0
+    with pytest.raises(ValueError):
+        fit_overheads([], [], [], [])
+    with pytest.raises(ValueError):
+        fit_overheads([1.0], [0], [True], [1.0])
