@@ -55,7 +55,7 @@ def run_variant(eager: bool, backend: str, iters: int) -> dict:
     extra = {"attention_backend": backend} if "attention_backend" in EngineConfig.__dataclass_fields__ else {}
     config = EngineConfig(model=str(folder), load_format="dummy", device="cuda", dtype="bfloat16", max_num_seqs=128,
                           max_num_batched_tokens=8192, num_kv_blocks=(90 << 30) // (16 * kv_per_token),
-                          max_model_len=16384, enforce_eager=eager, **extra)
+                          max_model_len=16384, enforce_eager=eager, partition_backend="none", **extra)
     engine = LLMEngine(config)
     for k, v in engine.runner.kv_caches:
         k.normal_()
@@ -97,22 +97,23 @@ def main() -> int:
     ap.add_argument("--attention-backend", default="auto")
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--variant", choices=("graphs", "eager"), help="run one variant (used internally)")
+    ap.add_argument("--variants", default="graphs,eager", help="variants to run, each in its own process")
     args = ap.parse_args()
     if args.variant:
         args.out.write_text(json.dumps(run_variant(args.variant == "eager", args.attention_backend, args.iters)))
         return 0
     runs = {}
-    for variant in ("graphs", "eager"):  # one process each: a fresh GPU memory pool per engine
+    for variant in args.variants.split(","):  # one process each: a fresh GPU memory pool per engine
         path = args.out.with_suffix(f".{variant}.json")
         subprocess.run([sys.executable, __file__, "--variant", variant, "--out", str(path), "--attention-backend",
                         args.attention_backend, "--iters", str(args.iters)], check=True)
         runs[variant] = json.loads(path.read_text())
     args.out.write_text(json.dumps(runs, indent=1))
-    eager = {(r["batch"], r["ctx"]): r for r in runs["eager"]["decode"]}
+    eager = {(r["batch"], r["ctx"]): r for r in runs.get("eager", {}).get("decode", [])}
     print(f"\ndecode step, ms (graphs recorded: {runs['graphs']['graphs']}); floor = bytes(weights+KV)/4.19 TB/s")
     print(f"{'batch':>5} {'ctx':>5} {'graphs':>8} {'eager':>8} {'floor':>7} {'ratio':>6} {'speedup':>7}")
     for r in runs["graphs"]["decode"]:
-        e = eager.get((r["batch"], r["ctx"]), {})
+        e = eager.get((r["batch"], r["ctx"]), {"ms": float("nan")})
         if "error" in r or "error" in e:
             print(f"{r['batch']:>5} {r['ctx']:>5} ERROR {(r.get('error') or e.get('error'))[:70]}")
             continue

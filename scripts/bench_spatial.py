@@ -1,6 +1,7 @@
 """GPU isolation check (issue 6): decode step time on S_d SMs alone and beside a 16k-token prefill.
 
-Qwen3-8B shapes, dummy bf16 weights, decode batch 32 x context 2048, green contexts. For each
+Qwen3-8B shapes, dummy bf16 weights, decode batch 32 x context 2048, green contexts, decode
+steps replayed from the CUDA graphs recorded for each split level. For each
 S_d: decode alone on S_d SMs, decode while a 16384-token prefill runs on the other SMs, the
 ratio (target <= 1.5), the prefill time, and the cost model's predictions beside them.
 """
@@ -17,7 +18,6 @@ from duetserve.config import EngineConfig
 from duetserve.engine.engine import LLMEngine
 from duetserve.engine.policy import Plan
 from duetserve.engine.scheduler import SchedulerOutput
-from duetserve.partition import make_partition_backend
 from duetserve.planner.cost_model import CostModel, ModelShape
 from duetserve.planner.hardware import load_profile
 
@@ -45,15 +45,14 @@ def main() -> int:
     (folder / "config.json").write_text(json.dumps(QWEN3_8B))
     engine = LLMEngine(EngineConfig(model=str(folder), load_format="dummy", device="cuda", dtype="bfloat16",
                                     max_num_seqs=64, max_num_batched_tokens=16384, num_kv_blocks=8192,
-                                    max_model_len=20000, enforce_eager=True))
+                                    max_model_len=20000, partition_backend=args.backend))
     for k, v in engine.runner.kv_caches:
         k.normal_()
         v.normal_()
-    backend = make_partition_backend(args.backend, "cuda")
+    backend = engine.partition  # decode graphs are recorded for each of its split levels
     if backend.granularity == 0:
         print("no partition backend:", backend.reason)
         return 1
-    engine.runner.partition = backend
     model = CostModel(ModelShape.preset("qwen3-8b"), load_profile("h200"))
     decodes = make_batch(engine, 32, 2048, 1, extra_tokens=args.k - 1)  # KV slots for the k look-ahead steps
     prefill = make_batch(engine, 1, 16384, 16384)

@@ -28,7 +28,7 @@ step tests 420 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu_en
 step core-tests 300 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu_engine.py tests/test_gpu_spatial.py \
   $(ls tests/test_fused_ops.py 2>/dev/null)
 step attention 240 python3 scripts/bench_attention.py --out "$OUT/attention.json"
-step engine 420 python3 scripts/bench_engine.py --iters 10 --out "$OUT/engine.json"
+step engine 420 python3 scripts/bench_engine.py --iters 10 --variants ${ENGINE_VARIANTS:-graphs,eager} --out "$OUT/engine.json"
 step spatial 300 python3 scripts/bench_spatial.py --out "$OUT/spatial.json"
 step calibrate 420 python3 -m duetserve.calibrate --gpu-name h200-lent --out "$OUT/profile_h200.json" --plot "$OUT/calib.png" --quick
 step watchdog 200 python3 scripts/tpcmask_watchdog.py --levels 16,32 --out "$OUT/watchdog.json"
