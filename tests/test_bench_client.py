@@ -17,9 +17,9 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
-from collections.abc import AsyncIterator, Iterator
 
 import pytest
 import uvicorn

@@ -7,9 +7,14 @@ import math
 import pytest
 
 from duetserve.bench.cli import parse_goodput
-from duetserve.config import parse_duration
 from duetserve.bench.client import RequestRecord
-from duetserve.bench.metrics import Slos, compute_metrics, format_comparison, format_report
+from duetserve.bench.metrics import (
+    Slos,
+    compute_metrics,
+    format_comparison,
+    format_report,
+)
+from duetserve.config import parse_duration
 
 
 def record(index: int, input_len: int, output_len: int, chunks: list[float],

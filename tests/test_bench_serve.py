@@ -11,8 +11,8 @@ import json
 import shutil
 import socket
 import sys
-from pathlib import Path
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 

@@ -39,9 +39,9 @@ from duetserve.calibrate.workload import (
 )
 from duetserve.engine.kv_cache import BlockManager
 from duetserve.planner.cost_model import CostModel, ModelShape
-from duetserve.planner.hardware import load_profile
+from duetserve.planner.hardware import load_profile, roofline_only
 
-H200 = load_profile("h200")
+H200 = roofline_only(load_profile("h200"))
 QWEN = ModelShape.preset("qwen3-8b")
 GREEN_LEVELS = tuple(range(8, 125, 8))
 FACTS = DeviceFacts("NVIDIA H200", 132, 9, 149250113536, "greenctx", GREEN_LEVELS)

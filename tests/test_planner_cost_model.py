@@ -12,14 +12,14 @@ import numpy as np
 import pytest
 
 from duetserve.planner.cost_model import CostModel, ModelShape
-from duetserve.planner.hardware import load_profile, saturating_points
+from duetserve.planner.hardware import load_profile, roofline_only, saturating_points
 
 SHAPE = ModelShape(hidden=1024, layers=1, q_heads=8, kv_heads=2, head_dim=128, intermediate=4096, vocab=32000)
 
 
 @pytest.fixture
 def gpu():
-    return replace(load_profile("h200"), name="round", num_sms=100, num_tpcs=50,
+    return replace(roofline_only(load_profile("h200")), name="round", num_sms=100, num_tpcs=50,
                    compute_points=saturating_points(1e14, 100, 100),
                    bandwidth_points=saturating_points(1e12, 50, 100), nvlink_bandwidth=1e11)
 
@@ -91,7 +91,7 @@ def test_lm_head_modes(gpu):
 
 
 def test_total_and_vectorised_prediction_agree():
-    cm = CostModel(ModelShape.preset("qwen3-8b"), load_profile("h200"))
+    cm = CostModel(ModelShape.preset("qwen3-8b"), roofline_only(load_profile("h200")))
     reqs = [(1, c) for c in range(100, 6500, 100)] + [(2048, 4096), (512, 0)]
     sms = np.array([8, 16, 40, 64, 100, 132])
     totals = cm.predict_total(reqs, sms)
@@ -106,7 +106,7 @@ def test_qwen3_8b_decode_step_on_h200_is_weight_and_kv_bound():
     # 32 decodes of 2048 context on all 132 SMs: weights 2*(36*192,937,984 + 4096*151936) bytes
     # plus KV 32 * 2049 * 36 layers * 2 * 8 * 128 * 2 bytes over 4.037e12 bytes/s = 6.14 ms; activations
     # in and out of the linears (36 us) and norms (37 us) add 1.2%.
-    cm = CostModel(ModelShape.preset("qwen3-8b"), load_profile("h200"))
+    cm = CostModel(ModelShape.preset("qwen3-8b"), roofline_only(load_profile("h200")))
     weights = 2 * (36 * 192_937_984 + 4096 * 151936)
     kv = 32 * 2049 * 36 * 2 * 8 * 128 * 2
     assert cm.predict([(1, 2048)] * 32, 132).total == pytest.approx((weights + kv) / 4.037e12, rel=0.015)
@@ -145,7 +145,7 @@ def test_bad_inputs_raise(gpu):
 
 
 def test_spatial_prediction_applies_interference_and_margin():
-    profile = load_profile("h200")
+    profile = roofline_only(load_profile("h200"))
     cm = CostModel(ModelShape.preset("qwen3-8b"), profile, decode_margin=1.1)
     dec, pre = [(1, 1000)] * 16, [(4096, 0)]
     t_d, t_p = cm.predict_spatial(dec, pre, np.array([32, 48]), 132)

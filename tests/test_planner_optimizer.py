@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from duetserve.planner.cost_model import CostModel, ModelShape
-from duetserve.planner.hardware import load_profile
+from duetserve.planner.hardware import load_profile, roofline_only
 from duetserve.planner.optimizer import Plan, plan_iteration, trim_prefill
 
 DECODE = [(1, 500)] * 4
@@ -89,7 +89,7 @@ def test_trim_prefill():
 
 @pytest.fixture(scope="module")
 def qwen_h200():
-    return CostModel(ModelShape.preset("qwen3-8b"), load_profile("h200"))
+    return CostModel(ModelShape.preset("qwen3-8b"), roofline_only(load_profile("h200")))
 
 
 def test_real_model_plan_matches_brute_force(qwen_h200):

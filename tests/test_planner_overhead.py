@@ -20,7 +20,7 @@ from duetserve.calibrate.overhead import (
     split_kernel_counts,
 )
 from duetserve.planner.cost_model import CostModel, ModelShape
-from duetserve.planner.hardware import load_profile, saturating_points
+from duetserve.planner.hardware import load_profile, roofline_only, saturating_points
 from duetserve.planner.policies import PlannerConfig
 
 SHAPE = ModelShape(hidden=1024, layers=2, q_heads=8, kv_heads=2, head_dim=128, intermediate=4096, vocab=32000)
@@ -37,7 +37,7 @@ def with_overheads(profile, **fields):
 
 @pytest.fixture
 def gpu():
-    return replace(load_profile("h200"), name="round", num_sms=100, num_tpcs=50,
+    return replace(roofline_only(load_profile("h200")), name="round", num_sms=100, num_tpcs=50,
                    compute_points=saturating_points(1e14, 100, 100),
                    bandwidth_points=saturating_points(1e12, 50, 100), nvlink_bandwidth=1e11)
 
@@ -89,7 +89,7 @@ def test_spatial_and_variants_use_the_default_rule(gpu):
 
 
 def test_zero_overheads_leave_every_number_unchanged(gpu):
-    shipped = load_profile("h200")
+    shipped = roofline_only(load_profile("h200"))
     assert (shipped.kernel_gpu_s, shipped.launch_cpu_s, dict(shipped.kernels_per_layer)) == (0, 0, {})
     counted = with_overheads(gpu, kernel_gpu_s=0.0, launch_cpu_s=0.0)
     batches = [DECODE, PREFILL, DECODE + [(512, 100)], [(1, 0)]]
@@ -102,7 +102,7 @@ def test_zero_overheads_leave_every_number_unchanged(gpu):
 
 
 def test_planner_tbt_predictions_include_the_overheads():
-    h200 = load_profile("h200")
+    h200 = roofline_only(load_profile("h200"))
     plain = PlannerConfig(QWEN, h200, 0.1)
     fitted = PlannerConfig(QWEN, with_overheads(h200), 0.1)
     eager = PlannerConfig(QWEN, with_overheads(h200), 0.1, cuda_graphs=False)
@@ -116,12 +116,12 @@ def test_planner_tbt_predictions_include_the_overheads():
 # --- profile fields ---------------------------------------------------------------------------
 
 def test_profile_round_trip_with_overheads(tmp_path):
-    raw = {**asdict(load_profile("h200")), **OVERHEADS}
+    raw = {**asdict(roofline_only(load_profile("h200"))), **OVERHEADS}
     raw["provenance"] = {**raw["provenance"], **MEASURED}
     path = tmp_path / "p.json"
     path.write_text(json.dumps(raw))
     loaded = load_profile(path)
-    assert loaded == with_overheads(load_profile("h200"))
+    assert loaded == with_overheads(roofline_only(load_profile("h200")))
     assert loaded.kernel_count("prefill", 36) == 36 * 60 + 12 and loaded.provenance["launch_cpu_s"] == "measured"
 
 
@@ -133,11 +133,11 @@ def test_profile_round_trip_with_overheads(tmp_path):
 ])
 def test_invalid_overheads_are_rejected(change, message):
     with pytest.raises(ValueError, match=message):
-        with_overheads(load_profile("h200"), **change)
+        with_overheads(roofline_only(load_profile("h200")), **change)
 
 
 def test_overhead_provenance_is_required_once_set_and_allowed_at_default():
-    h200 = load_profile("h200")
+    h200 = roofline_only(load_profile("h200"))
     with pytest.raises(ValueError, match=r"missing \['kernel_gpu_s'\]"):
         replace(h200, kernel_gpu_s=1e-6, kernels_per_layer={"decode": 1, "prefill": 1},
                 kernels_per_forward={"decode": 0, "prefill": 0},
@@ -161,7 +161,7 @@ def synthetic(g, h, noise=0.0, seed=0):
     """Calibration-like iterations of Qwen3-8B on the H200: decode from graphs (all SMs and
     split levels), eager prefills and eager split decodes, timed by the overhead model with
     ``g``, ``h`` and ~1000 kernels a forward, times (1 + noise * N(0, 1))."""
-    h200 = load_profile("h200")
+    h200 = roofline_only(load_profile("h200"))
     truth = CostModel(QWEN, with_overheads(h200, kernel_gpu_s=g, launch_cpu_s=h,
                                            kernels_per_layer={"decode": 28, "prefill": 30}))
     roof = CostModel(QWEN, h200)

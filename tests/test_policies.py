@@ -5,10 +5,16 @@ import pytest
 
 from duetserve.config import EngineConfig
 from duetserve.engine.kv_cache import BlockManager
-from duetserve.engine.policy import ChunkedPolicy, PrefillFirstPolicy, make_policy, policy_by_name
+from duetserve.engine.policy import (
+    ChunkedPolicy,
+    PrefillFirstPolicy,
+    make_policy,
+    policy_by_name,
+)
 from duetserve.engine.scheduler import Scheduler
 from duetserve.engine.sequence import Sequence
 from duetserve.planner import ModelShape, load_profile
+from duetserve.planner.hardware import roofline_only
 from duetserve.planner.policies import DuetPolicy, PdmuxPolicy, PlannerConfig
 from duetserve.sampling import SamplingParams
 
@@ -17,7 +23,7 @@ PREFILL = [(4096, 0)]
 
 
 def planner(tau: float, backend: str = "greenctx") -> PlannerConfig:
-    return PlannerConfig(ModelShape.preset("qwen3-8b"), load_profile("h200"), tau, backend)
+    return PlannerConfig(ModelShape.preset("qwen3-8b"), roofline_only(load_profile("h200")), tau, backend)
 
 
 def test_duet_is_temporal_when_the_mixed_batch_fits():

@@ -9,6 +9,7 @@ from duetserve.engine.kv_cache import BlockManager
 from duetserve.engine.scheduler import Scheduler
 from duetserve.engine.sequence import Sequence
 from duetserve.planner import ModelShape, load_profile, prefill_layers_per_round
+from duetserve.planner.hardware import roofline_only
 from duetserve.planner.policies import PdmuxPolicy, PlannerConfig
 from duetserve.sampling import SamplingParams
 from duetserve.sim.simulator import SimConfig, simulate
@@ -19,7 +20,7 @@ H200_GROUPS = [(132, 0), (112, 20), (104, 28), (96, 36), (88, 44), (80, 52), (72
 
 @pytest.fixture(scope="module")
 def config() -> PlannerConfig:
-    return PlannerConfig(ModelShape.preset("qwen3-8b"), load_profile("h200"), 0.1)
+    return PlannerConfig(ModelShape.preset("qwen3-8b"), roofline_only(load_profile("h200")), 0.1)
 
 
 def test_levels_are_sglangs_for_132_sms(config):

@@ -1,7 +1,6 @@
 """Sampler filters and seeds, sampling-parameter validation, duration parsing, detokenizer."""
 from __future__ import annotations
 
-
 import pytest
 import torch
 

@@ -6,16 +6,23 @@ import pytest
 
 from duetserve.engine.policy import policy_by_name
 from duetserve.planner import ModelShape, load_profile
+from duetserve.planner.hardware import roofline_only
 from duetserve.planner.policies import PlannerConfig
 from duetserve.sim.simulator import SimConfig, kv_cache_tokens, simulate, weight_bytes
-from duetserve.traces import FixedLength, TraceRequest, TraceSpec, UniformLength, load_trace
+from duetserve.traces import (
+    FixedLength,
+    TraceRequest,
+    TraceSpec,
+    UniformLength,
+    load_trace,
+)
 
 TAU = 0.100
 
 
 @pytest.fixture(scope="module")
 def planner() -> PlannerConfig:
-    return PlannerConfig(ModelShape.preset("qwen3-8b"), load_profile("h200"), TAU)
+    return PlannerConfig(ModelShape.preset("qwen3-8b"), roofline_only(load_profile("h200")), TAU)
 
 
 def gaps(result) -> np.ndarray:
@@ -84,7 +91,7 @@ def test_kv_capacity_from_hbm_minus_weights():
     assert weight_bytes(llama) == 2 * 8_030_261_248  # Llama 3 8B's published parameter count
     qwen = ModelShape.preset("qwen3-8b")
     assert weight_bytes(qwen) / 2 == pytest.approx(8_190_735_360, rel=1e-5)  # q/k norms not counted
-    h200 = load_profile("h200")
+    h200 = roofline_only(load_profile("h200"))
     per_token = 36 * 2 * 8 * 128 * 2  # layers x (K, V) x KV heads x head dim x bf16 = 147456 bytes
     assert kv_cache_tokens(qwen, h200) == int((h200.hbm_bytes * 0.9 - weight_bytes(qwen)) // per_token)
     with pytest.raises(ValueError):

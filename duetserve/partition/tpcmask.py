@@ -125,6 +125,6 @@ class TpcMaskBackend:
         return self._pairs[s_decode]
 
     def self_test(self) -> SelfTest:
-        """Probe a small, a middle and a large split."""
+        """Probe the smallest, a middle and the largest split."""
         levels = self.levels()
-        return probe_levels(self, sorted({16, levels[len(levels) // 2], self.num_sms - 16}))
+        return probe_levels(self, sorted({levels[0], levels[len(levels) // 2], levels[-1]}))

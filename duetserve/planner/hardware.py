@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from importlib import resources
 from itertools import pairwise
 from pathlib import Path
@@ -260,3 +260,13 @@ def load_profile(name_or_path: str | Path) -> HardwareProfile:
 
 def _profile_dir():  # a Traversable (importlib.resources)
     return resources.files("duetserve.planner") / "profiles"
+
+
+OVERHEAD_FIELDS = ("kernel_gpu_s", "launch_cpu_s", "kernels_per_layer", "kernels_per_forward")
+
+
+def roofline_only(profile: HardwareProfile) -> HardwareProfile:
+    """``profile`` without the calibrated per-kernel overheads: the pure roofline of DESIGN section 3."""
+    provenance = {k: v for k, v in profile.provenance.items() if k not in OVERHEAD_FIELDS}
+    return replace(profile, kernel_gpu_s=0.0, launch_cpu_s=0.0, kernels_per_layer={}, kernels_per_forward={},
+                   provenance=provenance)
