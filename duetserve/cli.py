@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -27,6 +28,16 @@ def _duration(flag: str):
     return parse
 
 
+def _port(text: str) -> int:
+    try:
+        port = int(text)
+    except ValueError:
+        port = -1
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"must be an integer in 0..65535, got {text!r}")
+    return port
+
+
 def _add_serve(sub) -> None:
     p = sub.add_parser("serve", help="start the OpenAI-compatible HTTP server",
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -36,7 +47,7 @@ def _add_serve(sub) -> None:
     p.add_argument("--load-format", choices=("auto", "dummy"), default="auto",
                    help="dummy: random weights with the config's shapes")
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--port", type=_port, default=8000)
     p.add_argument("--tbt-slo", type=_duration("--tbt-slo"), default=0.1, help="TBT SLO, e.g. 100ms or 0.1s")
     p.add_argument("--policy", choices=POLICIES, default="duet")
     p.add_argument("--max-num-seqs", type=int, default=64)
@@ -76,6 +87,8 @@ def _serve(args, parser: argparse.ArgumentParser) -> int:
     from duetserve.server.metrics import ServerMetrics
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if not re.fullmatch(r"cpu|cuda(:\d+)?", device):
+        parser.error(f"--device {device}: use cpu, cuda or cuda:N")
     if device.startswith("cuda") and not torch.cuda.is_available():
         parser.error(f"--device {device}: CUDA is not available on this machine")
     budget = args.max_num_batched_tokens or (8192 if device.startswith("cuda") else 512)

@@ -50,5 +50,7 @@ class SamplingParams:
             raise ParamError(f"top_p must be in (0, 1], got {self.top_p}", "top_p")
         if self.top_k < -1:
             raise ParamError(f"top_k must be -1, 0 or positive, got {self.top_k}", "top_k")
+        if self.seed is not None and not 0 <= self.seed < 2**63:
+            raise ParamError(f"seed must be in [0, 2**63), got {self.seed}", "seed")
         if any(not s for s in self.stop):
             raise ParamError("stop strings must not be empty", "stop")

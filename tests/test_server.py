@@ -132,6 +132,9 @@ BAD = [
     ("/v1/chat/completions", {"messages": []}, "messages"),
     ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}, "messages"),
     ("/v1/chat/completions", {"messages": "hello"}, "messages"),
+    ("/v1/completions", {"prompt": "hi", "seed": 2**80}, "seed"),
+    ("/v1/completions", b'{"prompt": "\\ud800 hi", "max_tokens": 4}', "prompt"),  # lone surrogate
+    ("/v1/completions", {"prompt": "x" * 2_000_000}, "prompt"),
 ]
 
 
@@ -142,7 +145,8 @@ def test_bad_inputs_get_400_while_a_stream_completes(server):
             await asyncio.sleep(1.0)
             answers = []
             for path, body, param in BAD:
-                r = await client.post(f"{server}{path}", json=body, headers=AUTH)
+                raw = {"content": body} if isinstance(body, bytes) else {"json": body}
+                r = await client.post(f"{server}{path}", headers={**AUTH, "Content-Type": "application/json"}, **raw)
                 answers.append((r, param))
             r = await client.post(f"{server}/v1/completions", content=b'{"prompt": "hi",', headers=AUTH)
             answers.append((r, None))
@@ -159,10 +163,22 @@ def test_bad_inputs_get_400_while_a_stream_completes(server):
     assert usage_chunk["usage"]["completion_tokens"] == 150
 
 
+def test_non_streaming_disconnect_frees_the_request(server):
+    body = {"prompt": "Once upon a time", "max_tokens": 3000, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{server}/v1/completions", json=body, headers=AUTH, timeout=2.0)
+    deadline = time.time() + 30
+    while time.time() < deadline and metric(server, "vllm:num_requests_running") != 0:
+        time.sleep(0.5)
+    assert metric(server, "vllm:num_requests_running") == 0
+    assert metric(server, "vllm:kv_cache_usage_perc") == 0
+
+
 def test_api_key_required(server):
     r = httpx.post(f"{server}/v1/completions", json={"prompt": "hi"})
     assert r.status_code == 401 and r.json()["error"]["code"] == 401
     assert httpx.get(f"{server}/v1/models", headers={"Authorization": "Bearer wrong"}).status_code == 401
+    assert httpx.get(f"{server}/v1/models", headers={"Authorization": f"bearer {KEY}"}).status_code == 200
     models = httpx.get(f"{server}/v1/models", headers=AUTH).json()
     assert models["data"][0]["id"] == "SmolLM2-135M-Instruct"
 

@@ -11,6 +11,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from duetserve.engine.async_engine import AsyncEngine, EngineError
@@ -24,7 +25,8 @@ log = logging.getLogger(__name__)
 
 def error_response(status: int, message: str, param: str | None = None, err_type: str | None = None) -> JSONResponse:
     """An OpenAI-style error body ``{"error": {"message", "type", "param", "code"}}``."""
-    kinds = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError", 500: "InternalServerError"}
+    kinds = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError", 405: "MethodNotAllowedError",
+             500: "InternalServerError"}
     body = {"error": {"message": message, "type": err_type or kinds.get(status, "Error"), "param": param,
                       "code": status}}
     return JSONResponse(body, status_code=status)
@@ -62,16 +64,32 @@ def create_app(engine: AsyncEngine, metrics: ServerMetrics, model_name: str, api
     async def _param(_: Request, exc: ParamError):
         return error_response(400, str(exc), exc.param)
 
-    @app.middleware("http")
-    async def _auth(request: Request, call_next):
-        if api_key and request.url.path.startswith("/v1"):
-            if request.headers.get("authorization", "") != f"Bearer {api_key}":
-                return error_response(401, "invalid or missing API key (Authorization: Bearer ...)")
-        return await call_next(request)
+    if api_key:
+        app.add_middleware(BearerAuth, api_key=api_key)
 
     def check_model(name: str | None) -> None:
         if name is not None and name != model_name:
             raise ParamError(f"the model `{name}` does not exist; this server serves `{model_name}`", "model")
+
+    # A token is at most this many characters, so a longer text cannot fit the context.
+    max_chars = engine.engine.max_model_len * max((len(t) for t in tokenizer.get_vocab()), default=1) \
+        if tokenizer is not None else 0
+
+    async def tokenize(text: str | int, param: str, encode) -> list[int]:
+        """Run ``encode`` in a worker thread (a long text must not stall other streams).
+
+        Raises:
+            ParamError: the text is longer than any prompt that fits the context, or the
+                tokenizer rejects it (e.g. lone surrogates, chat-template errors).
+        """
+        length = text if isinstance(text, int) else len(text)
+        if length > max_chars:
+            raise ParamError(f"the {param} has {length} characters, more than the {engine.engine.max_model_len}-token "
+                             "context can hold", param)
+        try:
+            return await run_in_threadpool(encode)
+        except Exception as exc:  # tokenizer and template errors are the client's input
+            raise ParamError(f"cannot tokenize the {param}: {type(exc).__name__}", param) from exc
 
     def need_tokenizer(param: str) -> None:
         if tokenizer is None:
@@ -104,7 +122,7 @@ def create_app(engine: AsyncEngine, metrics: ServerMetrics, model_name: str, api
             prompt = prompt[0]
         if isinstance(prompt, str):
             need_tokenizer("prompt")
-            prompt_ids = tokenizer.encode(prompt)
+            prompt_ids = await tokenize(prompt, "prompt", lambda: tokenizer.encode(prompt))
         else:
             prompt_ids = list(prompt)
         return await _respond(request, body, prompt_ids, params, chat=False)
@@ -117,10 +135,9 @@ def create_app(engine: AsyncEngine, metrics: ServerMetrics, model_name: str, api
         params = body.sampling_params(default_max_tokens=_room(engine, 0))
         need_tokenizer("messages")
         messages = body.chat_messages()
-        try:
-            prompt_ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        except Exception as exc:  # template errors are the client's (e.g. role order)
-            raise ParamError(f"cannot apply the chat template: {exc}", "messages") from exc
+        text = sum(len(m["content"]) for m in messages)
+        prompt_ids = await tokenize(text, "messages", lambda: tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=True))
         if not isinstance(prompt_ids, list):
             prompt_ids = list(prompt_ids["input_ids"])
         if body.max_tokens is None:
@@ -201,6 +218,28 @@ def create_app(engine: AsyncEngine, metrics: ServerMetrics, model_name: str, api
         return body
 
     return app
+
+
+class BearerAuth:
+    """ASGI middleware: ``/v1/*`` requests need ``Authorization: Bearer <api_key>`` (else 401).
+
+    A plain ASGI wrapper (not Starlette's ``BaseHTTPMiddleware``) so handlers still see a
+    client's disconnect; it answers before the body is read.
+    """
+
+    def __init__(self, app, api_key: str):
+        self.app = app
+        self.api_key = api_key
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+            headers = dict(scope.get("headers") or [])
+            scheme, _, token = headers.get(b"authorization", b"").decode("latin-1").partition(" ")
+            if scheme.lower() != "bearer" or token.strip() != self.api_key:
+                response = error_response(401, "invalid or missing API key (Authorization: Bearer ...)")
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
 def _room(engine: AsyncEngine, prompt_len: int) -> int:
