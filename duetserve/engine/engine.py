@@ -104,7 +104,7 @@ class LLMEngine:
             log.warning("--partition-backend %s unavailable, spatial plans disabled: %s",
                         config.partition_backend, self.partition.reason)
         policy = make_policy(dataclasses.replace(config, partition_backend=self.partition.name))
-        self.graphs, split_graphs = self._capture_graphs(kv, num_blocks)
+        self.graphs, split_graphs = self._capture_graphs(kv, num_blocks, policy)
         self.runner = ModelRunner(self.model, kv, config.block_size, self.device, self.sampler, self.graphs,
                                   self.partition, split_graphs)
         self.scheduler = Scheduler(policy, self.block_manager, config.max_num_seqs,
@@ -114,9 +114,9 @@ class LLMEngine:
         self._ids = itertools.count()
         self.last_stats: StepStats | None = None
 
-    def _capture_graphs(self, kv, scratch_block: int) -> tuple[DecodeGraphs | None, dict[int, DecodeGraphs]]:
-        """Decode graphs for all SMs, and one set per split level of the partition backend
-        (recorded on that level's decode stream), all in one memory pool."""
+    def _capture_graphs(self, kv, scratch_block: int, policy) -> tuple[DecodeGraphs | None, dict[int, DecodeGraphs]]:
+        """Decode graphs for all SMs, and one set per split level the policy can pick (recorded
+        on that level's decode stream), all in one memory pool."""
         backend = self.model.model.layers[0].self_attn.backend
         if self.device.type != "cuda" or self.config.enforce_eager or not getattr(backend, "cuda_graph_safe", False):
             return None, {}
@@ -130,7 +130,7 @@ class LLMEngine:
 
         pool = torch.cuda.graph_pool_handle()
         full = record()
-        levels = self.partition.levels() if self.partition.granularity else []
+        levels = (getattr(policy, "decode_levels", None) or self.partition.levels)() if self.partition.granularity else []
         return full, {s: record(self.partition.pair(s).decode) for s in levels}
 
     def _blocks_from_memory(self) -> int:
@@ -211,7 +211,7 @@ class LLMEngine:
             return []
         sampled = self.runner.execute(out)
         before = {s.seq.seq_id: s.seq.num_tokens for s in out.scheduled}
-        self.scheduler.postprocess(out, sampled)
+        self.scheduler.postprocess(out, sampled, prefill_done=self.runner.prefill_done)
         self.last_stats = StepStats(out.plan, len(out.decodes), out.num_prefill_tokens,
                                     time.perf_counter() - start, len(out.preempted))
         outputs = []

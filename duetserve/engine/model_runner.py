@@ -96,11 +96,14 @@ class ModelRunner:
         self.graphs = graphs
         self.partition = partition
         self.last_stream_seconds: dict[str, float] = {}  # spatial plans: busy time of each stream
+        self.prefill_done = True  # False after a layer-split prefill round that left layers to run
+        self._split: tuple | None = None  # layer-split prefill in flight: (key, inputs, state, next layer)
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> dict[int, list[int]]:
         """Run ``out``; return sampled tokens per seq_id: one per sampling prefill chunk, ``plan.k`` per decode."""
-        if not out.plan.spatial and out.plan.k == 1:
+        self.prefill_done = True
+        if not out.plan.spatial and out.plan.k == 1 and out.plan.prefill_layers is None:
             batch = out.decodes + out.prefills
             inputs = self._prepare(batch, len(out.decodes), [None] * len(batch))
             if inputs is None:
@@ -114,7 +117,8 @@ class ModelRunner:
         decode_ctx, prefill_ctx = self._streams(out.plan)
         graphs = self.split_graphs.get(out.plan.s_decode) if isinstance(decode_ctx, torch.cuda.StreamContext) else None
         # Everything is uploaded before the first launch: no host sync between the k steps.
-        steps = [self._prepare(out.decodes, len(out.decodes), [j] * len(out.decodes)) for j in range(k)]
+        steps = [self._prepare(out.decodes, len(out.decodes), [j] * len(out.decodes)) for j in range(k)] \
+            if out.decodes else []
         prefill = self._prepare(out.prefills, 0, [None] * len(out.prefills)) if out.prefills else None
         main = torch.cuda.current_stream() if self.device.type == "cuda" else None
         timers = _StreamTimers(main is not None)
@@ -133,7 +137,10 @@ class ModelRunner:
             if stream is not None:
                 stream.wait_stream(main)
             timers.mark("prefill")
-            prefill_tokens = self._sample(prefill, None) if prefill else None
+            if out.plan.prefill_layers is not None and prefill:
+                prefill, prefill_tokens = self._prefill_layers(out, prefill)
+            else:
+                prefill_tokens = self._sample(prefill, None) if prefill else None
             timers.mark("prefill")
         for ctx_stream in (decode_ctx, prefill_ctx):
             if isinstance(ctx_stream, torch.cuda.StreamContext):
@@ -147,8 +154,29 @@ class ModelRunner:
         self.last_stream_seconds = timers.elapsed()
         return sampled
 
+    def _prefill_layers(self, out: SchedulerOutput, fresh: StepInputs) -> tuple[StepInputs, torch.Tensor | None]:
+        """One round of a layer-split prefill (SGLang pdmux): the next ``plan.prefill_layers``
+        layers of the pinned batch. Returns the batch's inputs and its sampled tokens once the
+        last layer has run (None before; ``prefill_done`` says which)."""
+        key = tuple((s.seq.seq_id, s.num_cached_tokens, s.num_new_tokens) for s in out.prefills)
+        if self._split is None or self._split[0] != key:  # a new batch (or a preempted one, restarted)
+            self._split = (key, fresh, None, 0)
+        _, inputs, state, start = self._split
+        end = min(self.model.dims.num_layers, start + out.plan.prefill_layers)
+        state = self.model.run_layers(state, inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta,
+                                      start, end)
+        if end < self.model.dims.num_layers:
+            self._split = (key, inputs, state, end)
+            self.prefill_done = False
+            return inputs, None
+        self._split = None
+        hidden = self.model.final_norm(state)
+        if inputs.sample_rows is not None:
+            hidden = hidden.index_select(0, inputs.sample_rows)
+        return inputs, self.sampler.sample(self.model.compute_logits(hidden), inputs.sampling)
+
     def _streams(self, plan) -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
-        if self.partition is None or self.partition.granularity == 0 or self.device.type != "cuda":
+        if not plan.spatial or self.partition is None or self.partition.granularity == 0 or self.device.type != "cuda":
             return contextlib.nullcontext(), contextlib.nullcontext()
         pair = self.partition.pair(plan.s_decode)
         return torch.cuda.stream(pair.decode), torch.cuda.stream(pair.prefill)

@@ -140,10 +140,24 @@ class CausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata) -> torch.Tensor:
         """Hidden states ``[T, hidden]`` of ``input_ids`` ``[T]`` (int64) at ``positions`` ``[T]`` (int64)."""
-        x, residual = self.model.embed_tokens(input_ids), None
-        for layer, kv in zip(self.model.layers, kv_caches):
+        return self.final_norm(self.run_layers(None, input_ids, positions, kv_caches, meta, 0, self.dims.num_layers))
+
+    def run_layers(self, state: tuple[torch.Tensor, torch.Tensor | None] | None, input_ids: torch.Tensor,
+                   positions: torch.Tensor, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                   meta: AttentionMetadata, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Layers ``start .. end - 1`` only (layer-split prefill, SGLang's pdmux).
+
+        ``state`` is what the previous call returned (ignored when ``start == 0``, where the
+        tokens are embedded): ``(output, residual)`` of layer ``start - 1``, each ``[T, hidden]``.
+        """
+        x, residual = (self.model.embed_tokens(input_ids), None) if start == 0 else state
+        for layer, kv in zip(self.model.layers[start:end], kv_caches[start:end]):
             x, residual = layer(x, residual, positions, kv, meta)
-        return self.model.norm(x, residual)[0]
+        return x, residual
+
+    def final_norm(self, state: tuple[torch.Tensor, torch.Tensor | None]) -> torch.Tensor:
+        """Hidden states ``[T, hidden]`` after the last layer's ``(output, residual)``."""
+        return self.model.norm(*state)[0]
 
     def checkpoint_tensors(self) -> dict[str, torch.Tensor]:
         """Every tensor a Hugging Face checkpoint fills, by its checkpoint name (views of the parameters).

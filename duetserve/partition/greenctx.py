@@ -54,24 +54,34 @@ class GreenContextBackend:
         return list(range(self.min_sms, self.num_sms - self.min_sms + 1, self.granularity))
 
     def pair(self, s_decode: int) -> StreamPair:
-        if s_decode not in self.levels():
-            raise ValueError(f"{s_decode} SMs is not a green-context level ({self.levels()[:3]}...)")
+        """Also accepts a decode count whose complement is a level (SGLang's pdmux splits the
+        prefill side off in 8-SM steps, e.g. 112/20 on 132 SMs): that side is split off then.
+
+        Raises:
+            ValueError: neither ``s_decode`` nor ``num_sms - s_decode`` is a level.
+        """
+        levels = self.levels()
+        if s_decode not in levels and self.num_sms - s_decode not in levels:
+            raise ValueError(f"{s_decode} SMs is not a green-context level ({levels[:3]}...)")
         if s_decode not in self._pairs:
             self._pairs[s_decode] = self._create(s_decode)
         return self._pairs[s_decode]
 
     def _create(self, s_decode: int) -> StreamPair:
         cu = self._cu
-        groups, _, rest = _check(cu.cuDevSmResourceSplitByCount(1, self._all, 0, s_decode))
+        decode_first = s_decode in self.levels()
+        count = s_decode if decode_first else self.num_sms - s_decode
+        groups, _, rest = _check(cu.cuDevSmResourceSplitByCount(1, self._all, 0, count))
+        decode, prefill = (groups[0], rest) if decode_first else (rest, groups[0])
         streams = []
-        for resource in (groups[0], rest):
+        for resource in (decode, prefill):
             desc = _check(cu.cuDevResourceGenerateDesc([resource], 1))
             ctx = _check(cu.cuGreenCtxCreate(desc, self._dev, cu.CUgreenCtxCreate_flags.CU_GREEN_CTX_DEFAULT_STREAM))
             stream = _check(cu.cuGreenCtxStreamCreate(ctx, cu.CUstream_flags.CU_STREAM_NON_BLOCKING, 0))
             self._handles.append((ctx, stream))
             streams.append(torch.cuda.ExternalStream(int(stream)))
-        return StreamPair(decode=streams[0], prefill=streams[1], s_decode=groups[0].sm.smCount,
-                          s_prefill=rest.sm.smCount)
+        return StreamPair(decode=streams[0], prefill=streams[1], s_decode=decode.sm.smCount,
+                          s_prefill=prefill.sm.smCount)
 
     def self_test(self) -> SelfTest:
         """Probe the smallest, a middle and the largest decode level."""

@@ -142,6 +142,10 @@ class PdmuxPolicy:
         self.config = config
         self.groups = stream_groups(config.profile.num_sms, config.profile.compute_capability_major, config.pdmux)
 
+    def decode_levels(self) -> list[int]:
+        """Decode SM counts of the split groups (the engine records decode graphs for these)."""
+        return [d for _, d in self.groups if 0 < d < self.config.profile.num_sms]
+
     def plan(self, decode_reqs: list[Request], prefill_reqs: list[Request], max_k: int) -> Plan:
         """The round's plan for ``(q, c)`` decode and prefill requests (``max_k`` is unused:
         pdmux runs one decode step per round)."""

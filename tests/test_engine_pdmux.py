@@ -1,0 +1,51 @@
+"""pdmux's layer-split prefill in the engine: the same tokens as chunked, over several rounds."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from duetserve.config import EngineConfig
+from duetserve.engine.engine import LLMEngine
+from duetserve.planner.cost_model import ModelShape
+from duetserve.planner.hardware import load_profile, roofline_only
+from duetserve.planner.pdmux import PdmuxConfig
+from duetserve.planner.policies import PdmuxPolicy, PlannerConfig
+from duetserve.sampling import SamplingParams
+
+
+@pytest.mark.parametrize("budget", [64, 1024])
+def test_layer_split_prefill_gives_chunked_tokens(tiny_qwen3_folder, budget):
+    gen = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(3, 320, (n,), generator=gen).tolist() for n in (6, 30, 57, 80)]
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    config = EngineConfig(model=str(tiny_qwen3_folder), max_num_batched_tokens=32, num_kv_blocks=128, block_size=8,
+                          partition_backend="none")
+    expected = LLMEngine(config).generate(prompts, params)
+
+    engine = LLMEngine(config)
+    shape = ModelShape.from_hf_config(json.loads((tiny_qwen3_folder / "config.json").read_text()))
+    # A token budget of 64 cuts each prompt batch into 1 layer per round (2 rounds for 2
+    # layers); 1024 runs both layers in one round.
+    planner = PlannerConfig(shape, roofline_only(load_profile("h200")), 0.1, "greenctx",
+                            PdmuxConfig(split_forward_token_budget=budget))
+    engine.scheduler.policy = PdmuxPolicy(planner)
+    rounds, unfinished = 0, 0
+    outputs: dict[str, list[int]] = {}
+    for i, prompt in enumerate(prompts):
+        engine.add_request(str(i), prompt, params)
+    while engine.has_unfinished():
+        for out in engine.step():
+            outputs.setdefault(out.request_id, []).extend(out.new_token_ids)
+        rounds += 1
+        unfinished += not engine.runner.prefill_done
+    assert [outputs[str(i)] for i in range(len(prompts))] == expected
+    assert (unfinished > 0) == (budget == 64)
+    assert engine.block_manager.num_free_blocks == 128
+
+
+def test_pdmux_decode_levels_are_sglangs_split_groups():
+    planner = PlannerConfig(ModelShape.preset("qwen3-8b"), roofline_only(load_profile("h200")), 0.1, "greenctx")
+    # The seed's H100-style groups on 132 SMs: decode gets 20, 28, 36, 44, 52, 60.
+    assert PdmuxPolicy(planner).decode_levels() == [20, 28, 36, 44, 52, 60]
