@@ -71,6 +71,8 @@ def _add_serve(sub) -> None:
                         "start, falls back to none), none on the CPU")
     p.add_argument("--libsmctrl", default=None, metavar="PATH",
                    help="use this libsmctrl.so for --partition-backend tpcmask instead of the built-in shim")
+    p.add_argument("--iteration-log", default=None, metavar="PATH",
+                   help="append one JSON line per engine iteration (plan, SMs, k, predicted and measured seconds)")
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode")
@@ -110,7 +112,10 @@ def _serve(args, parser: argparse.ArgumentParser) -> int:
     except (ValueError, FileNotFoundError, KeyError) as exc:
         parser.error(str(exc))
     name = args.served_model_name or engine.model_name
-    metrics = ServerMetrics(name)
+    try:
+        metrics = ServerMetrics(name, args.iteration_log)
+    except OSError as exc:
+        parser.error(f"--iteration-log {args.iteration_log}: {exc.strerror}")
     metrics.watch_engine(engine)
     async_engine = AsyncEngine(engine, metrics)
     async_engine.start()

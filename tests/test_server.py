@@ -25,9 +25,12 @@ def free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def server(smollm_folder):
+def server_proc(smollm_folder, tmp_path_factory):
+    """A running server: (base URL, path of its iteration log)."""
     port = free_port()
+    log = tmp_path_factory.mktemp("log") / "iterations.jsonl"
     cmd = [sys.executable, "-m", "duetserve.cli", "serve", "--port", str(port), "--api-key", KEY,
+           "--iteration-log", str(log),
            "--max-num-batched-tokens", "256", "--num-kv-blocks", "1024", "--policy", "chunked"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     base = f"http://127.0.0.1:{port}"
@@ -43,12 +46,17 @@ def server(smollm_folder):
     else:
         proc.kill()
         pytest.fail("server did not become healthy")
-    yield base
+    yield base, log
     proc.terminate()
     try:
         proc.wait(timeout=20)
     except subprocess.TimeoutExpired:
         proc.kill()
+
+
+@pytest.fixture(scope="module")
+def server(server_proc):
+    return server_proc[0]
 
 
 @pytest.fixture(scope="module")
@@ -197,3 +205,15 @@ def test_disconnect_frees_the_request(server):
     assert metric(server, "vllm:num_requests_running") == 0
     assert metric(server, "vllm:kv_cache_usage_perc") == 0
     assert metric(server, 'vllm:request_success_total') >= 1
+
+
+def test_iteration_log_records_every_iteration(server_proc):
+    base, log = server_proc
+    before = len(log.read_text().splitlines()) if log.exists() else 0
+    r = httpx.post(f"{base}/v1/completions", headers=AUTH, timeout=120,
+                   json={"prompt": "The capital of France is", "max_tokens": 6, "temperature": 0, "ignore_eos": True})
+    assert r.status_code == 200
+    rows = [json.loads(line) for line in log.read_text().splitlines()[before:]]
+    assert len(rows) >= 6  # one prefill iteration, then one per further token (plus other requests' steps)
+    assert {"t", "spatial", "s_decode", "s_prefill", "k", "predicted_s", "measured_s"} <= set(rows[-1])
+    assert all(r["measured_s"] > 0 and r["spatial"] is False for r in rows)  # no partition backend on the CPU

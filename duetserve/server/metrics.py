@@ -1,6 +1,9 @@
 """Prometheus metrics: vLLM's names where the meaning is the same, plus duetserve's own."""
 from __future__ import annotations
 
+import json
+import time
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from duetserve.engine.engine import LLMEngine, RequestOutput, StepStats
@@ -16,7 +19,11 @@ class ServerMetrics:
     engine front to its first token, ITL between consecutive outputs of one request.
     """
 
-    def __init__(self, model_name: str):
+    def __init__(self, model_name: str, iteration_log: str | None = None):
+        # Optional JSONL, one line per iteration: {"t": unix seconds, "spatial", "s_decode",
+        # "s_prefill", "k", "predicted_s", "measured_s", "num_decodes", "num_prefill_tokens"}
+        # (`duetserve bench --iteration-log` marks spatial iterations with it).
+        self._iteration_log = open(iteration_log, "a", buffering=1) if iteration_log else None  # noqa: SIM115
         self.registry = CollectorRegistry()
         r, label = self.registry, {"model_name": model_name}
         self._label = label
@@ -78,6 +85,11 @@ class ServerMetrics:
             self.predicted_vs_measured.labels(kind="measured", **lab).set(stats.duration_s)
             if plan.predicted_s is not None:
                 self.predicted_vs_measured.labels(kind="predicted", **lab).set(plan.predicted_s)
+            if self._iteration_log is not None:
+                self._iteration_log.write(json.dumps({
+                    "t": time.time(), "spatial": plan.spatial, "s_decode": plan.s_decode, "s_prefill": plan.s_prefill,
+                    "k": plan.k, "predicted_s": plan.predicted_s, "measured_s": stats.duration_s,
+                    "num_decodes": stats.num_decodes, "num_prefill_tokens": stats.num_prefill_tokens}) + "\n")
         for out in outputs:
             rid = out.request_id
             if out.new_token_ids:
