@@ -85,6 +85,7 @@ def _serve(args, parser: argparse.ArgumentParser) -> int:
 
     from duetserve.engine.async_engine import AsyncEngine
     from duetserve.engine.engine import LLMEngine
+    from duetserve.planner.hardware import load_profile
     from duetserve.server.api import create_app
     from duetserve.server.metrics import ServerMetrics
 
@@ -93,7 +94,15 @@ def _serve(args, parser: argparse.ArgumentParser) -> int:
         parser.error(f"--device {device}: use cpu, cuda or cuda:N")
     if device.startswith("cuda") and not torch.cuda.is_available():
         parser.error(f"--device {device}: CUDA is not available on this machine")
-    budget = args.max_num_batched_tokens or (8192 if device.startswith("cuda") else 512)
+    budget = args.max_num_batched_tokens
+    if budget is None:
+        budget = 8192 if device.startswith("cuda") else 512
+    if args.policy == "pdmux" and device == "cpu":
+        parser.error("--policy pdmux needs an SM partition backend (a CUDA GPU); use duet, chunked or prefill-first")
+    try:
+        load_profile(args.profile)
+    except (ValueError, FileNotFoundError) as exc:
+        parser.error(f"--profile {args.profile}: {exc}")
     if args.libsmctrl:
         if not Path(args.libsmctrl).is_file():
             parser.error(f"--libsmctrl {args.libsmctrl}: no such file")

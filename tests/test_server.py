@@ -143,6 +143,7 @@ BAD = [
     ("/v1/completions", {"prompt": "hi", "seed": 2**80}, "seed"),
     ("/v1/completions", b'{"prompt": "\\ud800 hi", "max_tokens": 4}', "prompt"),  # lone surrogate
     ("/v1/completions", {"prompt": "x" * 2_000_000}, "prompt"),
+    ("/v1/completions", {"prompt": "hi", "stop_token_ids": [-1]}, "stop_token_ids"),
 ]
 
 

@@ -164,6 +164,8 @@ class LLMEngine:
         vocab = self.model.dims.vocab_size
         if any(not 0 <= t < vocab for t in prompt_token_ids):
             raise ParamError(f"prompt token ids must be in [0, {vocab})", "prompt")
+        if any(not 0 <= t < vocab for t in params.stop_token_ids):
+            raise ParamError(f"stop_token_ids must be in [0, {vocab})", "stop_token_ids")
         if n >= self.max_model_len:
             raise ParamError(f"this model's maximum context length is {self.max_model_len} tokens; the "
                              f"prompt has {n} tokens, leaving no room for output", "prompt")
@@ -172,8 +174,9 @@ class LLMEngine:
                              f"maximum context length of {self.max_model_len} tokens", "max_tokens")
         blocks_needed = -(-(n + params.max_tokens) // self.config.block_size)
         if blocks_needed > self.block_manager.num_blocks:
+            too_long = -(-(n + 1) // self.config.block_size) > self.block_manager.num_blocks
             raise ParamError(f"the request needs {blocks_needed} KV blocks; the cache has "
-                             f"{self.block_manager.num_blocks}", "max_tokens")
+                             f"{self.block_manager.num_blocks}", "prompt" if too_long else "max_tokens")
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     arrival_time: float | None = None) -> None:
