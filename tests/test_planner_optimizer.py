@@ -159,3 +159,29 @@ def test_predict_variants_equals_trimmed_batches(qwen_h200):
     got = qwen_h200.predict_variants(decode, q, np.array([0, 1200]), 100)
     want = [float(qwen_h200.predict_total(decode + trim_prefill(prefill, m), 100)) for m in limits]
     np.testing.assert_allclose(got, want, rtol=1e-12)
+
+
+def test_carried_wait_tightens_the_first_token_budget(qwen_h200):
+    """A previous spatial plan left decodes waiting ``carry``: this iteration's first token
+    must come within tau - carry, so a batch that fits tau alone is no longer temporal."""
+    decode, prefill, tau = [(1, 2047)] * 32, [(1024, 0)], 0.1
+    alone = plan_iteration(qwen_h200, decode, prefill, tau, 132, 8)
+    assert not alone.spatial and not alone.slo_risk and alone.predicted_s <= tau
+    carry = tau - alone.predicted_s / 2  # leaves half of the mixed batch's time
+    carried = plan_iteration(qwen_h200, decode, prefill, tau, 132, 8, carry_s=carry)
+    if carried.spatial:
+        assert carried.predicted_decode_s + carry <= tau
+    else:
+        assert carried.slo_risk and carried.prefill_token_limit is not None
+        assert carried.predicted_s + carry <= tau or carried.prefill_token_limit == 0
+
+
+def test_duet_policy_carries_the_idle_tail_of_a_spatial_plan(qwen_h200):
+    from duetserve.planner.policies import DuetPolicy, PlannerConfig
+
+    policy = DuetPolicy(PlannerConfig(ModelShape.preset("qwen3-8b"), roofline_only(load_profile("h200")), 0.1))
+    spatial = policy.plan([(1, 2047)] * 32, [(8192, 0)], max_k=4)
+    assert spatial.spatial and spatial.predicted_prefill_s > spatial.k * spatial.predicted_decode_s
+    assert policy.carry_s == pytest.approx(spatial.predicted_prefill_s - spatial.k * spatial.predicted_decode_s)
+    policy.plan([(1, 2047)] * 32, [], max_k=4)  # decode only: temporal, nothing carried
+    assert policy.carry_s == 0.0

@@ -85,7 +85,7 @@ def trim_prefill(prefill_reqs: Sequence[Request], token_limit: int) -> list[Requ
 
 def plan_iteration(cost_model: CostModel, decode_reqs: Sequence[Request], prefill_reqs: Sequence[Request],
                    tau: float, total_sms: int, granularity: int | None, min_sms: int | None = None,
-                   max_k: int | None = None) -> Plan:
+                   max_k: int | None = None, carry_s: float = 0.0) -> Plan:
     """Choose this iteration's plan (DESIGN section 4; see the module docstring).
 
     Args:
@@ -99,6 +99,10 @@ def plan_iteration(cost_model: CostModel, decode_reqs: Sequence[Request], prefil
         min_sms: smallest partition for either side; defaults to ``granularity``.
         max_k: most decode steps worth running ahead (e.g. the longest remaining output
             among the decode requests); None for no cap.
+        carry_s: seconds the decode requests have already waited for their next token when
+            this iteration starts: the idle tail ``t_p - k t_d`` of a previous spatial plan
+            whose prefill outlasted its decode steps. This iteration's first decode token
+            must come within ``tau - carry_s`` (beyond the paper, which checks each plan alone).
 
     Raises:
         ValueError: for tau <= 0, granularity < 1, min_sms < 1, max_k < 1, or SM counts
@@ -109,17 +113,18 @@ def plan_iteration(cost_model: CostModel, decode_reqs: Sequence[Request], prefil
         raise ValueError("tau, granularity, min_sms and max_k must be positive")
     decode, prefill = _as_array(decode_reqs), _as_array(prefill_reqs)
     t_mixed = float(cost_model.predict_total(np.concatenate([decode, prefill]), total_sms))
-    if t_mixed <= tau or not len(prefill):
-        return _temporal(t_mixed, total_sms, slo_risk=t_mixed > tau)
+    first_tau = tau - max(carry_s, 0.0) if len(decode) else tau  # budget of the first decode token
+    if t_mixed <= first_tau or not len(prefill):
+        return _temporal(t_mixed, total_sms, slo_risk=t_mixed > first_tau)
     if not len(decode):  # no token waits on this batch, so there is no TBT to protect
         return _temporal(t_mixed, total_sms, slo_risk=False)
     if granularity is None:
-        return _fallback(cost_model, decode, prefill, tau, total_sms)
+        return _fallback(cost_model, decode, prefill, first_tau, total_sms)
     min_sms = granularity if min_sms is None else min_sms
     first = -(-min_sms // granularity) * granularity
     s_d = np.arange(first, total_sms - min_sms + 1, granularity)
-    plan = _best_spatial(cost_model, decode, prefill, tau, total_sms, s_d, max_k) if s_d.size else None
-    return plan or _fallback(cost_model, decode, prefill, tau, total_sms)
+    plan = _best_spatial(cost_model, decode, prefill, tau, first_tau, total_sms, s_d, max_k) if s_d.size else None
+    return plan or _fallback(cost_model, decode, prefill, first_tau, total_sms)
 
 
 def _as_array(reqs: Sequence[Request] | np.ndarray) -> np.ndarray:
@@ -130,9 +135,10 @@ def _temporal(t: float, total_sms: int, slo_risk: bool, token_limit: int | None 
     return Plan(False, total_sms, total_sms, 1, t, t, t, token_limit, slo_risk)
 
 
-def _best_spatial(cost_model: CostModel, decode: np.ndarray, prefill: np.ndarray, tau: float, total_sms: int,
-                  s_d: np.ndarray, max_k: int | None) -> Plan | None:
-    """Enumerate S_d x {floor, floor+1} in one vectorised pass; None if nothing is feasible."""
+def _best_spatial(cost_model: CostModel, decode: np.ndarray, prefill: np.ndarray, tau: float, first_tau: float,
+                  total_sms: int, s_d: np.ndarray, max_k: int | None) -> Plan | None:
+    """Enumerate S_d x {floor, floor+1} in one vectorised pass; None if nothing is feasible.
+    The first decode step must fit ``first_tau`` (tau less the carried wait), the others tau."""
     t_d, t_p = cost_model.predict_spatial(decode, prefill, s_d, total_sms)
     floor = np.floor(t_p / t_d)
     k = np.stack([np.maximum(floor, 1), floor + 1])  # shape (2, len(s_d))
@@ -142,7 +148,7 @@ def _best_spatial(cost_model: CostModel, decode: np.ndarray, prefill: np.ndarray
     tail_ok = np.maximum(t_p - k * t_d, 0) + t_d <= tau
     if max_k is not None:
         tail_ok |= k == max_k
-    ok = (t_d <= tau) & tail_ok
+    ok = (t_d <= first_tau) & tail_ok
     if not ok.any():
         return None
     rate = np.where(ok, (k * decode[:, 0].sum() + prefill[:, 0].sum()) / span, -np.inf)

@@ -105,13 +105,18 @@ class DuetPolicy:
 
     def __init__(self, config: PlannerConfig) -> None:
         self.config = config
+        self.carry_s = 0.0  # predicted idle tail of the last plan's decode stream, seconds
 
     def plan(self, decode_reqs: list[Request], prefill_reqs: list[Request], max_k: int) -> Plan:
         """The optimizer's plan for the batch: ``(q, c)`` per decode and prefill request, at most
-        ``max_k`` look-ahead decode steps."""
+        ``max_k`` look-ahead decode steps. A spatial plan whose prefill outlasts its ``k`` decode
+        steps leaves decodes waiting ``t_p - k t_d``; that wait is carried into the next plan's
+        first-token budget (``plan_iteration``'s ``carry_s``)."""
         c = self.config
-        return plan_iteration(c.cost_model, decode_reqs, prefill_reqs, c.tau_s, c.profile.num_sms,
-                              c.granularity, c.min_sms, max_k)
+        plan = plan_iteration(c.cost_model, decode_reqs, prefill_reqs, c.tau_s, c.profile.num_sms,
+                              c.granularity, c.min_sms, max_k, self.carry_s)
+        self.carry_s = max(0.0, plan.predicted_prefill_s - plan.k * plan.predicted_decode_s) if plan.spatial else 0.0
+        return plan
 
 
 class PdmuxPolicy:
