@@ -45,7 +45,6 @@ class AsyncEngine:
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="duetserve-engine", daemon=True)
-        self.errored_steps = 0
 
     def start(self) -> None:
         self._thread.start()
@@ -130,7 +129,6 @@ class AsyncEngine:
             try:
                 outputs = self.engine.step()
             except Exception as exc:
-                self.errored_steps += 1
                 log.exception("engine step failed; failing the requests in flight")
                 self._fail_all(exc)
                 continue

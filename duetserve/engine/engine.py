@@ -5,7 +5,7 @@ import dataclasses
 import itertools
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -66,7 +66,6 @@ class _Request:
     request_id: str
     seq: Sequence
     detok: IncrementalDetokenizer
-    pending_ids: list[int] = field(default_factory=list)
 
 
 class LLMEngine:
@@ -103,7 +102,7 @@ class LLMEngine:
         if self.partition.name == "none" and config.partition_backend not in ("none", "auto"):
             log.warning("--partition-backend %s unavailable, spatial plans disabled: %s",
                         config.partition_backend, self.partition.reason)
-        policy = make_policy(dataclasses.replace(config, partition_backend=self.partition.name))
+        policy = make_policy(dataclasses.replace(config, partition_backend=self.partition.name), loaded.config.to_dict())
         self.graphs, split_graphs = self._capture_graphs(kv, num_blocks, policy)
         self.runner = ModelRunner(self.model, kv, config.block_size, self.device, self.sampler, self.graphs,
                                   self.partition, split_graphs)

@@ -128,7 +128,7 @@ class Scheduler:
         if self._split_in_flight():
             prefills, plan = self._split
         else:
-            candidates = self._prefill_candidates(budget, len(decodes) > 0)
+            candidates = self._prefill_candidates(budget)
             max_k = max((self._remaining_tokens(d.seq) for d in decodes), default=1)
             plan = self.policy.plan([(1, d.num_cached_tokens) for d in decodes],
                                     [(q, s.num_computed_tokens) for s, q in candidates], max_k)
@@ -181,7 +181,7 @@ class Scheduler:
         self.running.remove(seq)
         self.waiting.appendleft(seq)
 
-    def _prefill_candidates(self, budget: int, has_decode: bool) -> list[tuple[Sequence, int]]:
+    def _prefill_candidates(self, budget: int) -> list[tuple[Sequence, int]]:
         """Prefill chunks ``(seq, q)`` that fit the budget and (virtually) the free blocks."""
         chunked = self.policy.chunked_prefill
         free = self.blocks.num_free_blocks

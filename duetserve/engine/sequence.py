@@ -52,10 +52,6 @@ class Sequence:
         return len(self.token_ids) - self.num_prompt_tokens
 
     @property
-    def output_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens:]
-
-    @property
     def num_uncomputed_tokens(self) -> int:
         """Tokens not yet in the KV cache: the query length of the next full step."""
         return self.num_tokens - self.num_computed_tokens
