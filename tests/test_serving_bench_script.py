@@ -1,0 +1,133 @@
+"""scripts/serving_bench.py (the GPU serving benchmark's driver): argument parsing, iteration
+summaries, the combined table and the SLO-capacity line; scripts/select_wheels.py's choice.
+
+The end-to-end CPU smoke run (`SERVING_CPU=1 bash scripts/device_serving.sh`, ~40 s: two
+servers, four bench runs) is not part of the suite.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
+
+
+def _load(name: str):
+    spec = importlib.util.spec_from_file_location(f"_script_{name}", SCRIPTS / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+sb = _load("serving_bench")
+
+
+def test_trace_run_parse():
+    tr = sb.TraceRun.parse("mooncake:0.75,1.25:12:32768:1024")
+    assert (tr.name, tr.qps, tr.seconds, tr.max_input_len, tr.max_output_len) == \
+        ("mooncake", [0.75, 1.25], 12.0, 32768, 1024)
+    assert tr.num_requests(0.75) == 9 and tr.num_requests(1.25) == 15
+    tr = sb.TraceRun.parse("azure_code:10,16:10")
+    assert tr.max_input_len is None and tr.max_output_len is None and tr.num_requests(16) == 160
+    for bad in ("sharegpt:1:10", "azure_code:1", "azure_code:0:10", "azure_code:x:10", "azure_code:1:10:1:2:3"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            sb.TraceRun.parse(bad)
+
+
+def test_iteration_summary_window_and_error():
+    recs = [{"t": 0.5, "spatial": True, "s_decode": 8, "k": 4, "predicted_s": 1.0, "measured_s": 1.0},
+            {"t": 1.0, "spatial": False, "predicted_s": 0.5, "measured_s": 1.0},
+            {"t": 2.0, "spatial": True, "s_decode": 16, "k": 6, "predicted_s": 3.0, "measured_s": 2.0},
+            {"t": 3.0, "spatial": False, "predicted_s": None, "measured_s": 1.0},
+            {"t": 9.0, "spatial": True, "s_decode": 99, "k": 1, "predicted_s": 1.0, "measured_s": 1.0}]
+    s = sb.iteration_summary(recs, 1.0, 3.0)
+    assert s["iterations"] == 3 and s["spatial_iterations"] == 1
+    assert s["spatial_share"] == pytest.approx(1 / 3)
+    assert s["pred_err_median"] == pytest.approx(0.5)  # errors 0.5 and 0.5; None skipped
+    assert s["s_decode_median"] == 16 and s["k_median"] == 6
+    assert sb.iteration_summary(recs, 20.0, 30.0) == {"iterations": 0, "spatial_iterations": 0,
+                                                     "spatial_share": None, "pred_err_median": None}
+
+
+def _run(policy, trace, qps, p99, failed=0, req_s=None, status="ok", spatial=0.0):
+    if status != "ok":
+        return {"policy": policy, "trace": trace, "qps": qps, "status": status, "num_requests": 10}
+    res = {"completed": 10 - failed, "failed": failed, "request_throughput": req_s or qps * 0.95,
+           "output_throughput": 100.0, "mean_ttft_ms": 50.0, "p99_ttft_ms": 200.0,
+           "median_itl_ms": 20.0, "p99_itl_ms": p99, "tbt_slo_attainment": 0.995}
+    return {"policy": policy, "trace": trace, "qps": qps, "status": "ok", "num_requests": 10, "result": res,
+            "iterations": {"spatial_share": spatial, "pred_err_median": 0.1}}
+
+
+def test_table_and_capacity():
+    runs = [_run("chunked", "azure_code", 10, 120.0), _run("chunked", "azure_code", 16, 170.0),
+            _run("duet", "azure_code", 10, 80.0, spatial=0.02), _run("duet", "azure_code", 16, 95.0, spatial=0.1),
+            _run("pdmux", "azure_code", 10, 20.0), _run("pdmux", "azure_code", 16, 25.0, failed=2),
+            _run("chunked", "mooncake", 0.75, 90.0, req_s=0.5), _run("duet", "mooncake", 0.75, 99.0, req_s=0.6),
+            _run("prefill-first", "mooncake", 0.75, 0, status="skipped: out of time")]
+    rows = [sb.run_row(r) for r in runs]
+    cap = sb.capacity(rows, 100.0)
+    assert cap[("azure_code", "chunked")] == {"qps": None, "req_s": None}
+    assert cap[("azure_code", "duet")]["qps"] == 16
+    assert cap[("azure_code", "pdmux")]["qps"] == 10  # qps 16 had failed requests
+    assert cap[("mooncake", "duet")]["req_s"] == 0.6
+    assert cap[("mooncake", "prefill-first")]["qps"] is None
+    assert sb.capacity(rows, 100.0, keep_up=0.9)[("mooncake", "duet")]["qps"] is None  # 0.6 < 0.9 x 0.75
+
+    table = sb.format_table(runs, 100.0)
+    lines = table.splitlines()
+    assert lines[0].startswith("| trace | policy | qps |")
+    body = [ln for ln in lines if ln.startswith("| azure_code") or ln.startswith("| mooncake")]
+    assert len(body) == len(runs)
+    assert "| azure_code | duet | 16 | 10/10 | 15.20 | 100 | 50 | 200 | 20.0 | 95.0 | 99.50% | 10.0% | 10% |" in table
+    assert "| mooncake | prefill-first | 0.75 | skipped: out of time | - |" in table
+    assert "- azure_code: chunked: none; duet: qps 16 (15.20 req/s); pdmux: qps 10 (9.50 req/s)" in table
+    assert "duet: qps 0.75 (0.60 req/s, 1.20x chunked)" in table
+
+
+def test_tokenizer_streams_text_for_every_id(tmp_path):
+    pytest.importorskip("tokenizers")
+    from transformers import AutoTokenizer
+
+    sb.write_tokenizer(tmp_path, 1000)
+    tok = AutoTokenizer.from_pretrained(tmp_path)
+    assert tok.eos_token_id is None
+    for i in (0, 1, 2, 999):  # every id the model can sample decodes to non-empty text
+        assert tok.decode([5, i], skip_special_tokens=True) == f"t5 t{i}"
+
+
+def _wheel(path: Path, name: str, version: str, requires: list[str]) -> Path:
+    whl = path / f"{name}-{version}-py3-none-any.whl"
+    meta = "Metadata-Version: 2.1\nName: %s\nVersion: %s\n" % (name, version)
+    meta += "".join(f"Requires-Dist: {r}\n" for r in requires)
+    with zipfile.ZipFile(whl, "w") as z:
+        z.writestr(f"{name}-{version}.dist-info/METADATA", meta)
+    return whl
+
+
+def test_select_wheels(tmp_path, monkeypatch):
+    sw = _load("select_wheels")
+    site, opt = tmp_path / "site", tmp_path / "opt"
+    site.mkdir(), opt.mkdir()
+    info = site / "carried-1.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(
+        "Metadata-Version: 2.1\nName: carried\nVersion: 1.0\n"
+        "Requires-Dist: pytest>=1\nRequires-Dist: pytest>=999\nRequires-Dist: nosuchpkg-abc>=1\n"
+        "Requires-Dist: notcarried-xyz\nRequires-Dist: other-pkg; extra == 'x'\n")
+    _wheel(opt, "pytest", "999.0", [])            # installed, but too old for >=999: chosen
+    _wheel(opt, "nosuchpkg_abc", "1.0", ["dep-abc>=2"])  # missing: chosen, with its own need
+    _wheel(opt, "dep_abc", "2.0", [])
+    _wheel(opt, "other_pkg", "1.0", [])            # only under an extra: not chosen
+    _wheel(opt, "pluggy", "1.0", [])               # installed and not required: not chosen
+    monkeypatch.syspath_prepend(str(site))
+    names = sorted(p.name.split("-")[0] for p in sw.select(site, opt))
+    assert names == ["dep_abc", "nosuchpkg_abc", "pytest"]
+    assert [p.name.split("-")[0] for p in sw.select(site, opt, ["pluggy>=9999"])].count("pluggy") == 1
