@@ -144,10 +144,10 @@ def load_model(model: str | None, backend: AttentionBackend, dtype: torch.dtype,
     with torch.device(device), _default_dtype(dtype):
         lm = CausalLM(config, backend, positions)
     if load_format == "dummy":
-        gen = torch.Generator(device="cpu").manual_seed(seed)
+        gen = torch.Generator(device=device).manual_seed(seed)  # drawn where the weights live: fast on a GPU
         for p in lm.parameters():
             if p.dim() >= 2:
-                p.data.copy_(torch.randn(p.shape, generator=gen) * 0.02)
+                p.data.normal_(0.0, 0.02, generator=gen)
     else:
         _load_safetensors(lm, folder)
     tokenizer = None
