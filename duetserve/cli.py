@@ -1,4 +1,4 @@
-"""``duetserve`` command line: ``serve`` (and the offline tools as they land)."""
+"""``duetserve`` command line: ``serve``, and the offline tools ``bench``, ``calibrate``, ``simulate``."""
 from __future__ import annotations
 
 import argparse
@@ -26,6 +26,12 @@ def _duration(flag: str):
         return seconds
     parse.__name__ = flag
     return parse
+
+
+# The offline tools: subcommand, module (``configure_parser`` and ``run``), one-line help.
+TOOLS = (("bench", bench_cli, "replay a trace against an OpenAI-compatible server"),
+         ("calibrate", calibrate_cli, "measure this GPU into a hardware profile"),
+         ("simulate", sim_cli, "replay a trace on the cost model (no GPU)"))
 
 
 def _port(text: str) -> int:
@@ -142,9 +148,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="duetserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     _add_serve(sub)
-    bench_cli.add_parser(sub)
-    calibrate_cli.add_parser(sub)
-    sim_cli.add_parser(sub)
+    for name, module, summary in TOOLS:
+        tool = sub.add_parser(name, help=summary, description=module.__doc__,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+        module.configure_parser(tool)
+        tool.set_defaults(func=module.run)
     args = parser.parse_args(argv)
     logging.basicConfig(level=getattr(args, "log_level", "info").upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import json
 import sys
 import zipfile
 from pathlib import Path

@@ -1,3 +1,3 @@
 """``duetserve bench``: trace replay against any OpenAI-compatible server, with ``vllm bench
-serve``-compatible metrics. Entry points: :mod:`duetserve.bench.cli` (``add_parser``, ``run``)
+serve``-compatible metrics. Entry points: :mod:`duetserve.bench.cli` (``configure_parser``, ``run``)
 and :func:`duetserve.bench.runner.run_benchmark`."""

@@ -1,6 +1,6 @@
 """``duetserve bench``: replay a trace (or synthetic load) against an OpenAI-compatible server.
 
-Wire into a main CLI with :func:`add_parser` and :func:`run`; ``python -m duetserve.bench``
+The main CLI registers it with :func:`configure_parser` and :func:`run`; ``python -m duetserve.bench``
 runs it standalone.
 
 Results: a ``vllm bench serve``-style table is printed per run; ``--result-file R.json``
@@ -139,23 +139,6 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
     r.add_argument("--compare", nargs=2, type=Path, metavar=("A.json", "B.json"),
                    help="print two saved results side by side (no run)")
     r.add_argument("--no-progress", action="store_true", help="hide the progress bar")
-
-
-def add_parser(subparsers: Any) -> argparse.ArgumentParser:
-    """Register the ``bench`` subcommand on an ``argparse`` subparsers object.
-
-    Returns:
-        The subcommand's parser (its ``func`` default is :func:`run`).
-    """
-    p = subparsers.add_parser(
-        "bench",
-        help="replay a trace against an OpenAI-compatible server",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    configure_parser(p)
-    p.set_defaults(func=run)
-    return p
 
 
 def _load_tokenizer(path: str) -> Tokenizer:

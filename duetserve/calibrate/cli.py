@@ -18,7 +18,6 @@ import json
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any
 
 from duetserve.calibrate.report import (
     format_curves,
@@ -74,16 +73,6 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--plot", type=_writable_file, metavar="OUT.png", help="draw predicted against measured")
     p.add_argument("--quick", action="store_true",
                    help="8 timed repeats instead of 20, one decode batch on split SM levels")
-
-
-def add_parser(subparsers: Any) -> argparse.ArgumentParser:
-    """Register the ``calibrate`` subcommand on an ``argparse`` subparsers object; its ``func``
-    default is :func:`run`."""
-    p = subparsers.add_parser("calibrate", help="measure this GPU into a hardware profile", description=__doc__,
-                              formatter_class=argparse.RawDescriptionHelpFormatter)
-    configure_parser(p)
-    p.set_defaults(func=run)
-    return p
 
 
 def model_folder(args: argparse.Namespace, scratch: Path) -> tuple[Path, ModelShape]:

@@ -136,16 +136,6 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
     r.add_argument("--no-progress", action="store_true", help="hide the progress bar")
 
 
-def add_parser(subparsers: Any) -> argparse.ArgumentParser:
-    """Register the ``simulate`` subcommand on an ``argparse`` subparsers object; its ``func``
-    default is :func:`run`."""
-    p = subparsers.add_parser("simulate", help="replay a trace on the cost model (no GPU)", description=__doc__,
-                              formatter_class=argparse.RawDescriptionHelpFormatter)
-    configure_parser(p)
-    p.set_defaults(func=run)
-    return p
-
-
 def _trace_spec(args: argparse.Namespace, qps: float) -> TraceSpec:
     return TraceSpec(format=args.format, arrival=args.arrival, qps=qps, cv=args.cv, window_s=args.window,
                      num_requests=args.num_requests, max_input_len=args.max_input_len,
