@@ -93,3 +93,29 @@ def test_tiny_qwen3_lookahead_plan_equals_single_steps(tiny_qwen3_folder):
                                                   "plan": staticmethod(lambda d, p, k: lookahead if d else
                                                                        policy.plan(d, p, k))})()
     assert engine.generate(prompts, params) == expected
+
+
+def test_lookahead_never_runs_past_a_requests_end(tiny_qwen3_folder):
+    """k = 8 look-ahead steps while one request has 3 tokens of context left and another has a
+    small max_tokens: the extra steps are parked on the scratch slot, nothing indexes past the
+    context, and the tokens equal plain iterations'."""
+    from duetserve.engine.policy import Plan
+
+    gen = torch.Generator().manual_seed(6)
+    prompts = [torch.randint(3, 320, (n,), generator=gen).tolist() for n in (36, 5, 20)]
+    params = [SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True),  # ends at the context limit (40)
+              SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True),
+              SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)]
+    config = EngineConfig(model=str(tiny_qwen3_folder), max_num_batched_tokens=64, num_kv_blocks=32, block_size=8,
+                          max_model_len=40)
+    expected = LLMEngine(config).generate(prompts, params)
+    engine = LLMEngine(config)
+    chunked = engine.scheduler.policy
+    spatial = Plan(spatial=True, s_prefill=8, s_decode=8, k=8)
+    engine.scheduler.policy = type("Forced", (), {"name": "forced", "chunked_prefill": True,
+                                                  "prefill_excludes_decode": False,
+                                                  "plan": staticmethod(lambda d, p, k: spatial if d else
+                                                                       chunked.plan(d, p, k))})()
+    assert engine.generate(prompts, params) == expected
+    assert [len(t) for t in expected] == [3, 30, 2]
+    assert engine.block_manager.num_free_blocks == 32

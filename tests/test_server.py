@@ -173,7 +173,7 @@ def test_bad_inputs_get_400_while_a_stream_completes(server):
 
 
 def test_non_streaming_disconnect_frees_the_request(server):
-    body = {"prompt": "Once upon a time", "max_tokens": 3000, "ignore_eos": True}
+    body = {"prompt": "Once upon a time", "max_tokens": 8000, "ignore_eos": True}  # minutes of CPU decode
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(f"{server}/v1/completions", json=body, headers=AUTH, timeout=2.0)
     deadline = time.time() + 30
@@ -205,7 +205,6 @@ def test_disconnect_frees_the_request(server):
         time.sleep(0.5)
     assert metric(server, "vllm:num_requests_running") == 0
     assert metric(server, "vllm:kv_cache_usage_perc") == 0
-    assert metric(server, 'vllm:request_success_total') >= 1
 
 
 def test_iteration_log_records_every_iteration(server_proc):

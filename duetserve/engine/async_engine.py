@@ -20,7 +20,8 @@ class EngineError(RuntimeError):
 
 
 class StepObserver(Protocol):
-    """Receives every iteration's stats and outputs (e.g. Prometheus metrics)."""
+    """Receives every iteration's stats and outputs (e.g. Prometheus metrics); every call comes
+    from the engine thread, so an observer needs no locking."""
 
     def on_step(self, stats: StepStats | None, outputs: list[RequestOutput], now: float) -> None: ...
 
@@ -70,9 +71,7 @@ class AsyncEngine:
         self.engine.check_request(prompt_token_ids, params)
         stream: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = (asyncio.get_running_loop(), stream)
-        if self.observer:
-            self.observer.on_arrival(request_id, time.monotonic())
-        self._commands.put(("add", request_id, prompt_token_ids, params))
+        self._commands.put(("add", request_id, prompt_token_ids, params, time.monotonic()))
         finished = False
         try:
             while not finished:
@@ -92,24 +91,32 @@ class AsyncEngine:
         """Drop a request (thread-safe, returns at once); its KV blocks are freed by the engine loop."""
         self._streams.pop(request_id, None)
         self._commands.put(("abort", request_id))
-        if self.observer:
-            self.observer.forget(request_id)
 
     def _deliver(self, request_id: str, item) -> None:
         target = self._streams.get(request_id)
         if target is not None:
             loop, stream = target
-            loop.call_soon_threadsafe(stream.put_nowait, item)
+            try:
+                loop.call_soon_threadsafe(stream.put_nowait, item)
+            except RuntimeError:  # the event loop is closed (shutting down)
+                self._streams.pop(request_id, None)
 
     def _handle(self, command) -> None:
+        """Apply an ``add`` or ``abort`` on the engine thread (the only thread touching the
+        engine and the observer)."""
         if command[0] == "add":
-            _, request_id, prompt, params = command
+            _, request_id, prompt, params, arrival = command
             try:
                 self.engine.add_request(request_id, prompt, params)
             except Exception as exc:  # validated before queuing; a race (duplicate id) lands here
                 self._deliver(request_id, exc)
+                return
+            if self.observer:
+                self.observer.on_arrival(request_id, arrival)
         else:
             self.engine.abort(command[1])
+            if self.observer:
+                self.observer.forget(command[1])
 
     def _run(self) -> None:
         while not self._stop.is_set():
@@ -119,7 +126,10 @@ class AsyncEngine:
             except queue.Empty:
                 command = None
             while command is not None:
-                self._handle(command)
+                try:
+                    self._handle(command)
+                except Exception:  # never let one command end the loop
+                    log.exception("engine command %s failed", command[0])
                 try:
                     command = self._commands.get_nowait()
                 except queue.Empty:
@@ -132,10 +142,13 @@ class AsyncEngine:
                 log.exception("engine step failed; failing the requests in flight")
                 self._fail_all(exc)
                 continue
-            if self.observer:
-                self.observer.on_step(self.engine.last_stats, outputs, time.monotonic())
             for out in outputs:
                 self._deliver(out.request_id, out)
+            if self.observer:
+                try:
+                    self.observer.on_step(self.engine.last_stats, outputs, time.monotonic())
+                except Exception:  # metrics must never stop the engine
+                    log.exception("metrics update failed")
 
     def _fail_all(self, exc: Exception) -> None:
         for request_id in self.engine.request_ids():

@@ -105,7 +105,7 @@ class LLMEngine:
         policy = make_policy(dataclasses.replace(config, partition_backend=self.partition.name), loaded.config.to_dict())
         self.graphs, split_graphs = self._capture_graphs(kv, num_blocks, policy)
         self.runner = ModelRunner(self.model, kv, config.block_size, self.device, self.sampler, self.graphs,
-                                  self.partition, split_graphs)
+                                  self.partition, split_graphs, scratch_slot=num_blocks * config.block_size)
         self.scheduler = Scheduler(policy, self.block_manager, config.max_num_seqs,
                                    config.max_num_batched_tokens, self.max_model_len)
         self.eos_token_ids = self._eos_ids(loaded.config)

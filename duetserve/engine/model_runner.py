@@ -82,12 +82,14 @@ class ModelRunner:
         partition: SM partition backend for spatial plans; None or ``none`` runs both parts
             of a spatial plan one after the other on the current stream (same tokens).
         split_graphs: decode graphs recorded on each split level's decode stream, by decode SMs.
+        scratch_slot: a KV slot no sequence owns.
     """
 
     def __init__(self, model: CausalLM, kv_caches, block_size: int, device: torch.device, sampler: Sampler,
                  graphs: DecodeGraphs | None = None, partition: PartitionBackend | None = None,
-                 split_graphs: dict[int, DecodeGraphs] | None = None):
+                 split_graphs: dict[int, DecodeGraphs] | None = None, scratch_slot: int = 0):
         self.split_graphs = split_graphs or {}
+        self.scratch_slot = scratch_slot  # a KV slot no sequence owns (look-ahead steps past a request's end)
         self.model = model
         self.kv_caches = kv_caches
         self.block_size = block_size
@@ -189,10 +191,12 @@ class ModelRunner:
         bs = self.block_size
         ids, positions, slots, qlens, ctxs, sample_rows, sample_seqs = [], [], [], [], [], [], []
         for s, j in zip(batch, ahead):
-            c, q, table = s.num_cached_tokens + (j or 0), s.num_new_tokens, s.seq.block_table
+            parked = j is not None and j >= s.max_steps  # no token left to make: recompute the last step
+            c = s.num_cached_tokens + (min(j, s.max_steps - 1) if j is not None else 0)
+            q, table = s.num_new_tokens, s.seq.block_table
             ids.extend(s.seq.token_ids[c:c + q] if j is None else s.seq.token_ids[-1:])
             positions.extend(range(c, c + q))
-            slots.extend(table[p // bs] * bs + p % bs for p in range(c, c + q))
+            slots.extend(self.scratch_slot if parked else table[p // bs] * bs + p % bs for p in range(c, c + q))
             qlens.append(q)
             ctxs.append(c + q)
             if j is not None or s.samples:

@@ -29,6 +29,7 @@ class ScheduledSeq:
     seq: Sequence
     num_new_tokens: int
     num_cached_tokens: int
+    max_steps: int = 1  # decodes of a look-ahead plan: steps with a token still to generate
 
     @property
     def samples(self) -> bool:
@@ -230,17 +231,23 @@ class Scheduler:
         return prefills
 
     def _reserve_lookahead(self, decodes: list[ScheduledSeq], k: int) -> int:
-        """Reserve KV slots for ``k`` decode steps of every decode; returns the k reserved.
+        """Reserve KV slots for ``k`` decode steps; returns the k reserved.
 
+        A decode with fewer tokens left (``max_tokens`` or the context limit) gets only those
+        steps (``ScheduledSeq.max_steps``); the executor parks its extra steps on a scratch slot.
         ``k`` shrinks until the blocks for all steps fit (at least 1, already reserved).
         """
+        def steps(d: ScheduledSeq, k: int) -> int:
+            return max(1, min(k, self._remaining_tokens(d.seq)))
+
         while k > 1:
-            need = sum(self.blocks.blocks_needed(d.seq, d.seq.num_tokens - 1 + k) for d in decodes)
+            need = sum(self.blocks.blocks_needed(d.seq, d.seq.num_tokens - 1 + steps(d, k)) for d in decodes)
             if need <= self.blocks.num_free_blocks:
                 break
             k -= 1
         for d in decodes:
-            self.blocks.allocate(d.seq, d.seq.num_tokens - 1 + k)
+            d.max_steps = steps(d, k)
+            self.blocks.allocate(d.seq, d.seq.num_tokens - 1 + d.max_steps)
         return k
 
     # --- results ----------------------------------------------------------------------
