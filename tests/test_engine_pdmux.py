@@ -49,3 +49,22 @@ def test_pdmux_decode_levels_are_sglangs_split_groups():
     planner = PlannerConfig(ModelShape.preset("qwen3-8b"), roofline_only(load_profile("h200")), 0.1, "greenctx")
     # The seed's H100-style groups on 132 SMs: decode gets 20, 28, 36, 44, 52, 60.
     assert PdmuxPolicy(planner).decode_levels() == [20, 28, 36, 44, 52, 60]
+
+
+def test_aborted_layer_split_batch_releases_its_state(tiny_qwen3_folder):
+    config = EngineConfig(model=str(tiny_qwen3_folder), max_num_batched_tokens=32, num_kv_blocks=128, block_size=8,
+                          partition_backend="none")
+    engine = LLMEngine(config)
+    shape = ModelShape.from_hf_config(json.loads((tiny_qwen3_folder / "config.json").read_text()))
+    engine.scheduler.policy = PdmuxPolicy(PlannerConfig(shape, roofline_only(load_profile("h200")), 0.1, "greenctx",
+                                                        PdmuxConfig(split_forward_token_budget=16)))
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    engine.add_request("b", [5, 6], params)
+    engine.step()                           # "b" prefilled: it decodes from now on
+    engine.add_request("a", list(range(3, 40)), params)
+    engine.step()
+    assert engine.runner._split is not None and not engine.runner.prefill_done  # 1 of 2 layers done
+    engine.abort("a")
+    while engine.has_unfinished():          # decode-only rounds: the aborted batch's state is dropped
+        engine.step()
+    assert engine.runner._split is None and engine.block_manager.num_free_blocks == 128

@@ -105,6 +105,8 @@ class ModelRunner:
     def execute(self, out: SchedulerOutput) -> dict[int, list[int]]:
         """Run ``out``; return sampled tokens per seq_id: one per sampling prefill chunk, ``plan.k`` per decode."""
         self.prefill_done = True
+        if out.plan.prefill_layers is None:
+            self._split = None  # no layer-split batch is pinned any more (finished, aborted or preempted)
         if not out.plan.spatial and out.plan.k == 1 and out.plan.prefill_layers is None:
             batch = out.decodes + out.prefills
             inputs = self._prepare(batch, len(out.decodes), [None] * len(batch))
@@ -117,7 +119,8 @@ class ModelRunner:
     def _execute_spatial(self, out: SchedulerOutput) -> dict[int, list[int]]:
         k = out.plan.k
         decode_ctx, prefill_ctx = self._streams(out.plan)
-        graphs = self.split_graphs.get(out.plan.s_decode) if isinstance(decode_ctx, torch.cuda.StreamContext) else None
+        partitioned = isinstance(decode_ctx, torch.cuda.StreamContext)
+        graphs = self.split_graphs.get(out.plan.s_decode) if partitioned else self.graphs
         # Everything is uploaded before the first launch: no host sync between the k steps.
         steps = [self._prepare(out.decodes, len(out.decodes), [j] * len(out.decodes)) for j in range(k)] \
             if out.decodes else []

@@ -81,8 +81,10 @@ class Sampler:
         if batch.top_p is not None:
             sub = _top_p(sub, batch.top_p)
         probs = sub.softmax(dim=-1)
-        race = torch.stack([torch.empty_like(probs[j]).exponential_(generator=g)
-                            for j, g in enumerate(batch.generators)])
+        race = torch.empty_like(probs).exponential_(generator=self.default_generator)  # one draw for all rows
+        for j, g in enumerate(batch.generators):
+            if g is not self.default_generator:  # a seeded request draws from its own generator
+                race[j].exponential_(generator=g)
         return out.index_copy(0, batch.rows, (probs / race).argmax(dim=-1))
 
     def __call__(self, logits: torch.Tensor, seq_ids: list[int], params: list[SamplingParams]) -> list[int]:
