@@ -30,12 +30,12 @@ GEMM_RATE = 797e12
 def time_step(engine: LLMEngine, out: SchedulerOutput, iters: int) -> float:
     """Median seconds of ``runner.execute(out)`` (includes the one host sync for sampling)."""
     for _ in range(3):
-        engine.runner.execute(out)
+        list(engine.runner.execute(out))
     torch.cuda.synchronize()
     times = []
     for _ in range(iters):
         t = time.perf_counter()
-        engine.runner.execute(out)
+        list(engine.runner.execute(out))
         times.append(time.perf_counter() - t)
     times.sort()
     return times[len(times) // 2]

@@ -27,10 +27,10 @@ from duetserve.calibrate.workload import QWEN3_8B, make_batch  # noqa: E402
 
 def stream_times(engine: LLMEngine, out: SchedulerOutput, reps: int = 3) -> dict[str, float]:
     """Median busy seconds of each stream over ``reps`` runs (after one warm-up)."""
-    engine.runner.execute(out)
+    list(engine.runner.execute(out))
     runs = []
     for _ in range(reps):
-        engine.runner.execute(out)
+        list(engine.runner.execute(out))
         runs.append(engine.runner.last_stream_seconds)
     return {k: sorted(r[k] for r in runs)[len(runs) // 2] for k in runs[0]}
 

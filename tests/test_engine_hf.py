@@ -75,9 +75,18 @@ def test_tiny_qwen3_equal_hf(tiny_qwen3_folder):
     assert engine.generate(prompts, params) == hf_greedy(tiny_qwen3_folder, prompts, 20)
 
 
+def force_plan(engine: LLMEngine, plan) -> None:
+    """Make ``engine`` run ``plan`` for every iteration with decodes (prefill-only ones as before)."""
+    chunked = engine.scheduler.policy
+    engine.scheduler.policy = type("Forced", (), {"name": "forced", "chunked_prefill": True,
+                                                  "prefill_excludes_decode": False,
+                                                  "plan": staticmethod(lambda d, p, k: plan if d else
+                                                                       chunked.plan(d, p, k))})()
+
+
 def test_tiny_qwen3_lookahead_plan_equals_single_steps(tiny_qwen3_folder):
     """A plan with k look-ahead decode steps yields the tokens of k ordinary iterations."""
-    import dataclasses
+    from duetserve.engine.policy import Plan
 
     gen = torch.Generator().manual_seed(2)
     prompts = [torch.randint(3, 320, (n,), generator=gen).tolist() for n in (9, 30, 41)]
@@ -86,12 +95,7 @@ def test_tiny_qwen3_lookahead_plan_equals_single_steps(tiny_qwen3_folder):
     expected = LLMEngine(config).generate(prompts, params)
 
     engine = LLMEngine(config)
-    policy = engine.scheduler.policy
-    lookahead = dataclasses.replace(engine.scheduler.policy.plan([], [], 1), spatial=True, s_prefill=8, s_decode=8, k=4)
-    engine.scheduler.policy = type("Forced", (), {"name": "forced", "chunked_prefill": True,
-                                                  "prefill_excludes_decode": False,
-                                                  "plan": staticmethod(lambda d, p, k: lookahead if d else
-                                                                       policy.plan(d, p, k))})()
+    force_plan(engine, Plan(spatial=True, s_prefill=8, s_decode=8, k=4))
     assert engine.generate(prompts, params) == expected
 
 
@@ -110,12 +114,44 @@ def test_lookahead_never_runs_past_a_requests_end(tiny_qwen3_folder):
                           max_model_len=40)
     expected = LLMEngine(config).generate(prompts, params)
     engine = LLMEngine(config)
-    chunked = engine.scheduler.policy
-    spatial = Plan(spatial=True, s_prefill=8, s_decode=8, k=8)
-    engine.scheduler.policy = type("Forced", (), {"name": "forced", "chunked_prefill": True,
-                                                  "prefill_excludes_decode": False,
-                                                  "plan": staticmethod(lambda d, p, k: spatial if d else
-                                                                       chunked.plan(d, p, k))})()
+    force_plan(engine, Plan(spatial=True, s_prefill=8, s_decode=8, k=8))
     assert engine.generate(prompts, params) == expected
     assert [len(t) for t in expected] == [3, 30, 2]
     assert engine.block_manager.num_free_blocks == 32
+
+
+def test_lookahead_tokens_come_out_one_step_at_a_time(tiny_qwen3_folder):
+    """A spatial plan's k decode steps reach the caller as k parts with one token per running
+    request each (a request stops in the part of its last token), then the prefill's part;
+    ``last_stats`` comes with the last part only."""
+    from duetserve.engine.policy import Plan
+
+    gen = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(3, 320, (n,), generator=gen).tolist() for n in (12, 7, 25)]
+    params = [SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True),
+              SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True),  # ends inside the look-ahead
+              SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)]
+    config = EngineConfig(model=str(tiny_qwen3_folder), max_num_batched_tokens=64, num_kv_blocks=64, block_size=8)
+    expected = LLMEngine(config).generate(prompts, params)
+    engine = LLMEngine(config)
+    force_plan(engine, Plan(spatial=True, s_prefill=8, s_decode=8, k=4))
+    for rid, prompt, p in zip("ab", prompts, params):
+        engine.add_request(rid, prompt, p)
+    got = {rid: out.new_token_ids for out in engine.step() for rid in [out.request_id]}  # prefill: 1 token each
+    engine.add_request("c", prompts[2], params[2])
+    parts = []
+    for part in engine.step_parts():
+        parts.append([(o.request_id, o.new_token_ids, o.finished) for o in part])
+        assert (engine.last_stats is not None) == (len(parts) == 5)
+    # 4 decode steps: "a" gets a token in each, "b" (2 tokens left) in the first two; then c's prefill.
+    assert [[(r, len(ids), fin) for r, ids, fin in part] for part in parts] == [
+        [("a", 1, False), ("b", 1, False)], [("a", 1, False), ("b", 1, True)], [("a", 1, False)], [("a", 1, False)],
+        [("c", 1, False)]]
+    assert engine.last_stats.plan.k == 4 and engine.last_stats.num_decodes == 2
+    for part in parts:
+        for rid, ids, _ in part:
+            got[rid] = got.get(rid, []) + ids
+    while engine.has_unfinished():
+        for out in engine.step():
+            got[out.request_id] += out.new_token_ids
+    assert [got[r] for r in "abc"] == expected

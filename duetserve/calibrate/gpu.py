@@ -178,10 +178,10 @@ class CudaBench:
         graphs, runner.graphs = runner.graphs, None
         try:
             with self._temporal(shape) as out:
-                runner.execute(out)
+                list(runner.execute(out))
                 torch.cuda.synchronize(self.device)
                 with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-                    runner.execute(out)
+                    list(runner.execute(out))
                     torch.cuda.synchronize(self.device)
         finally:
             runner.graphs = graphs
@@ -219,15 +219,15 @@ class CudaBench:
         runner = self.engine.runner
         if shape.sms == self.facts.num_sms:
             with self._temporal(shape) as out:
-                return median_wall_seconds(lambda: runner.execute(out), self.warmup, self.repeats)
+                return median_wall_seconds(lambda: list(runner.execute(out)), self.warmup, self.repeats)
         if shape.kind != "decode":
             raise ValueError("only decode is measured on fewer than all SMs")
         plan = Plan(spatial=True, s_prefill=self.facts.num_sms - shape.sms, s_decode=shape.sms, k=shape.k)
         with self._temporal(shape, shape.k - 1) as temporal:
             out = SchedulerOutput(temporal.decodes, [], plan, [])
-            runner.execute(out)
+            list(runner.execute(out))
             steps = []
             for _ in range(max(3, self.repeats // 4)):
-                runner.execute(out)
+                list(runner.execute(out))
                 steps.append(runner.last_stream_seconds["decode"] / shape.k)
             return statistics.median(steps)

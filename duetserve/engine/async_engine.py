@@ -23,7 +23,9 @@ class StepObserver(Protocol):
     """Receives every iteration's stats and outputs (e.g. Prometheus metrics); every call comes
     from the engine thread, so an observer needs no locking."""
 
-    def on_step(self, stats: StepStats | None, outputs: list[RequestOutput], now: float) -> None: ...
+    def on_step(self, stats: StepStats | None, outputs: list[RequestOutput], now: float) -> None:
+        """``outputs`` delivered at ``now`` (monotonic seconds); ``stats`` once per iteration,
+        with its last part's outputs (None with the parts before)."""
 
     def on_arrival(self, request_id: str, now: float) -> None: ...
 
@@ -137,18 +139,20 @@ class AsyncEngine:
             if self._stop.is_set() or not self.engine.has_unfinished():
                 continue
             try:
-                outputs = self.engine.step()
+                for outputs in self.engine.step_parts():  # a look-ahead plan's steps, one by one
+                    self._observe(self.engine.last_stats, outputs)  # stats with the last part only
+                    for out in outputs:
+                        self._deliver(out.request_id, out)
             except Exception as exc:
                 log.exception("engine step failed; failing the requests in flight")
                 self._fail_all(exc)
-                continue
-            for out in outputs:
-                self._deliver(out.request_id, out)
-            if self.observer:
-                try:
-                    self.observer.on_step(self.engine.last_stats, outputs, time.monotonic())
-                except Exception:  # metrics must never stop the engine
-                    log.exception("metrics update failed")
+
+    def _observe(self, stats: StepStats | None, outputs: list[RequestOutput]) -> None:
+        if self.observer:
+            try:
+                self.observer.on_step(stats, outputs, time.monotonic())
+            except Exception:  # metrics must never stop the engine
+                log.exception("metrics update failed")
 
     def _fail_all(self, exc: Exception) -> None:
         for request_id in self.engine.request_ids():

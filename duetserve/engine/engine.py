@@ -5,6 +5,7 @@ import dataclasses
 import itertools
 import logging
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -206,23 +207,39 @@ class LLMEngine:
     # --- the loop -------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Run one iteration and return an output for every request that changed."""
+        """Run one iteration; return every output it produced, in order (a request gets one
+        output per look-ahead step of a spatial plan, see ``step_parts``)."""
+        return [o for part in self.step_parts() for o in part]
+
+    def step_parts(self) -> Iterator[list[RequestOutput]]:
+        """Run one iteration, yielding outputs as soon as the device finishes each part: one
+        list for a temporal plan; for a plan with ``k`` look-ahead decode steps, one list per
+        step (one token per running decode), then one for the prefill batch. A request's
+        outputs come in order. The last list (possibly empty) comes with ``last_stats`` set; it
+        stays None before it, and for an iteration with nothing to run (nothing is yielded)."""
         start = time.perf_counter()
+        self.last_stats = None
         out = self.scheduler.schedule()
         if out.is_empty:
-            return []
-        sampled = self.runner.execute(out)
-        before = {s.seq.seq_id: s.seq.num_tokens for s in out.scheduled}
-        self.scheduler.postprocess(out, sampled, prefill_done=self.runner.prefill_done)
-        self.last_stats = StepStats(out.plan, len(out.decodes), out.num_prefill_tokens,
-                                    time.perf_counter() - start, len(out.preempted))
-        outputs = []
-        for req in [r for r in self._requests.values() if r.seq.seq_id in before]:
-            new_ids = req.seq.token_ids[before[req.seq.seq_id]:]
-            if not new_ids and not req.seq.is_finished:
-                continue
-            outputs.append(self._emit(req, new_ids))
-        return outputs
+            return
+        emitted = {s.seq.seq_id: s.seq.num_tokens for s in out.scheduled}
+        requests = [r for r in self._requests.values() if r.seq.seq_id in emitted]
+        for part in self.runner.execute(out):
+            self.scheduler.advance(out, part.tokens, part.prefills)
+            outputs = []
+            for req in requests:
+                seq = req.seq
+                if req.request_id not in self._requests:
+                    continue  # finished in an earlier part (a stop string)
+                new_ids = seq.token_ids[emitted[seq.seq_id]:]
+                emitted[seq.seq_id] = seq.num_tokens
+                if new_ids or seq.is_finished:
+                    outputs.append(self._emit(req, new_ids))
+            if part.final:
+                self.last_stats = StepStats(out.plan, len(out.decodes), out.num_prefill_tokens,
+                                            time.perf_counter() - start, len(out.preempted))
+            if outputs or part.final:
+                yield outputs
 
     def _emit(self, req: _Request, new_ids: list[int]) -> RequestOutput:
         seq = req.seq

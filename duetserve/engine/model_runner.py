@@ -3,12 +3,15 @@
 Temporal plans run the whole batch once on the current stream. Spatial plans run ``k``
 decode steps on the decode stream and the prefill batch on the prefill stream at the same
 time (DESIGN section 5; DuetServe's look-ahead decode): every input of all ``k`` steps is
-built and uploaded before the first launch, each step's sampled tokens feed the next step
-on the device, and the host reads the tokens once, after both streams are joined.
+built and uploaded before the first launch, and each step's sampled tokens feed the next step
+on the device. Each step also copies its tokens into pinned host memory and records an event,
+so the host hands a step's tokens out as soon as that step is done (clients see one token per
+decode step, not a burst of ``k`` at the join), without a host sync between the steps.
 """
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -56,6 +59,42 @@ class StepInputs:
     sampling: SamplingBatch
 
 
+@dataclass
+class Sampled:
+    """One part of an iteration's results, in the order the device finished them.
+
+    Attributes:
+        tokens: seq_id -> the one token sampled for it in this part.
+        prefills: True when this part completes the iteration's prefill batch (see
+            ``Scheduler.advance``); False for a look-ahead decode step, and for the last part
+            of a layer-split prefill round that left layers to run.
+        final: the iteration's last part.
+    """
+
+    tokens: dict[int, int]
+    prefills: bool
+    final: bool = True
+
+
+class _HostCopy:
+    """A device tensor's copy into pinned host memory, readable once its event has fired
+    (the copy is queued on the current stream; no host sync at launch)."""
+
+    def __init__(self, values: torch.Tensor):
+        if values.device.type == "cuda":
+            self.host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
+            self.host.copy_(values, non_blocking=True)
+            self.event = torch.cuda.Event()
+            self.event.record()
+        else:
+            self.host, self.event = values, None
+
+    def tolist(self) -> list:
+        if self.event is not None:
+            self.event.synchronize()
+        return self.host.tolist()
+
+
 class _StreamTimers:
     """CUDA events around each stream's work; read after the join (no extra host sync)."""
 
@@ -70,7 +109,9 @@ class _StreamTimers:
             self.events.setdefault(name, []).append(event)
 
     def elapsed(self) -> dict[str, float]:
-        """Seconds between the two marks of each stream (empty on CPU)."""
+        """Seconds between the two marks of each stream (empty on CPU); waits for the marks."""
+        for _, end in self.events.values():
+            end.synchronize()
         return {name: a.elapsed_time(b) / 1e3 for name, (a, b) in self.events.items()} if self.enabled else {}
 
 
@@ -101,28 +142,34 @@ class ModelRunner:
         self.prefill_done = True  # False after a layer-split prefill round that left layers to run
         self._split: tuple | None = None  # layer-split prefill in flight: (key, inputs, state, next layer)
 
-    @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> dict[int, list[int]]:
-        """Run ``out``; return sampled tokens per seq_id: one per sampling prefill chunk, ``plan.k`` per decode."""
+    def execute(self, out: SchedulerOutput) -> Iterator[Sampled]:
+        """Launch ``out`` and return an iterator over its sampled tokens, part by part. A
+        temporal plan gives one part with every token; a plan with ``k`` decode steps gives one
+        part per step, each as soon as that step has finished on the device, then the prefill's
+        part. ``prefill_done`` and ``last_stream_seconds`` are set once the iterator is exhausted."""
         self.prefill_done = True
         if out.plan.prefill_layers is None:
             self._split = None  # no layer-split batch is pinned any more (finished, aborted or preempted)
-        if not out.plan.spatial and out.plan.k == 1 and out.plan.prefill_layers is None:
-            batch = out.decodes + out.prefills
-            inputs = self._prepare(batch, len(out.decodes), [None] * len(batch))
-            if inputs is None:
-                return {}
-            tokens = self._sample(inputs, self.graphs).tolist()
-            return {sid: [t] for sid, t in zip(inputs.sample_seq_ids, tokens)}
-        return self._execute_spatial(out)
+        if out.plan.spatial or out.plan.k != 1 or out.plan.prefill_layers is not None:
+            return self._collect(*self._launch_spatial(out))
+        return iter([self._run_temporal(out)])
 
-    def _execute_spatial(self, out: SchedulerOutput) -> dict[int, list[int]]:
-        k = out.plan.k
+    @torch.inference_mode()
+    def _run_temporal(self, out: SchedulerOutput) -> Sampled:
+        batch = out.decodes + out.prefills
+        inputs = self._prepare(batch, len(out.decodes), [None] * len(batch))
+        if inputs is None:
+            return Sampled({}, prefills=True)
+        return Sampled(dict(zip(inputs.sample_seq_ids, self._sample(inputs, self.graphs).tolist())), prefills=True)
+
+    @torch.inference_mode()
+    def _launch_spatial(self, out: SchedulerOutput) -> tuple:
+        """Queue both streams' work; returns what ``_collect`` reads back."""
         decode_ctx, prefill_ctx = self._streams(out.plan)
         partitioned = isinstance(decode_ctx, torch.cuda.StreamContext)
         graphs = self.split_graphs.get(out.plan.s_decode) if partitioned else self.graphs
         # Everything is uploaded before the first launch: no host sync between the k steps.
-        steps = [self._prepare(out.decodes, len(out.decodes), [j] * len(out.decodes)) for j in range(k)] \
+        steps = [self._prepare(out.decodes, len(out.decodes), [j] * len(out.decodes)) for j in range(out.plan.k)] \
             if out.decodes else []
         prefill = self._prepare(out.prefills, 0, [None] * len(out.prefills)) if out.prefills else None
         main = torch.cuda.current_stream() if self.device.type == "cuda" else None
@@ -131,12 +178,12 @@ class ModelRunner:
             if stream is not None:
                 stream.wait_stream(main)
             timers.mark("decode")
-            ids, decode_tokens = None, []
+            ids, decode_copies = None, []
             for step in steps:
                 if ids is not None:
                     step.input_ids = ids  # the previous step's tokens, still on the device
                 ids = self._sample(step, graphs)
-                decode_tokens.append(ids)
+                decode_copies.append(_HostCopy(ids))
             timers.mark("decode")
         with prefill_ctx as stream:
             if stream is not None:
@@ -146,18 +193,21 @@ class ModelRunner:
                 prefill, prefill_tokens = self._prefill_layers(out, prefill)
             else:
                 prefill_tokens = self._sample(prefill, None) if prefill else None
+            prefill_copy = _HostCopy(prefill_tokens) if prefill_tokens is not None else None
             timers.mark("prefill")
         for ctx_stream in (decode_ctx, prefill_ctx):
             if isinstance(ctx_stream, torch.cuda.StreamContext):
                 main.wait_stream(ctx_stream.stream)
-        sampled: dict[int, list[int]] = {}
-        if decode_tokens:
-            per_step = torch.stack(decode_tokens).t().tolist()
-            sampled.update(zip(steps[0].sample_seq_ids, per_step))
-        if prefill_tokens is not None and prefill.sample_seq_ids:
-            sampled.update((sid, [t]) for sid, t in zip(prefill.sample_seq_ids, prefill_tokens.tolist()))
+        decode_ids = steps[0].sample_seq_ids if steps else []
+        return decode_ids, decode_copies, prefill.sample_seq_ids if prefill else [], prefill_copy, timers
+
+    def _collect(self, decode_ids: list[int], decode_copies: list[_HostCopy], prefill_ids: list[int],
+                 prefill_copy: _HostCopy | None, timers: _StreamTimers) -> Iterator[Sampled]:
+        for copy in decode_copies:
+            yield Sampled(dict(zip(decode_ids, copy.tolist())), prefills=False, final=False)
+        tokens = dict(zip(prefill_ids, prefill_copy.tolist())) if prefill_copy is not None else {}
         self.last_stream_seconds = timers.elapsed()
-        return sampled
+        yield Sampled(tokens, prefills=self.prefill_done)
 
     def _prefill_layers(self, out: SchedulerOutput, fresh: StepInputs) -> tuple[StepInputs, torch.Tensor | None]:
         """One round of a layer-split prefill (SGLang pdmux): the next ``plan.prefill_layers``
@@ -210,17 +260,23 @@ class ModelRunner:
         starts = [0]
         for q in qlens:
             starts.append(starts[-1] + q)
-        dev = self.device
-        i32, i64 = dict(dtype=torch.int32, device=dev), dict(dtype=torch.int64, device=dev)
-        meta = AttentionMetadata(slot_mapping=torch.tensor(slots, **i64), query_start_loc=torch.tensor(starts, **i32),
-                                 context_lens=torch.tensor(ctxs, **i32), block_tables=torch.tensor(tables, **i32),
+        n, rows = len(ids), (None if len(sample_rows) == len(ids) else sample_rows)
+        i64 = self._upload(ids + positions + slots + (rows or []), torch.int64)
+        i32 = self._upload(starts + ctxs + [b for t in tables for b in t], torch.int32)
+        meta = AttentionMetadata(slot_mapping=i64[2 * n:3 * n], query_start_loc=i32[:len(starts)],
+                                 context_lens=i32[len(starts):len(starts) + len(ctxs)],
+                                 block_tables=i32[len(starts) + len(ctxs):].view(len(batch), max_blocks),
                                  num_decodes=num_decodes, query_lens_cpu=qlens, context_lens_cpu=ctxs)
-        every_row = len(sample_rows) == len(ids)
-        rows = None if every_row else torch.tensor(sample_rows, **i64)
-        return StepInputs(torch.tensor(ids, **i64), torch.tensor(positions, **i64), meta, rows,
+        return StepInputs(i64[:n], i64[n:2 * n], meta, None if rows is None else i64[3 * n:],
                           [s.seq_id for s in sample_seqs],
                           self.sampler.prepare([s.seq_id for s in sample_seqs], [s.params for s in sample_seqs],
                                                self.model.dims.vocab_size))
+
+    def _upload(self, values: list[int], dtype: torch.dtype) -> torch.Tensor:
+        """One host-to-device copy of ``values`` (from pinned memory on CUDA, not waited for)."""
+        if self.device.type != "cuda":
+            return torch.tensor(values, dtype=dtype)
+        return torch.tensor(values, dtype=dtype, pin_memory=True).to(self.device, non_blocking=True)
 
     def _sample(self, inputs: StepInputs, graphs: DecodeGraphs | None) -> torch.Tensor:
         """Forward pass (writes the K/V) and sampling; returns the sampled tokens ``[n]`` on the device

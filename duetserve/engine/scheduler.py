@@ -8,7 +8,7 @@ iteration's plan (temporal, or spatial with ``k`` look-ahead decode steps).
 Layer-split prefill (``Plan.prefill_layers``, the ``pdmux`` policy): the prefill batch of such
 a plan stays pinned across iterations, handed out again with the same plan every round and no
 new prefill admitted, until the executor reports its last layer done
-(``postprocess(..., prefill_done=True)``); until then its tokens do not advance.
+(``advance(..., prefills=True)``); until then its tokens do not advance.
 """
 from __future__ import annotations
 
@@ -254,7 +254,8 @@ class Scheduler:
 
     def postprocess(self, out: SchedulerOutput, sampled: dict[int, list[int]],
                     prefill_done: bool = True) -> list[Sequence]:
-        """Advance sequences by the iteration's results and return those that finished.
+        """Advance sequences by all of the iteration's results at once (the simulator's view);
+        returns those that finished.
 
         Args:
             out: the iteration's batch.
@@ -263,27 +264,42 @@ class Scheduler:
             prefill_done: False while a layer-split prefill batch has layers left: its
                 sequences stay pinned and nothing of them advances (decodes still do).
         """
-        if not prefill_done:
-            return self._advance_decodes(out, sampled)
-        self._split = None
         finished = []
-        for s in out.prefills:
-            if s.seq.is_finished:
-                continue
-            s.seq.num_computed_tokens += s.num_new_tokens
-            if s.samples and self._append(s.seq, sampled[s.seq.seq_id][0]):
-                finished.append(s.seq)
-        return finished + self._advance_decodes(out, sampled)
+        for j in range(out.plan.k):
+            step = {s.seq.seq_id: sampled[s.seq.seq_id][j] for s in out.decodes if s.seq.seq_id in sampled}
+            finished += self.advance(out, step, prefills=False)
+        prefill_tokens = {s.seq.seq_id: sampled[s.seq.seq_id][0] for s in out.prefills if s.seq.seq_id in sampled}
+        return finished + self.advance(out, prefill_tokens, prefills=prefill_done)
 
-    def _advance_decodes(self, out: SchedulerOutput, sampled: dict[int, list[int]]) -> list[Sequence]:
+    def advance(self, out: SchedulerOutput, tokens: dict[int, int], prefills: bool) -> list[Sequence]:
+        """Apply one part of an iteration's results, as the executor makes them available
+        (a look-ahead plan delivers each decode step on its own, then the prefill batch);
+        returns the sequences that finished.
+
+        Args:
+            out: the iteration's batch.
+            tokens: seq_id -> the one token sampled for it in this part; each decode present
+                advances by one token (none once finished: later look-ahead tokens are dropped).
+            prefills: this part completes the prefill batch: its chunks count as computed and
+                those that ``samples`` take their token. False for the look-ahead steps, and
+                while a layer-split prefill batch still has layers to run (it stays pinned).
+        """
         finished = []
-        for s in out.decodes:
-            for token in sampled.get(s.seq.seq_id, [])[:out.plan.k]:
+        if prefills:
+            self._split = None
+            for s in out.prefills:
                 if s.seq.is_finished:
-                    break
-                s.seq.num_computed_tokens += 1
-                if self._append(s.seq, token):
+                    continue
+                s.seq.num_computed_tokens += s.num_new_tokens
+                if s.samples and self._append(s.seq, tokens[s.seq.seq_id]):
                     finished.append(s.seq)
+        for s in out.decodes:
+            token = tokens.get(s.seq.seq_id)
+            if token is None or s.seq.is_finished:
+                continue
+            s.seq.num_computed_tokens += 1
+            if self._append(s.seq, token):
+                finished.append(s.seq)
         return finished
 
     def _append(self, seq: Sequence, token: int) -> bool:

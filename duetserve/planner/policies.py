@@ -16,7 +16,7 @@ batch and asks ``plan(decode_reqs, prefill_reqs, max_k)`` how to run it.
 How a prefill that is only partly through its layers is represented: the scheduler pins the
 batch (``Plan.prefill_layers`` set) and hands it out again every round without advancing its
 tokens, reusing the first round's plan (SGLang keeps the level until the prefill ends); the
-executor counts the layers submitted and tells ``Scheduler.postprocess`` when the last one has
+executor counts the layers submitted and tells ``Scheduler.advance`` when the last one has
 completed (``prefill_done``); only then do its sequences sample their first token and join
 the decode batch.
 """
