@@ -1,4 +1,5 @@
-"""Fused Triton ops (add+RMSNorm, q/k-norm+RoPE, SiLU-and-mul) against their torch references.
+"""Fused Triton ops (add+RMSNorm, q/k-norm+RoPE with or without the KV-cache write, SiLU-and-mul)
+against their torch references.
 
 Without CUDA the kernels run under Triton's interpreter (``TRITON_INTERPRET=1``, set for this
 module's tests only) in float32 and float16 (the interpreter gets bf16 wrong); the ``gpu`` tests
@@ -16,6 +17,7 @@ import torch
 from conftest import CUDA, import_triton_module
 
 from duetserve.model import fused_ops
+from duetserve.model.attention import write_kv
 
 DEVICE = torch.device("cuda" if CUDA else "cpu")
 needs_cuda = pytest.mark.skipif(not CUDA, reason="needs CUDA")
@@ -74,24 +76,59 @@ def check_rms_norm(t, n, dtype, tol, residual: bool, seed=0):
         assert new_res is x
 
 
-def make_qk(t, hq, hkv, d, dtype, gen):
-    """q ``[t, hq, d]`` and k ``[t, hkv, d]`` as views of one fused QKV row, like the model's."""
+def make_qkv(t, hq, hkv, d, dtype, gen):
+    """q ``[t, hq, d]``, k and v ``[t, hkv, d]`` as views of one fused QKV row, like the model's."""
     qkv = padded_rows(t, (hq + 2 * hkv) * d, dtype, gen)
-    q, k, _ = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
-    return q.view(t, hq, d), k.view(t, hkv, d)
+    q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
+    return q.view(t, hq, d), k.view(t, hkv, d), v.view(t, hkv, d)
+
+
+def rope_inputs(t, d, dtype, norm: bool, gen, max_pos=4096):
+    """Positions ``[t]``, cos/sin tables ``[max_pos, d/2]`` and the norm weights (or Nones)."""
+    positions = torch.randint(0, max_pos, (t,), generator=gen).to(DEVICE)
+    freqs = torch.outer(torch.arange(max_pos, dtype=torch.float), 1e4 ** (-torch.arange(0, d, 2) / d))
+    weights = [(torch.rand(d, generator=gen) + 0.5).to(DEVICE, dtype) for _ in range(2)] if norm else [None, None]
+    return positions, freqs.cos().to(DEVICE), freqs.sin().to(DEVICE), weights
 
 
 def check_rope(t, hq, hkv, d, dtype, tol, norm: bool, seed=0, max_pos=4096):
     gen = torch.Generator().manual_seed(seed)
-    q, k = make_qk(t, hq, hkv, d, dtype, gen)
-    positions = torch.randint(0, max_pos, (t,), generator=gen).to(DEVICE)
-    freqs = torch.outer(torch.arange(max_pos, dtype=torch.float), 1e4 ** (-torch.arange(0, d, 2) / d))
-    cos, sin = freqs.cos().to(DEVICE), freqs.sin().to(DEVICE)
-    weights = [(torch.rand(d, generator=gen) + 0.5).to(DEVICE, dtype) for _ in range(2)] if norm else [None, None]
+    q, k, _ = make_qkv(t, hq, hkv, d, dtype, gen)
+    positions, cos, sin, weights = rope_inputs(t, d, dtype, norm, gen, max_pos)
     out = poisoned(tf.apply_rope, positions, q, k, cos, sin, *weights, 1e-6)
     ref = torch_path(fused_ops.apply_rope, positions, q, k, cos, sin, *weights, 1e-6)
     for o, r in zip(out, ref, strict=True):
         assert rel_err(o, r) < tol
+
+
+def check_rope_and_cache(t, hq, hkv, d, block_size, dtype, tol, norm: bool, padding: int = 0, seed=0):
+    """The fused RoPE + KV-cache write against Triton RoPE then ``write_kv`` (bit for bit) and
+    against the torch path (within ``tol``). Tokens go to random distinct slots; ``padding`` more
+    rows all go to one scratch slot, as a CUDA-graph bucket's padding rows do."""
+    gen = torch.Generator().manual_seed(seed)
+    rows = t + padding
+    q, k, v = make_qkv(rows, hq, hkv, d, dtype, gen)
+    positions, cos, sin, weights = rope_inputs(rows, d, dtype, norm, gen)
+    num_blocks = -(-rows // block_size) + 2
+    scratch = num_blocks * block_size - 1
+    slots = torch.randperm(scratch, generator=gen)[:t].tolist() + [scratch] * padding
+    slot_mapping = torch.tensor(slots, device=DEVICE)
+    cache = torch.randn(num_blocks, block_size, hkv, d, generator=gen).to(DEVICE, dtype)
+    fused, unfused, ref = ([cache.clone(), cache.clone()] for _ in range(3))
+    q_fused = poisoned(tf.apply_rope_and_cache, positions, q, k, v, cos, sin, *fused, slot_mapping, *weights, 1e-6)
+    q_unfused, k_unfused = tf.apply_rope(positions, q, k, cos, sin, *weights, 1e-6)
+    write_kv(k_unfused, v, *unfused, slot_mapping)
+    q_ref = torch_path(fused_ops.apply_rope_and_cache, positions, q, k, v, cos, sin, *ref, slot_mapping, *weights,
+                       1e-6)
+    assert torch.equal(q_fused, q_unfused)
+    assert rel_err(q_fused, q_ref) < tol
+    owned = torch.ones(num_blocks * block_size, dtype=torch.bool)
+    owned[scratch] = not padding  # padding rows race for the scratch slot: any of them may win, per element
+    for c_fused, c_unfused, c_ref in zip(fused, unfused, ref, strict=True):
+        c_fused, c_unfused, c_ref = (c.view(-1, hkv, d) for c in (c_fused, c_unfused, c_ref))
+        assert torch.equal(c_fused[owned], c_unfused[owned])
+        assert rel_err(c_fused[owned], c_ref[owned]) < tol
+        assert c_fused[scratch].isfinite().all()
 
 
 def check_silu_and_mul(t, n, dtype, tol, seed=0):
@@ -116,6 +153,25 @@ def test_rope(t, hq, hkv, d, norm):
     check_rope(t, hq, hkv, d, torch.float32, FP32_TOL, norm)
 
 
+@pytest.mark.parametrize("t,padding", [(1, 0), (5, 3), (37, 0)])
+@pytest.mark.parametrize("hq,hkv,d", [(32, 8, 128), (9, 3, 64), (4, 4, 80)])
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("norm", [False, True])
+def test_rope_and_cache(t, padding, hq, hkv, d, block_size, norm):
+    check_rope_and_cache(t, hq, hkv, d, block_size, torch.float32, FP32_TOL, norm, padding)
+
+
+def test_rope_and_cache_argument_errors():
+    q, k, v = make_qkv(2, 4, 2, 32, torch.float32, torch.Generator().manual_seed(0))
+    positions, cos, sin, _ = rope_inputs(2, 32, torch.float32, False, torch.Generator().manual_seed(0))
+    cache = torch.zeros(4, 16, 2, 32, device=DEVICE)
+    slots = torch.tensor([0, 1], device=DEVICE)
+    with pytest.raises(ValueError, match="dtype"):
+        tf.apply_rope_and_cache(positions, q, k, v, cos, sin, cache, cache.half(), slots)
+    with pytest.raises(ValueError, match="strides"):
+        tf.apply_rope_and_cache(positions, q, k, v, cos, sin, cache, cache[:2], slots)
+
+
 @pytest.mark.parametrize("t", [1, 3, 300])
 @pytest.mark.parametrize("n", [1536, 128, 1000])
 def test_silu_and_mul(t, n):
@@ -126,6 +182,7 @@ def test_half_precision():
     """fp16 rounds where bf16 does on the GPU (the interpreter gets bf16 wrong)."""
     check_rms_norm(33, 576, torch.float16, HALF_TOL, True)
     check_rope(33, 16, 8, 64, torch.float16, HALF_TOL, True)
+    check_rope_and_cache(33, 16, 8, 64, 16, torch.float16, HALF_TOL, True, padding=2)
     check_silu_and_mul(33, 1536, torch.float16, HALF_TOL)
 
 
@@ -193,6 +250,7 @@ def test_fused_ops_bf16_gpu(t):
     for norm in (False, True):
         for hq, hkv, d in ((32, 8, 128), (9, 3, 64), (40, 8, 128), (64, 4, 128)):
             check_rope(t, hq, hkv, d, torch.bfloat16, HALF_TOL, norm, seed=t, max_pos=40960)
+            check_rope_and_cache(t, hq, hkv, d, 16, torch.bfloat16, HALF_TOL, norm, padding=3, seed=t)
     for n in (12288, 1536, 17408):
         check_silu_and_mul(t, n, torch.bfloat16, HALF_TOL, seed=t)
 

@@ -170,7 +170,8 @@ def test_half_precision_tiles():
 
 
 def test_backend_mixed_batch_equals_torch():
-    """Two decodes then two prefill chunks through ``forward``: same output and cache as ``TorchAttention``."""
+    """Two decodes then two prefill chunks through ``forward``: same output and cache as ``TorchAttention``;
+    with K/V None, the same output again and the cache untouched."""
     b = make_batch([1, 1, 10, 25], [5, 40, 10, 60], 8, 2, 64, 16, num_decodes=2)
     finite = [torch.where(c.isnan(), torch.randn_like(c), c) for c in (b.k_cache, b.v_cache)]
     caches = {name: [c.clone() for c in finite] for name in ("torch", "triton")}
@@ -181,6 +182,10 @@ def test_backend_mixed_batch_equals_torch():
     err = ((out["triton"] - out["torch"]).norm() / out["torch"].norm()).item()
     assert err < FP32_TOL
     assert all(torch.equal(a, b) for a, b in zip(caches["torch"], caches["triton"], strict=True))
+    written = [c.clone() for c in caches["triton"]]  # K/V None: already in the cache (the decoder's fused RoPE)
+    for name, backend in (("torch", TorchAttention()), ("triton", ta.TritonAttention())):
+        assert torch.equal(backend.forward(b.q, None, None, *caches[name], b.meta, b.scale), out[name])
+        assert all(torch.equal(a, b) for a, b in zip(caches[name], written, strict=True))
 
 
 def test_argument_errors():

@@ -35,11 +35,13 @@ class AttentionMetadata:
 
 
 class AttentionBackend(Protocol):
-    """Writes the new K/V into the paged cache and computes causal attention."""
+    """Writes the new K/V into the paged cache (unless the caller did) and computes causal attention."""
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+    def forward(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        """``q``: ``[T, Hq, D]``, ``k``/``v``: ``[T, Hkv, D]``; returns ``[T, Hq, D]`` (q's dtype)."""
+        """``q``: ``[T, Hq, D]``; ``k``/``v``: ``[T, Hkv, D]``, written at ``meta.slot_mapping`` first, or
+        both None when they are already in the caches (the decoder stores them fused with RoPE).
+        Returns ``[T, Hq, D]`` (q's dtype)."""
         ...
 
 
@@ -59,7 +61,8 @@ class TorchAttention:
     """
 
     def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float):
-        write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        if k is not None:
+            write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         out = torch.empty_like(q)
         nd = meta.num_decodes
         if nd:

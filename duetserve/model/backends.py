@@ -37,8 +37,10 @@ class FlashAttnBackend:
         self._varlen = flash_attn_varlen_func
 
     def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        """``q`` ``[T, Hq, D]``, ``k``/``v`` ``[T, Hkv, D]``: write K/V, return ``[T, Hq, D]`` in q's dtype."""
-        write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        """``q`` ``[T, Hq, D]``, ``k``/``v`` ``[T, Hkv, D]`` (written first) or None (already in the cache);
+        returns ``[T, Hq, D]`` in q's dtype."""
+        if k is not None:
+            write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         cu_seqlens_k = F.pad(meta.context_lens.cumsum(0, dtype=torch.int32), (1, 0))
         return self._varlen(q, k_cache, v_cache, meta.query_start_loc, cu_seqlens_k, max(meta.query_lens_cpu),
                             max(meta.context_lens_cpu), softmax_scale=scale, causal=True,

@@ -89,8 +89,8 @@ class Attention(nn.Module):
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
         norms = (self.q_norm, self.k_norm) if self.qk_norm else ()
-        q, k = self.rotary[0](positions, q, k, *norms)
-        o = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
+        q = self.rotary[0](positions, q, k, v, kv_cache, meta.slot_mapping, *norms)  # K/V land in the cache
+        o = self.backend.forward(q, None, None, kv_cache[0], kv_cache[1], meta, self.scale)
         return self.o_proj(o.reshape(t, -1))
 
 

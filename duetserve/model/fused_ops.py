@@ -1,4 +1,4 @@
-"""The decoder's token-level ops, each one call: add+RMSNorm, q/k-norm+RoPE, SiLU-and-mul.
+"""The decoder's token-level ops, each one call: add+RMSNorm, q/k-norm+RoPE (+ KV-cache write), SiLU-and-mul.
 
 Every function dispatches to a fused Triton kernel (``duetserve.model.triton_fused``) on CUDA
 and to its torch reference elsewhere. ``DUETSERVE_FUSED`` overrides the choice: ``0`` always
@@ -20,6 +20,8 @@ from types import ModuleType
 
 import torch
 import torch.nn.functional as F
+
+from duetserve.model.attention import write_kv
 
 log = logging.getLogger(__name__)
 
@@ -98,6 +100,35 @@ def apply_rope(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: t
     """
     if use_triton(q):
         return _kernels().apply_rope(positions, q, k, cos, sin, q_weight, k_weight, eps)
+    return _rope_reference(positions, q, k, cos, sin, q_weight, k_weight, eps)
+
+
+def apply_rope_and_cache(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                         cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                         slot_mapping: torch.Tensor, q_weight: torch.Tensor | None = None,
+                         k_weight: torch.Tensor | None = None, eps: float = 0.0) -> torch.Tensor:
+    """``apply_rope``, then the rotated k and ``v`` stored at ``slot_mapping`` of the paged caches
+    (``attention.write_kv``): one Triton launch instead of three kernels; torch: rope, then ``write_kv``.
+
+    Args:
+        positions, q, k, cos, sin, q_weight, k_weight, eps: as in ``apply_rope``.
+        v: ``[T, Hkv, D]`` values (not rotated), q's dtype.
+        k_cache, v_cache: ``[num_blocks, block_size, Hkv, D]`` paged caches in q's dtype, same strides.
+        slot_mapping: ``[T]`` int64 slot (block * block_size + offset) of each token.
+
+    Returns:
+        The rotated q ``[T, Hq, D]`` in q's dtype (the keys live in the cache only).
+    """
+    if use_triton(q):
+        return _kernels().apply_rope_and_cache(positions, q, k, v, cos, sin, k_cache, v_cache, slot_mapping,
+                                               q_weight, k_weight, eps)
+    q, k = _rope_reference(positions, q, k, cos, sin, q_weight, k_weight, eps)
+    write_kv(k, v, k_cache, v_cache, slot_mapping)
+    return q
+
+
+def _rope_reference(positions, q, k, cos, sin, q_weight, k_weight, eps) -> tuple[torch.Tensor, torch.Tensor]:
+    """The torch path of ``apply_rope``."""
     if q_weight is not None:
         q, k = rms_norm(q, q_weight, eps)[0], rms_norm(k, k_weight, eps)[0]
     cos, sin = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from duetserve.model.fused_ops import apply_rope, rms_norm, silu_and_mul
+from duetserve.model.fused_ops import apply_rope_and_cache, rms_norm, silu_and_mul
 
 
 class RMSNorm(nn.Module):
@@ -50,13 +50,15 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", freqs.cos() * scaling, persistent=False)
         self.register_buffer("sin", freqs.sin() * scaling, persistent=False)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, q_norm: RMSNorm | None = None,
-                k_norm: RMSNorm | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                kv_cache: tuple[torch.Tensor, torch.Tensor], slot_mapping: torch.Tensor,
+                q_norm: RMSNorm | None = None, k_norm: RMSNorm | None = None) -> torch.Tensor:
         """Rotate ``q`` ``[T, Hq, D]`` and ``k`` ``[T, Hkv, D]`` by ``positions`` ``[T]`` (int64), after
-        the per-head norms ``q_norm``/``k_norm`` when given (Qwen3), in one fused op."""
-        if q_norm is None:
-            return apply_rope(positions, q, k, self.cos, self.sin)
-        return apply_rope(positions, q, k, self.cos, self.sin, q_norm.weight, k_norm.weight, q_norm.eps)
+        the per-head norms ``q_norm``/``k_norm`` when given (Qwen3), and store the rotated k and ``v``
+        ``[T, Hkv, D]`` at ``slot_mapping`` ``[T]`` of ``kv_cache`` (each ``[blocks, block_size, Hkv, D]``),
+        in one fused op. Returns the rotated q."""
+        weights = (q_norm.weight, k_norm.weight, q_norm.eps) if q_norm is not None else ()
+        return apply_rope_and_cache(positions, q, k, v, self.cos, self.sin, *kv_cache, slot_mapping, *weights)
 
 
 class MergedLinear(nn.Linear):

@@ -306,8 +306,10 @@ class TritonAttention:
     cuda_graph_safe = True
 
     def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        """``q`` ``[T, Hq, D]``, ``k``/``v`` ``[T, Hkv, D]``: write K/V, return ``[T, Hq, D]`` in q's dtype."""
-        write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        """``q`` ``[T, Hq, D]``, ``k``/``v`` ``[T, Hkv, D]`` (written first) or None (already in the cache);
+        returns ``[T, Hq, D]`` in q's dtype."""
+        if k is not None:
+            write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         out = torch.empty_like(q)
         nd = meta.num_decodes
         if nd:

@@ -1,4 +1,5 @@
-"""Triton kernels for the decoder's token-level ops: add+RMSNorm, q/k-norm+RoPE, SiLU-and-mul.
+"""Triton kernels for the decoder's token-level ops: add+RMSNorm, q/k-norm+RoPE (optionally storing
+the new K/V into the paged cache), SiLU-and-mul.
 
 Each replaces a chain of small torch kernels by one launch (the torch references, and the
 dispatch between the two, are in ``duetserve.model.fused_ops``). Arithmetic is float32 inside a
@@ -71,15 +72,16 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
 
 
 @triton.jit
-def _rope_heads(src, dst, w_ptr, stride_t, stride_h, heads, h0, t, cos, sin, offs_d, d_ok, eps,
+def _rope_heads(src, stride_h, dst, dst_stride_h, w_ptr, heads, h0, cos, sin, offs_d, d_ok, eps,
                 HALF: tl.constexpr, BLOCK_H: tl.constexpr, NORM: tl.constexpr):
-    """Heads ``h0..h0+BLOCK_H-1`` of token ``t``: optional per-head RMSNorm, then rotate-half RoPE.
+    """Heads ``h0..h0+BLOCK_H-1`` of one token row: optional per-head RMSNorm, then rotate-half RoPE.
 
-    ``dst`` is contiguous ``[T, heads, 2 * HALF]``; ``cos``/``sin`` are ``[BLOCK_D]`` float32.
+    ``src``/``dst`` point at the token's row, heads ``stride_h``/``dst_stride_h`` apart, each
+    head ``2 * HALF`` contiguous values; ``cos``/``sin`` are ``[BLOCK_D]`` float32.
     """
     offs_h = h0 + tl.arange(0, BLOCK_H)
     mask = (offs_h < heads)[:, None] & d_ok[None, :]
-    ptr = src + t * stride_t + offs_h[:, None] * stride_h + offs_d[None, :]
+    ptr = src + offs_h[:, None] * stride_h + offs_d[None, :]
     x1 = tl.load(ptr, mask=mask, other=0.0)
     x2 = tl.load(ptr + HALF, mask=mask, other=0.0)
     dtype = x1.dtype
@@ -90,16 +92,34 @@ def _rope_heads(src, dst, w_ptr, stride_t, stride_h, heads, h0, t, cos, sin, off
         w2 = tl.load(w_ptr + HALF + offs_d, mask=d_ok, other=0.0).to(tl.float32)[None, :]
         a = (w1 * (a * inv).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
         b = (w2 * (b * inv).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
-    out = dst + (t * heads + offs_h[:, None]) * (2 * HALF) + offs_d[None, :]
+    out = dst + offs_h[:, None] * dst_stride_h + offs_d[None, :]
     tl.store(out, (a * cos[None, :] - b * sin[None, :]).to(dtype), mask=mask)
     tl.store(out + HALF, (b * cos[None, :] + a * sin[None, :]).to(dtype), mask=mask)
 
 
 @triton.jit
-def _rope_kernel(q_ptr, k_ptr, q_out, k_out, pos_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr, stride_qt, stride_qh,
-                 stride_kt, stride_kh, stride_cos, num_q_heads, num_kv_heads, eps, HALF: tl.constexpr,
-                 BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr, NORM: tl.constexpr):
-    """Program ``(t, tile)``: a tile of ``BLOCK_H`` query heads, or (tiles past the queries') key heads."""
+def _copy_heads(src, stride_h, dst, dst_stride_h, heads, h0, offs_d, d_ok, HALF: tl.constexpr,
+                BLOCK_H: tl.constexpr):
+    """Copy heads ``h0..h0+BLOCK_H-1`` of one token row as they are (V into the cache)."""
+    offs_h = h0 + tl.arange(0, BLOCK_H)
+    mask = (offs_h < heads)[:, None] & d_ok[None, :]
+    ptr = src + offs_h[:, None] * stride_h + offs_d[None, :]
+    out = dst + offs_h[:, None] * dst_stride_h + offs_d[None, :]
+    tl.store(out, tl.load(ptr, mask=mask), mask=mask)
+    tl.store(out + HALF, tl.load(ptr + HALF, mask=mask), mask=mask)
+
+
+@triton.jit
+def _rope_kernel(q_ptr, k_ptr, v_ptr, q_out, k_out, v_out, slot_ptr, pos_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr,
+                 stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, stride_cos,
+                 num_q_heads, num_kv_heads, eps, HALF: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr,
+                 NORM: tl.constexpr, CACHE: tl.constexpr):
+    """Program ``(t, tile)``: a tile of ``BLOCK_H`` query heads, or (tiles past the queries') key heads.
+
+    Rotated keys go to row ``t`` of ``k_out``, or with ``CACHE`` to row ``slot_mapping[t]`` of the
+    paged cache ``k_out``, where the same program also copies the token's values into ``v_out``
+    (both caches ``stride_ot``/``stride_oh`` per slot/head).
+    """
     t = tl.program_id(0).to(tl.int64)
     tile = tl.program_id(1)
     offs_d = tl.arange(0, BLOCK_D)
@@ -110,11 +130,37 @@ def _rope_kernel(q_ptr, k_ptr, q_out, k_out, pos_ptr, cos_ptr, sin_ptr, qw_ptr, 
     sin = tl.load(sin_ptr + pos * stride_cos + offs_d, mask=d_ok, other=0.0).to(dtype).to(tl.float32)
     q_tiles = tl.cdiv(num_q_heads, BLOCK_H)
     if tile < q_tiles:
-        _rope_heads(q_ptr, q_out, qw_ptr, stride_qt, stride_qh, num_q_heads, tile * BLOCK_H, t, cos, sin, offs_d,
-                    d_ok, eps, HALF, BLOCK_H, NORM)
+        _rope_heads(q_ptr + t * stride_qt, stride_qh, q_out + t * num_q_heads * 2 * HALF, 2 * HALF, qw_ptr,
+                    num_q_heads, tile * BLOCK_H, cos, sin, offs_d, d_ok, eps, HALF, BLOCK_H, NORM)
     else:
-        _rope_heads(k_ptr, k_out, kw_ptr, stride_kt, stride_kh, num_kv_heads, (tile - q_tiles) * BLOCK_H, t, cos,
-                    sin, offs_d, d_ok, eps, HALF, BLOCK_H, NORM)
+        h0 = (tile - q_tiles) * BLOCK_H
+        row = t
+        if CACHE:
+            row = tl.load(slot_ptr + t).to(tl.int64)
+            _copy_heads(v_ptr + t * stride_vt, stride_vh, v_out + row * stride_ot, stride_oh, num_kv_heads, h0,
+                        offs_d, d_ok, HALF, BLOCK_H)
+        _rope_heads(k_ptr + t * stride_kt, stride_kh, k_out + row * stride_ot, stride_oh, kw_ptr, num_kv_heads, h0,
+                    cos, sin, offs_d, d_ok, eps, HALF, BLOCK_H, NORM)
+
+
+def _launch_rope(positions, q, k, cos, sin, q_weight, k_weight, eps, k_out, v=None, v_out=None,
+                 slot_mapping=None) -> torch.Tensor:
+    """Launch ``_rope_kernel``; ``k_out`` ``[rows, Hkv, D]``; ``v`` given: cache mode. Returns the new q."""
+    t, hq, d = q.shape
+    hkv = k.shape[1]
+    q_out = torch.empty((t, hq, d), dtype=q.dtype, device=q.device)
+    half = d // 2
+    block_d = triton.next_power_of_2(half)
+    block_h = max(1, min(triton.next_power_of_2(max(hq, hkv)), _ROPE_TILE // block_d))
+    grid = (t, triton.cdiv(hq, block_h) + triton.cdiv(hkv, block_h))
+    norm, cache = q_weight is not None, v is not None
+    v, v_out, slot_mapping = (v, v_out, slot_mapping) if cache else (k, k_out, positions)
+    _rope_kernel[grid](q, k, v, q_out, k_out, v_out, slot_mapping, positions, cos, sin,
+                       q_weight if norm else q, k_weight if norm else k, q.stride(0), q.stride(1), k.stride(0),
+                       k.stride(1), v.stride(0), v.stride(1), k_out.stride(0), k_out.stride(1), cos.stride(0), hq,
+                       hkv, eps, HALF=half, BLOCK_D=block_d, BLOCK_H=block_h, NORM=norm, CACHE=cache,
+                       num_warps=_warps(block_h * block_d))
+    return q_out
 
 
 def apply_rope(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -132,19 +178,37 @@ def apply_rope(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: t
     Returns:
         New contiguous ``(q, k)`` in q's dtype.
     """
-    t, hq, d = q.shape
-    hkv = k.shape[1]
-    q_out, k_out = torch.empty((t, hq, d), dtype=q.dtype, device=q.device), torch.empty(
-        (t, hkv, d), dtype=q.dtype, device=q.device)
-    half = d // 2
-    block_d = triton.next_power_of_2(half)
-    block_h = max(1, min(triton.next_power_of_2(max(hq, hkv)), _ROPE_TILE // block_d))
-    grid = (t, triton.cdiv(hq, block_h) + triton.cdiv(hkv, block_h))
-    norm = q_weight is not None
-    _rope_kernel[grid](q, k, q_out, k_out, positions, cos, sin, q_weight if norm else q, k_weight if norm else k,
-                       q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos.stride(0), hq, hkv, eps, HALF=half,
-                       BLOCK_D=block_d, BLOCK_H=block_h, NORM=norm, num_warps=_warps(block_h * block_d))
-    return q_out, k_out
+    k_out = torch.empty(k.shape, dtype=q.dtype, device=q.device)
+    return _launch_rope(positions, q, k, cos, sin, q_weight, k_weight, eps, k_out), k_out
+
+
+def apply_rope_and_cache(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                         cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                         slot_mapping: torch.Tensor, q_weight: torch.Tensor | None = None,
+                         k_weight: torch.Tensor | None = None, eps: float = 0.0) -> torch.Tensor:
+    """``apply_rope``, with the rotated k and the unrotated v stored straight into the paged caches at
+    ``slot_mapping`` (what ``attention.write_kv`` does), all in one launch (see ``fused_ops.apply_rope_and_cache``).
+
+    Args:
+        positions, q, k, cos, sin, q_weight, k_weight, eps: as in ``apply_rope``.
+        v: ``[T, Hkv, D]`` in q's dtype, last dim contiguous.
+        k_cache, v_cache: ``[num_blocks, block_size, Hkv, D]`` in q's dtype, the same strides, each
+            slot's ``Hkv * D`` values viewable as one row (``write_kv``'s ``view(-1, Hkv, D)``).
+        slot_mapping: ``[T]`` int64 cache slots (block * block_size + offset); rows may share a
+            slot (padding rows on a scratch slot: one of them wins).
+
+    Returns:
+        The new contiguous q ``[T, Hq, D]``. No host synchronisation: CUDA-graph capturable.
+
+    Raises:
+        ValueError: the caches differ in shape, strides or dtype from each other or from q.
+    """
+    if k_cache.shape != v_cache.shape or k_cache.stride() != v_cache.stride() or \
+            not q.dtype == k.dtype == v.dtype == k_cache.dtype == v_cache.dtype:
+        raise ValueError("k_cache and v_cache must share shape and strides, and q, k, v and the caches a dtype")
+    rows = k_cache.shape[-2:]
+    return _launch_rope(positions, q, k, cos, sin, q_weight, k_weight, eps, k_cache.view(-1, *rows), v,
+                        v_cache.view(-1, *rows), slot_mapping)
 
 
 @triton.jit
