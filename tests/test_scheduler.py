@@ -150,19 +150,23 @@ def test_lookahead_reserves_slots_and_drops_tokens_after_finish():
     assert b.num_output_tokens == 6 and b.num_computed_tokens == 10
 
 
-def test_lookahead_shrinks_to_free_blocks():
-    sched = Scheduler(_Spatial(k=8), BlockManager(5, 4), max_num_seqs=2, max_num_batched_tokens=64,
+def test_lookahead_offered_fits_beside_the_prefill_chunks():
+    """The policy is offered only look-ahead depths whose KV fits after the iteration's prefill
+    chunks, so the k it plans is the k that runs (DuetPolicy carries waits computed from it)."""
+    policy = _Spatial(k=40)
+    sched = Scheduler(policy, BlockManager(10, 4), max_num_seqs=2, max_num_batched_tokens=64,
                       max_model_len=100, watermark=0.0)
     seq = make_seq(0, 7, 50)
     sched.add(seq)
     out = sched.schedule()
-    sched.postprocess(out, fake_sample(out))
-    out = sched.schedule()                        # 8 tokens; 5 blocks hold 20 tokens -> k <= 13 fits 8
-    assert out.plan.k == 8
-    sched.postprocess(out, fake_sample(out))
-    sched.add(make_seq(1, 7, 5))                  # takes 2 blocks: 1 block left for seq 0
+    sched.postprocess(out, fake_sample(out))      # 8 tokens, 7 in the KV cache (2 blocks)
+    sched.add(make_seq(1, 8, 5))                  # its prefill takes 2 blocks: 6 left for look-ahead
     out = sched.schedule()
-    assert out.plan.k < 8
+    # 7 cached + k new tokens in 2 + 6 blocks of 4: k <= 25 (49 tokens left); 33 without the prefill.
+    assert policy.max_k_seen[-1] == 25 and out.plan.k == 25
+    assert len(out.prefills) == 1 and sched.blocks.num_free_blocks == 0
+    sched.postprocess(out, fake_sample(out))
+    assert seq.num_output_tokens == 26 and seq.num_computed_tokens == 32
 
 
 @settings(max_examples=40, deadline=None)

@@ -126,18 +126,23 @@ class Scheduler:
                 decodes.append(ScheduledSeq(seq, 1, seq.num_computed_tokens))
                 budget -= 1
 
+        max_k = 1
         if self._split_in_flight():
             prefills, plan = self._split
         else:
             candidates = self._prefill_candidates(budget)
-            max_k = max((self._remaining_tokens(d.seq) for d in decodes), default=1)
+            # The policy sees only look-ahead depths whose KV fits beside these prefill chunks,
+            # so the k it plans (and any wait it carries into the next plan) is the k that runs.
+            free = self.blocks.num_free_blocks - sum(self.blocks.blocks_needed(s, s.num_computed_tokens + q)
+                                                     for s, q in candidates)
+            max_k = self._lookahead_fit(decodes, max((self._remaining_tokens(d.seq) for d in decodes), default=1), free)
             plan = self.policy.plan([(1, d.num_cached_tokens) for d in decodes],
                                     [(q, s.num_computed_tokens) for s, q in candidates], max_k)
             prefills = self._admit(self._trim(candidates, plan.prefill_token_limit))
             if plan.prefill_layers is not None and prefills:
                 self._split = (prefills, plan)
         if plan.spatial and decodes:
-            plan = dataclasses.replace(plan, k=self._reserve_lookahead(decodes, plan.k))
+            plan = dataclasses.replace(plan, k=self._reserve_lookahead(decodes, min(plan.k, max_k)))  # k <= max_k
         elif plan.spatial or plan.k != 1:
             plan = dataclasses.replace(plan, spatial=False, k=1)
         return SchedulerOutput(decodes, prefills, plan, preempted)
@@ -230,23 +235,26 @@ class Scheduler:
             prefills.append(ScheduledSeq(seq, q, seq.num_computed_tokens))
         return prefills
 
+    def _lookahead_steps(self, d: ScheduledSeq, k: int) -> int:
+        """Look-ahead steps decode ``d`` can use out of ``k`` (its tokens left, at least 1)."""
+        return max(1, min(k, self._remaining_tokens(d.seq)))
+
+    def _lookahead_fit(self, decodes: list[ScheduledSeq], k: int, free_blocks: int) -> int:
+        """Largest depth <= ``k`` (at least 1) whose KV slots for every decode fit ``free_blocks``."""
+        while k > 1 and sum(self.blocks.blocks_needed(d.seq, d.seq.num_tokens - 1 + self._lookahead_steps(d, k))
+                            for d in decodes) > free_blocks:
+            k -= 1
+        return k
+
     def _reserve_lookahead(self, decodes: list[ScheduledSeq], k: int) -> int:
-        """Reserve KV slots for ``k`` decode steps; returns the k reserved.
+        """Reserve KV slots for ``k`` decode steps (the policy was offered only depths that fit,
+        see ``schedule``); returns ``k``.
 
         A decode with fewer tokens left (``max_tokens`` or the context limit) gets only those
         steps (``ScheduledSeq.max_steps``); the executor parks its extra steps on a scratch slot.
-        ``k`` shrinks until the blocks for all steps fit (at least 1, already reserved).
         """
-        def steps(d: ScheduledSeq, k: int) -> int:
-            return max(1, min(k, self._remaining_tokens(d.seq)))
-
-        while k > 1:
-            need = sum(self.blocks.blocks_needed(d.seq, d.seq.num_tokens - 1 + steps(d, k)) for d in decodes)
-            if need <= self.blocks.num_free_blocks:
-                break
-            k -= 1
         for d in decodes:
-            d.max_steps = steps(d, k)
+            d.max_steps = self._lookahead_steps(d, k)
             self.blocks.allocate(d.seq, d.seq.num_tokens - 1 + d.max_steps)
         return k
 
