@@ -1,15 +1,19 @@
 """Check and time the Triton paged attention kernels on a CUDA GPU (Qwen3-8B heads, bf16).
 
 Every shape is first checked against ``TorchAttention`` run in float32 on the same inputs
-(relative error < 1e-2, every output element written), then timed with
-``triton.testing.do_bench`` (median; it flushes the L2 cache between runs).
+(relative error < 1e-2, every output element written), then timed.
 
-- decode: batch 1/8/32/64/128 x context 512/2048/8192, block size 16; achieved bandwidth is
-  the K/V bytes read (plus q and out) over the time, against the H200's measured copy rate
-  4.19 TB/s (DESIGN.md section 5). The default key split count is timed, and every other
-  power of two up to ``MAX_SPLITS`` to show the best one.
+- decode: batch 1/8/32/64/128 x context 512/2048/8192, block size 16, block tables as wide
+  as the engine's CUDA graphs make them (Qwen3-8B's 40960 tokens), so the default split count
+  is the one the engine runs. Timed as the engine runs it: replays of a CUDA graph of many
+  calls, each on its own copy of the KV cache (the copies together twice the L2 cache, like a
+  model's layers), so neither Python launch time nor L2 hits count. Achieved bandwidth is the
+  K/V bytes read (plus q and out) over the time, against the H200's measured copy rate
+  4.19 TB/s (DESIGN.md section 5). Batches 1/8/32 also sweep the split count (1, 2, 4, ...,
+  ``MAX_SPLITS``) to show the best one.
 - prefill: 8192 tokens as 1 x 8192 and 8 x 1024, and a 2048-token chunk after 6144 cached
-  ones; TFLOP/s over useful causal FLOPs ``4 Hq D sum(q c + q (q + 1) / 2)`` (``c`` cached
+  ones, timed with ``triton.testing.do_bench`` (median; it flushes the L2 cache between runs);
+  TFLOP/s over useful causal FLOPs ``4 Hq D sum(q c + q (q + 1) / 2)`` (``c`` cached
   tokens), against 797 TFLOP/s (bf16 GEMM); torch's SDPA on contiguous K/V beside it.
 
 A failing shape prints its error and the run goes on. Writes JSON to ``--out`` and prints a
@@ -19,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import time
 import traceback
@@ -29,21 +34,26 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
+from duetserve.calibrate.workload import rotation_sets
 from duetserve.model.attention import AttentionMetadata, TorchAttention
 
 HQ, HKV, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
+GRAPH_CONTEXT = 40960  # Qwen3-8B's max_position_embeddings: the engine's graph block tables hold this many tokens
 DEVICE, DTYPE = "cuda", torch.bfloat16
 COPY_BW, GEMM_RATE = 4.19e12, 797e12
 TOL = 1e-2
 CHECK_SEQS = 8  # sequences compared with the float32 reference (each is computed independently)
+SWEEP_BATCHES = (1, 8, 32)  # decode batches whose every split count is timed
+GRAPH_CALLS = 32  # at least this many decode calls per timed graph replay
 
 
-def make_inputs(qlens: list[int], ctxs: list[int]):
-    """q ``[T, HQ, D]``, a paged cache holding exactly these contexts (blocks shuffled) and metadata."""
+def make_inputs(qlens: list[int], ctxs: list[int], width: int = 0):
+    """q ``[T, HQ, D]``, a paged cache holding exactly these contexts (blocks shuffled) and metadata;
+    block tables ``max(width, blocks needed)`` wide (padded with block 0)."""
     dev = torch.device(DEVICE)
     counts = [-(-c // BLOCK_SIZE) for c in ctxs]
     perm = torch.randperm(sum(counts), device=dev, dtype=torch.int32)
-    width = max(counts)
+    width = max(width, *counts)
     tables = torch.zeros(len(ctxs), width, dtype=torch.int32, device=dev)
     slots, start = [], 0
     for i, (n, ql, c) in enumerate(zip(counts, qlens, ctxs)):
@@ -87,25 +97,52 @@ def bench_ms(fn) -> float:
     return do_bench(fn, warmup=25, rep=100, return_mode="median")
 
 
+def graph_us(fns: list, replays: int = 5) -> float:
+    """Median microseconds per call of ``fns`` (each called once eagerly already), recorded in
+    one CUDA graph, called round-robin at least ``GRAPH_CALLS`` times, and replayed."""
+    calls = math.ceil(GRAPH_CALLS / len(fns)) * len(fns)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(calls):
+            fns[i % len(fns)]()
+    graph.replay()
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / calls)
+    return sorted(times)[len(times) // 2]
+
+
 def run_decode(batch: int, ctx: int, ta) -> dict:
+    """One decode shape: the default split count (and with ``SWEEP_BATCHES`` every power of two up to
+    ``MAX_SPLITS``) checked and timed from CUDA-graph replays."""
     qlens, ctxs = [1] * batch, [ctx] * batch
-    q, k_cache, v_cache, meta = make_inputs(qlens, ctxs)
+    q, k_cache, v_cache, meta = make_inputs(qlens, ctxs, width=GRAPH_CONTEXT // BLOCK_SIZE)
+    kv_bytes = 2 * k_cache.numel() * k_cache.element_size()
+    caches = [(k_cache, v_cache)] + [(torch.randn_like(k_cache), torch.randn_like(v_cache))
+                                     for _ in range(rotation_sets(kv_bytes) - 1)]
     scale = HEAD_DIM ** -0.5
     out = torch.full_like(q, float("nan"))
-    auto = ta.default_num_splits(batch, HKV, meta.block_tables.shape[1] * BLOCK_SIZE, q.device)
-
-    def call(splits):
-        return lambda: ta.paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale,
-                                                 out=out, num_splits=splits)
-
-    call(auto)()
-    err = check(out, q, k_cache, v_cache, meta, scale, decode=True)
-    times = {s: bench_ms(call(s)) for s in sorted({auto} | {2 ** i for i in range(6) if 2 ** i <= ta.MAX_SPLITS})}
+    sms = torch.cuda.get_device_properties(q.device).multi_processor_count
+    auto = ta.default_num_splits(batch, HKV, meta.block_tables.shape[1] * BLOCK_SIZE, sms)
+    sweep = [2 ** i for i in range(ta.MAX_SPLITS.bit_length())] if batch in SWEEP_BATCHES else []
+    times, err = {}, 0.0
+    for splits in sorted({auto, *sweep}):
+        fns = [lambda kc=kc, vc=vc, s=splits: ta.paged_decode_attention(
+            q, kc, vc, meta.block_tables, meta.context_lens, scale, out=out, num_splits=s) for kc, vc in caches]
+        out.fill_(float("nan"))
+        fns[0]()
+        err = max(err, check(out, q, k_cache, v_cache, meta, scale, decode=True))
+        times[splits] = graph_us(fns)
     nbytes = 2 * batch * ctx * HKV * HEAD_DIM * 2 + 2 * q.numel() * 2
     best = min(times, key=times.get)
-    return {"batch": batch, "context": ctx, "splits": auto, "us": times[auto] * 1e3, "bytes": nbytes,
-            "gb_s": nbytes / times[auto] / 1e6, "floor_us": nbytes / COPY_BW * 1e6,
-            "best_splits": best, "best_us": times[best] * 1e3, "us_by_splits": {str(s): t * 1e3 for s, t in times.items()},
+    return {"batch": batch, "context": ctx, "splits": auto, "us": times[auto], "bytes": nbytes,
+            "gb_s": nbytes / times[auto] / 1e3, "floor_us": nbytes / COPY_BW * 1e6, "best_splits": best,
+            "best_us": times[best], "us_by_splits": {str(s): t for s, t in times.items()}, "kv_copies": len(caches),
             "rel_err": err}
 
 
@@ -179,6 +216,13 @@ def main(argv: list[str] | None = None) -> int:
     for r in result["decode"]:
         print(f"b={r['batch']:>3} c={r['context']:>5} {r['splits']:>6} {r['us']:>8.1f} {r['gb_s']:>6.0f} "
               f"{r['floor_us']:>8.1f} {r['us'] / r['floor_us']:>7.2f} {r['best_splits']:>4} {r['best_us']:>5.1f}")
+    sweep = [r for r in result["decode"] if r["batch"] in SWEEP_BATCHES]
+    if sweep:
+        splits = list(sweep[0]["us_by_splits"])
+        print(f"decode us by split count (* default)\n{'':>13}" + "".join(f"{s:>7} " for s in splits))
+        for r in sweep:
+            cells = "".join(f"{r['us_by_splits'][s]:>7.1f}" + ("*" if s == str(r["splits"]) else " ") for s in splits)
+            print(f"b={r['batch']:>3} c={r['context']:>5}" + cells)
     print(f"{'prefill':>16} {'us':>8} {'TFLOP/s':>8} {'of 797':>6} {'SDPA TFLOP/s':>12}")
     for r in result["prefill"]:
         sdpa = f"{r['sdpa_tflop_s']:.0f}" if r["sdpa_tflop_s"] else "-"

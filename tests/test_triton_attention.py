@@ -142,6 +142,41 @@ def test_decode_fp32(hq, hkv, head_dim, block_size, ctxs, splits):
     run_decode(ctxs, hq, hkv, head_dim, block_size, torch.float32, splits, FP32_TOL)
 
 
+def test_decode_skips_empty_splits(monkeypatch):
+    """``MAX_SPLITS`` splits over contexts of 1 to 3 key tiles in a block table 40x wider (as in a
+    CUDA graph): most splits get no keys and exit unwritten; the merge reads only the others (its
+    partial buffers start as NaN here, so reading an unwritten split shows up as NaN)."""
+    b = make_batch([1] * 4, [1, 5, 40, 70], 8, 2, 64, 16, num_decodes=4)
+    m = b.meta
+    tables = torch.zeros(4, 40 * m.block_tables.shape[1], dtype=torch.int32, device=DEVICE)
+    tables[:, :m.block_tables.shape[1]] = m.block_tables
+    out = torch.full_like(b.q, math.nan)
+    empty = torch.empty
+    monkeypatch.setattr(torch, "empty", lambda *a, **kw: empty(*a, **kw).fill_(math.nan))
+    ta.paged_decode_attention(b.q, b.k_cache, b.v_cache, tables, m.context_lens, b.scale, out=out,
+                              num_splits=ta.MAX_SPLITS)
+    monkeypatch.undo()
+    assert_close(out, b, FP32_TOL)
+
+
+@pytest.mark.parametrize("num_seqs,max_context,splits", [
+    (1, 40960, 32),  # 2 * 132 / 8 = 33 programs wanted per sequence: 64, capped at MAX_SPLITS
+    (2, 40960, 32),  # 17 -> 32
+    (4, 40960, 16),  # 9 -> 16
+    (8, 40960, 8),  # 5 -> 8
+    (16, 40960, 4),  # 3 -> 4
+    (32, 40960, 2),  # 264 / 256 -> 2
+    (33, 40960, 1),  # 264 / 264 = 1
+    (128, 40960, 1),
+    (1, 512, 8),  # an exact block table: 512 keys hold 8 splits of 64
+    (1, 100, 2),  # 2 splits of 64 keys
+    (1, 16, 1),
+])
+def test_default_num_splits(num_seqs, max_context, splits):
+    """Qwen3-8B's 8 KV heads on an H200's 132 SMs; ``max_context`` is the block table's capacity."""
+    assert ta.default_num_splits(num_seqs, 8, max_context, 132) == splits
+
+
 # hq, hkv, head_dim, block_size, query lengths, context lengths: a whole prompt, a chunk after
 # a cached prefix, chunks starting either side of a key tile edge (positions 30..33), several
 # sequences (one of a single token), query tiles crossed (fp32 tiles hold 64 rows: 8 tokens

@@ -12,7 +12,10 @@ Decode programs may split the keys of one sequence across ``num_splits`` program
 (flash-decoding, Dao et al. 2023, "Flash-Decoding for long-context inference"); each writes a
 partial output and its log-sum-exp, and a second kernel merges them. Every loop bound is read
 from ``context_lens`` inside the kernels and every grid depends only on tensor shapes, so both
-entry points can be captured in a CUDA graph.
+entry points can be captured in a CUDA graph. The split count therefore cannot follow the
+actual context: a sequence's key tiles are dealt to its first ``cdiv(tiles, cdiv(tiles,
+num_splits))`` splits, and the others (most, for a short context in a graph sized for
+the longest) exit at once, unwritten; the merge reads only the splits that ran.
 
 On a machine without a GPU the kernels run under Triton's interpreter (``TRITON_INTERPRET=1``
 set before this module is imported).
@@ -114,6 +117,8 @@ def _paged_attention_kernel(
     per_split = tl.cdiv(n_tiles, NUM_SPLITS)
     lo = split * per_split
     hi = tl.minimum(lo + per_split, n_tiles)
+    if lo >= hi:  # an empty split: the merge skips it
+        return
 
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < HEAD_DIM
@@ -132,7 +137,6 @@ def _paged_attention_kernel(
                                   row_pos, ctx, qk_scale, tl.maximum(lo, n_full), hi, offs_d, d_ok,
                                   PAGE, BLOCK_N, True, DOT_PRECISION)
 
-    l_i = tl.where(l_i > 0, l_i, 1.0)  # an empty split: m_i = -inf, lse = -inf, weight 0
     out = acc / l_i[:, None]
     o_rows = q_rows.to(tl.int64) * stride_ot + head * stride_oh + split * stride_os
     tl.store(out_ptr + o_rows[:, None] + offs_d[None, :], out.to(out_ptr.dtype.element_ty),
@@ -143,18 +147,22 @@ def _paged_attention_kernel(
 
 
 @triton.jit
-def _combine_splits_kernel(part_ptr, lse_ptr, out_ptr, stride_pt, stride_ph, stride_ot, stride_oh,
-                           HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr):
-    """Merge the split partial outputs of one (token, head): weights ``exp2(lse_s - max lse)``."""
+def _combine_splits_kernel(part_ptr, lse_ptr, out_ptr, context_lens, stride_pt, stride_ph, stride_ot, stride_oh,
+                           HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+                           NUM_SPLITS: tl.constexpr):
+    """Merge the split partial outputs of one decode (token, head): weights ``exp2(lse_s - max lse)``
+    over the splits that had key tiles (the attention kernel's split of ``cdiv(ctx, BLOCK_N)`` tiles)."""
     tok = tl.program_id(0)
     head = tl.program_id(1)
     splits = tl.arange(0, NUM_SPLITS)
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < HEAD_DIM
-    lse = tl.load(lse_ptr + (tok * tl.num_programs(1) + head) * NUM_SPLITS + splits)
+    n_tiles = tl.cdiv(tl.load(context_lens + tok), BLOCK_N)
+    ran = splits * tl.cdiv(n_tiles, NUM_SPLITS) < n_tiles
+    lse = tl.load(lse_ptr + (tok * tl.num_programs(1) + head) * NUM_SPLITS + splits, mask=ran, other=float("-inf"))
     w = tl.exp2(lse - tl.max(lse, 0))
     part = tl.load(part_ptr + tok * stride_pt + head * stride_ph + splits[:, None] * HEAD_DIM + offs_d[None, :],
-                   mask=d_ok[None, :], other=0.0)
+                   mask=ran[:, None] & d_ok[None, :], other=0.0)
     out = tl.sum(part * w[:, None], 0) / tl.sum(w, 0)
     tl.store(out_ptr + tok * stride_ot + head * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty), mask=d_ok)
 
@@ -195,8 +203,8 @@ def _launch(q, k_cache, v_cache, out, block_tables, context_lens, query_start_lo
         DOT_PRECISION="tf32x3" if q.dtype == torch.float32 else "tf32", num_warps=num_warps)
     if num_splits > 1:
         _combine_splits_kernel[(q.shape[0], hq)](
-            target, lse, out, target.stride(0), target.stride(1), out.stride(0), out.stride(1),
-            HEAD_DIM=head_dim, BLOCK_D=block_d, NUM_SPLITS=num_splits, num_warps=4)
+            target, lse, out, context_lens, target.stride(0), target.stride(1), out.stride(0), out.stride(1),
+            HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=block_n, NUM_SPLITS=num_splits, num_warps=4)
     return out
 
 
@@ -205,16 +213,17 @@ def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def default_num_splits(num_seqs: int, num_kv_heads: int, max_context: int, device: torch.device) -> int:
-    """Key splits per decode sequence: a power of two giving about two programs per SM.
+def default_num_splits(num_seqs: int, num_kv_heads: int, max_context: int, num_sms: int) -> int:
+    """Key splits per decode sequence: the power of two at or above ``2 * num_sms / (num_seqs *
+    num_kv_heads)`` (at least two programs per SM when every split has keys), at most ``MAX_SPLITS``
+    and at most ``next_power_of_2(cdiv(max_context, 64))`` (64 keys a split of ``max_context``,
+    the block table's capacity in tokens).
 
-    At most ``MAX_SPLITS``, and at least 64 keys per split of ``max_context`` (the block
-    table's capacity, tokens). Depends only on shapes, never on tensor values, so a captured
-    CUDA graph stays valid. 1 off CUDA.
+    Depends only on shapes, never on tensor values, so a captured CUDA graph stays valid. In a
+    graph the capacity is the model's longest context, so short contexts get many splits; only
+    ``cdiv(tiles, cdiv(tiles, splits))`` of them run (see the module docstring), the rest exit.
     """
-    if device.type != "cuda":
-        return 1
-    want = triton.cdiv(2 * _num_sms(device), max(1, num_seqs * num_kv_heads))
+    want = triton.cdiv(2 * num_sms, max(1, num_seqs * num_kv_heads))
     return max(1, min(MAX_SPLITS, triton.next_power_of_2(want), triton.next_power_of_2(triton.cdiv(max_context, 64))))
 
 
@@ -233,7 +242,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         scale: softmax scale (usually ``D ** -0.5``).
         out: optional ``[nd, Hq, D]`` output (a view is fine); written and returned.
         num_splits: key splits per sequence, a power of two <= ``MAX_SPLITS``; None picks
-            ``default_num_splits`` (shapes only). Splits > 1 add a merge kernel.
+            ``default_num_splits`` (shapes only) on CUDA, 1 elsewhere. Splits > 1 add a merge kernel.
 
     Returns:
         ``[nd, Hq, D]`` in q's dtype. No host synchronisation; CUDA-graph capturable.
@@ -244,7 +253,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     out = _check(q, k_cache, v_cache, out)
     if num_splits is None:
         num_splits = default_num_splits(q.shape[0], k_cache.shape[2], block_tables.shape[1] * k_cache.shape[1],
-                                        q.device)
+                                        _num_sms(q.device)) if q.is_cuda else 1
     if not 1 <= num_splits <= MAX_SPLITS or num_splits & (num_splits - 1):
         raise ValueError(f"num_splits must be a power of two in [1, {MAX_SPLITS}], got {num_splits}")
     if q.shape[0] == 0:
