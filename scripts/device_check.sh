@@ -31,5 +31,5 @@ step attention 240 python3 scripts/bench_attention.py --out "$OUT/attention.json
 step engine 420 python3 scripts/bench_engine.py --iters 10 --variants ${ENGINE_VARIANTS:-graphs,eager} --out "$OUT/engine.json"
 step spatial 300 python3 scripts/bench_spatial.py --out "$OUT/spatial.json"
 step calibrate 420 python3 -m duetserve.calibrate --gpu-name h200-lent --out "$OUT/profile_h200.json" --plot "$OUT/calib.png" --quick
-step watchdog 200 python3 scripts/tpcmask_watchdog.py --levels 16,32 --out "$OUT/watchdog.json"
+step watchdog 300 python3 scripts/tpcmask_watchdog.py --out "$OUT/watchdog.json"
 echo; echo "=== summary"; printf '%s\n' "${summary[@]}"

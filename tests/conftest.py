@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import json
 import os
 import sys
@@ -13,6 +14,16 @@ import torch
 
 CUDA = torch.cuda.is_available()
 _triton_interpreted = False  # triton was first imported by import_triton_module, interpreted
+
+
+def load_script(name: str) -> ModuleType:
+    """Import ``scripts/<name>.py`` (the scripts folder is not a package)."""
+    spec = importlib.util.spec_from_file_location(f"_script_{name}", Path(__file__).resolve().parent.parent /
+                                                  "scripts" / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod
+    spec.loader.exec_module(mod)
+    return mod
 
 
 def import_triton_module(name: str) -> ModuleType:

@@ -7,25 +7,13 @@ servers, four bench runs) is not part of the suite.
 from __future__ import annotations
 
 import argparse
-import importlib.util
-import sys
 import zipfile
 from pathlib import Path
 
 import pytest
+from conftest import load_script
 
-SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
-
-
-def _load(name: str):
-    spec = importlib.util.spec_from_file_location(f"_script_{name}", SCRIPTS / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    return mod
-
-
-sb = _load("serving_bench")
+sb = load_script("serving_bench")
 
 
 def test_trace_run_parse():
@@ -112,7 +100,7 @@ def _wheel(path: Path, name: str, version: str, requires: list[str]) -> Path:
 
 
 def test_select_wheels(tmp_path, monkeypatch):
-    sw = _load("select_wheels")
+    sw = load_script("select_wheels")
     site, opt = tmp_path / "site", tmp_path / "opt"
     site.mkdir(), opt.mkdir()
     info = site / "carried-1.0.dist-info"

@@ -12,16 +12,20 @@ import torch
 
 from duetserve.config import EngineConfig
 from duetserve.engine.cuda_graphs import DecodeGraphs
-from duetserve.partition import make_partition_backend
 from duetserve.engine.detokenizer import IncrementalDetokenizer
 from duetserve.engine.kv_cache import BlockManager
-from duetserve.engine.model_runner import ModelRunner, allocate_kv_cache, kv_bytes_per_block
+from duetserve.engine.model_runner import (
+    ModelRunner,
+    allocate_kv_cache,
+    kv_bytes_per_block,
+)
 from duetserve.engine.policy import Plan, make_policy
 from duetserve.engine.sampler import Sampler
 from duetserve.engine.scheduler import Scheduler
 from duetserve.engine.sequence import Sequence
 from duetserve.model.backends import make_attention_backend
 from duetserve.model.loader import load_model
+from duetserve.partition import make_partition_backend
 from duetserve.sampling import ParamError, SamplingParams
 
 log = logging.getLogger(__name__)

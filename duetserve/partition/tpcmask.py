@@ -114,7 +114,8 @@ class TpcMaskBackend:
 
     def pair(self, s_decode: int) -> StreamPair:
         if s_decode not in self.levels():
-            raise ValueError(f"{s_decode} SMs is not a TPC-mask level (even, 2..{self.num_sms - 2})")
+            raise ValueError(f"{s_decode} SMs is not a TPC-mask level ({self.min_sms}..{self.num_sms - self.min_sms} "
+                             f"in steps of {self.granularity})")
         if s_decode not in self._pairs:
             with torch.cuda.device(self.device_index):
                 decode, prefill = torch.cuda.Stream(), torch.cuda.Stream()
