@@ -25,10 +25,11 @@ step() {  # name, timeout seconds, command...
   git log -1 --format='commit %H %cd' 2>/dev/null || true; } | tee "$OUT/env.txt"
 step tests 420 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu_engine.py tests/test_gpu_spatial.py \
   tests/test_partition.py tests/test_triton_attention.py tests/test_fused_ops.py
-step core-tests 300 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu_engine.py tests/test_gpu_spatial.py \
-  $(ls tests/test_fused_ops.py 2>/dev/null)
+step core-tests 300 python3 -m pytest -q -rP -m gpu -p no:cacheprovider tests/test_gpu_engine.py tests/test_gpu_spatial.py \
+  tests/test_partition.py tests/test_fused_ops.py
 step attention 240 python3 scripts/bench_attention.py --out "$OUT/attention.json"
 step engine 420 python3 scripts/bench_engine.py --iters 10 --variants ${ENGINE_VARIANTS:-graphs,eager} --out "$OUT/engine.json"
+step profile 240 python3 scripts/profile_decode.py --out "$OUT/profile.json"
 step spatial 300 python3 scripts/bench_spatial.py --out "$OUT/spatial.json"
 step calibrate 420 python3 -m duetserve.calibrate --gpu-name h200-lent --out "$OUT/profile_h200.json" --plot "$OUT/calib.png" --quick
 step watchdog 300 python3 scripts/tpcmask_watchdog.py --out "$OUT/watchdog.json"

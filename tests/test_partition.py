@@ -61,3 +61,35 @@ def test_backend_self_test_on_gpu(name):
     assert backend.name == name, getattr(backend, "reason", "")
     pair = backend.pair(backend.levels()[0])
     assert pair.s_decode + pair.s_prefill == backend.num_sms
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("name", ["greenctx", "tpcmask"])
+def test_graph_replays_on_the_sms_of_its_capture_stream(name):
+    """The engine records decode graphs per split level on that level's decode stream; a
+    replay there must stay on the level's SMs. Also prints where a graph captured on the
+    smallest level runs when replayed on the largest (whether one graph set could serve every
+    level)."""
+    from duetserve.partition.probe import _smid_kernel, sms_used
+
+    backend = make_partition_backend(name, "cuda")
+    assert backend.name == name, getattr(backend, "reason", "")
+    small, large = backend.pair(backend.levels()[0]).decode, backend.pair(backend.levels()[-1]).decode
+    allowed_small, allowed_large = sms_used(small), sms_used(large)  # also compiles the probe
+    out = torch.full((4096,), -1, dtype=torch.int32, device="cuda")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=small):
+        _smid_kernel[(out.numel(),)](out, 20000, num_warps=1)
+    for stream in (small, large):
+        out.fill_(-1)
+        torch.cuda.synchronize()
+        with torch.cuda.stream(stream):
+            graph.replay()
+        stream.synchronize()
+        seen = set(out.tolist())
+        if stream is small:
+            assert seen <= allowed_small and len(seen) == len(allowed_small)
+        else:
+            print(f"{name}: graph captured on {len(allowed_small)} SMs, replayed on a {len(allowed_large)}-SM "
+                  f"stream: ran on {len(seen)} SMs, {len(seen - allowed_large)} outside that stream's")
