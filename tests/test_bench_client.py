@@ -152,6 +152,24 @@ def test_misbehaving_server_failures_are_counted(tmp_path: Path, capsys: pytest.
     assert re.search(r"failed\s+10", report) and "Failures" in report
 
 
+def test_a_run_where_every_request_fails_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    app = FastAPI()
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [{"id": "fake-model", "object": "model"}]}
+
+    @app.post("/v1/completions")
+    async def completions() -> Any:
+        return JSONResponse({"error": {"message": "internal error"}}, 500)
+
+    out = tmp_path / "r.json"
+    with serving(app) as url:
+        assert bench(["--base-url", url, *SYNTHETIC, "--result-file", str(out)]) == 2
+    assert json.loads(out.read_text())["failed"] == 12
+    assert "every request failed at qps 50" in capsys.readouterr().err
+
+
 def test_well_behaved_server_completions(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     out, png = tmp_path / "r.json", tmp_path / "r.png"
     args = [*SYNTHETIC, "--goodput", "ttft:1s", "tpot:100", "--tbt-slo", "100ms",

@@ -255,6 +255,11 @@ def _bench(args: argparse.Namespace) -> int:
         labels = [f"qps {q:g}" if q else "trace timing" for q in loads]
         plot_results(results, labels, args.plot, _spatial_times(args))
         print(f"plot: {args.plot}")
+    empty = [f"{q:g}" if q else "trace timing" for q, r in zip(loads, results) if r["completed"] == 0]
+    if empty:
+        print(f"duetserve bench: every request failed at qps {', '.join(empty)} (reasons in the report)",
+              file=sys.stderr)
+        return 2
     return 0
 
 
@@ -262,8 +267,9 @@ def run(args: argparse.Namespace) -> int:
     """Run ``duetserve bench`` with parsed arguments.
 
     Returns:
-        0 when every run produced a report (even with failed requests), 1 on a setup error
-        (bad options, unreadable trace, server not reachable or not starting).
+        0 when every run produced a report with at least one completed request (some may
+        have failed), 1 on a setup error (bad options, unreadable trace, server not reachable
+        or not starting), 2 when every request of a run failed (the reports are still written).
     """
     try:
         return _compare(args) if args.compare else _bench(args)
