@@ -43,3 +43,42 @@ def test_spatial_tokens_equal_temporal(tiny_qwen3_folder, backend_name):
     engine.scheduler.policy = ForcedSpatial(backend.levels()[0], backend.num_sms, k=4)
     assert engine.generate(prompts, params) == expected
     assert set(engine.runner.last_stream_seconds) == {"decode", "prefill"}
+
+
+@pytest.mark.parametrize("enforce_eager", [True, False])
+def test_pdmux_layer_split_on_green_contexts_gives_chunked_tokens(tiny_qwen3_folder, enforce_eager):
+    """``--policy pdmux`` on the GPU: prefill cut into layer rounds on its green-context stream
+    beside one decode step per round on the group's decode SMs (decode graphs recorded per
+    group level unless eager): the tokens of chunked prefill."""
+    import dataclasses
+    import json
+
+    from duetserve.planner.cost_model import ModelShape
+    from duetserve.planner.hardware import load_profile
+    from duetserve.planner.pdmux import PdmuxConfig
+    from duetserve.planner.policies import PdmuxPolicy, PlannerConfig
+
+    gen = torch.Generator().manual_seed(8)
+    prompts = [torch.randint(3, 320, (n,), generator=gen).tolist() for n in (6, 30, 57, 80, 120)]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    config = EngineConfig(model=str(tiny_qwen3_folder), device="cuda", dtype="float32", max_num_batched_tokens=64,
+                          num_kv_blocks=256, block_size=16, max_num_seqs=8, enforce_eager=enforce_eager)
+    expected = LLMEngine(config).generate(prompts, params)
+
+    engine = LLMEngine(dataclasses.replace(config, policy="pdmux", partition_backend="greenctx"))
+    assert engine.partition.name == "greenctx", getattr(engine.partition, "reason", "")
+    shape = ModelShape.from_hf_config(json.loads((tiny_qwen3_folder / "config.json").read_text()))
+    planner = PlannerConfig(shape, load_profile("h200"), 0.1, "greenctx", PdmuxConfig(split_forward_token_budget=64),
+                            cuda_graphs=not enforce_eager)
+    engine.scheduler.policy = PdmuxPolicy(planner)  # 64 tokens a round: one layer per round
+    unfinished = 0
+    outputs: dict[str, list[int]] = {}
+    for i, prompt in enumerate(prompts):
+        engine.add_request(str(i), prompt, params)
+    while engine.has_unfinished():
+        for out in engine.step():
+            outputs.setdefault(out.request_id, []).extend(out.new_token_ids)
+        unfinished += not engine.runner.prefill_done
+    assert [outputs[str(i)] for i in range(len(prompts))] == expected
+    assert unfinished > 0
+    assert engine.block_manager.num_free_blocks == 256
