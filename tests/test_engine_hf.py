@@ -155,3 +155,51 @@ def test_lookahead_tokens_come_out_one_step_at_a_time(tiny_qwen3_folder):
         for out in engine.step():
             got[out.request_id] += out.new_token_ids
     assert [got[r] for r in "abc"] == expected
+
+
+def test_decode_stops_starting_steps_once_the_prefill_is_done(tiny_qwen3_folder, monkeypatch):
+    """On partitioned streams the executor starts no decode step after the prefill's end event
+    has fired (the scheduler reserved k, fewer run); the tokens stay those of plain iterations.
+    The event is faked here: after 2 queries it reports the prefill done."""
+    from duetserve.engine import model_runner
+    from duetserve.engine.policy import Plan
+
+    class FakeEvent:
+        def __init__(self):
+            self.queries = 0
+
+        def query(self) -> bool:
+            self.queries += 1
+            return self.queries > 2
+
+    launch = model_runner.ModelRunner._launch_spatial
+
+    def launch_with_event(self, out):
+        run = launch(self, out)
+        if out.prefills:
+            run.prefill_end = FakeEvent()
+        return run
+
+    monkeypatch.setattr(model_runner.ModelRunner, "_launch_spatial", launch_with_event)
+    gen = torch.Generator().manual_seed(9)
+    prompts = [torch.randint(3, 320, (n,), generator=gen).tolist() for n in (12, 25)]
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    config = EngineConfig(model=str(tiny_qwen3_folder), max_num_batched_tokens=64, num_kv_blocks=64, block_size=8)
+    expected = LLMEngine(config).generate(prompts, params)
+    engine = LLMEngine(config)
+    force_plan(engine, Plan(spatial=True, s_prefill=8, s_decode=8, k=8))
+    engine.add_request("a", prompts[0], params)
+    got = {"a": [t for o in engine.step() for t in o.new_token_ids]}   # prefill of "a"
+    engine.add_request("b", prompts[1], params)
+    parts = list(engine.step_parts())              # "a" decodes beside b's prefill
+    # step 0 is queued with the prefill, steps 1 and 2 after queries 1 and 2, none once the
+    # event has fired: 3 of the 8 steps reserved.
+    assert [[o.request_id for o in part] for part in parts] == [["a"], ["a"], ["a"], ["b"]]
+    assert engine.last_stats.plan.k == 8
+    for part in parts:
+        for o in part:
+            got.setdefault(o.request_id, []).extend(o.new_token_ids)
+    while engine.has_unfinished():
+        for o in engine.step():
+            got[o.request_id].extend(o.new_token_ids)
+    assert [got["a"], got["b"]] == expected

@@ -180,7 +180,7 @@ def test_duet_policy_carries_the_idle_tail_of_a_spatial_plan(qwen_h200):
     from duetserve.planner.policies import DuetPolicy, PlannerConfig
 
     policy = DuetPolicy(PlannerConfig(ModelShape.preset("qwen3-8b"), roofline_only(load_profile("h200")), 0.1))
-    spatial = policy.plan([(1, 2047)] * 32, [(8192, 0)], max_k=4)
+    spatial = policy.plan([(1, 2047)] * 32, [(8192, 0)], max_k=2)  # k capped below t_p / t_d: decode idles at the end
     assert spatial.spatial and spatial.predicted_prefill_s > spatial.k * spatial.predicted_decode_s
     assert policy.carry_s == pytest.approx(spatial.predicted_prefill_s - spatial.k * spatial.predicted_decode_s)
     policy.plan([(1, 2047)] * 32, [], max_k=4)  # decode only: temporal, nothing carried

@@ -49,8 +49,12 @@ def test_duet_splits_when_the_mixed_batch_breaks_tau():
     rate16 = (4 * 16 + 4096) / max(4 * t_d16, t_p116)
     assert rate8 > rate16
     plan = DuetPolicy(config).plan(DECODE, PREFILL, max_k=100)
-    assert (plan.spatial, plan.s_prefill, plan.s_decode, plan.k) == (True, 124, 8, 2)
-    assert plan.predicted_s == pytest.approx(t_p124) and plan.predicted_decode_s == pytest.approx(t_d8)
+    # KV for LOOKAHEAD_SLACK x k steps is reserved; the executor stops once the prefill is done.
+    assert (plan.spatial, plan.s_prefill, plan.s_decode, plan.k) == (True, 124, 8, 2 * 2)
+    assert DuetPolicy(config).plan(DECODE, PREFILL, max_k=3).k == 3
+    # The third step starts at 93.2 ms, before the prefill ends at 93.5: the iteration lasts 3 t_d.
+    assert plan.predicted_s == pytest.approx(3 * t_d8) and plan.predicted_decode_s == pytest.approx(t_d8)
+    assert plan.predicted_prefill_s == pytest.approx(t_p124)
 
 
 def test_duet_without_partition_backend_trims_prefill_in_the_scheduler():

@@ -348,3 +348,21 @@ def test_decode_cuda_graph_replay():
         out.fill_(math.nan)
         graph.replay()
         assert_close(out, b, BF16_TOL)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_attention_compiles_once_across_batch_shapes():
+    """The number of sequences and the block-table width change with every batch; neither may
+    make Triton compile a new variant (each compile stalls serving for about a second)."""
+    kernel = ta._paged_attention_kernel
+
+    def variants() -> int:
+        return sum(len(cache[0]) for cache in kernel.device_caches.values())
+
+    run_prefill([5], [20], 8, 2, 64, 16, torch.bfloat16, BF16_TOL)
+    compiled = variants()
+    for n in range(2, 8):
+        qlens = [3 + i for i in range(n)]
+        run_prefill(qlens, [q + 17 * i for i, q in enumerate(qlens)], 8, 2, 64, 16, torch.bfloat16, BF16_TOL)
+    assert variants() == compiled

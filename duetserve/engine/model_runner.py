@@ -1,18 +1,20 @@
 """Turns a scheduled batch into tensors, runs the model and samples.
 
-Temporal plans run the whole batch once on the current stream. Spatial plans run ``k``
+Temporal plans run the whole batch once on the current stream. Spatial plans run up to ``k``
 decode steps on the decode stream and the prefill batch on the prefill stream at the same
-time (DESIGN section 5; DuetServe's look-ahead decode): every input of all ``k`` steps is
-built and uploaded before the first launch, and each step's sampled tokens feed the next step
-on the device. Each step also copies its tokens into pinned host memory and records an event,
-so the host hands a step's tokens out as soon as that step is done (clients see one token per
-decode step, not a burst of ``k`` at the join), without a host sync between the steps.
+time (DESIGN section 5; DuetServe's look-ahead decode): each step's sampled tokens feed the
+next step on the device, and the next step is always queued behind the running one, so the
+decode stream never waits for the host. Each step also copies its tokens into pinned host
+memory and records an event, so the host hands a step's tokens out as soon as that step is
+done (clients see one token per decode step, not a burst of ``k`` at the join). Beyond the
+paper, decode stops starting steps once the prefill is done (``_execute_spatial``).
 """
 from __future__ import annotations
 
 import contextlib
+from collections import deque
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -115,6 +117,31 @@ class _StreamTimers:
         return {name: a.elapsed_time(b) / 1e3 for name, (a, b) in self.events.items()} if self.enabled else {}
 
 
+def _on(stream: torch.cuda.Stream | None) -> contextlib.AbstractContextManager:
+    """Launch on ``stream`` (None: the current stream)."""
+    return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
+
+
+@dataclass
+class _SpatialRun:
+    """State of a spatial iteration in flight (``ModelRunner._execute_spatial``)."""
+
+    out: SchedulerOutput
+    decode_stream: torch.cuda.Stream | None
+    prefill_stream: torch.cuda.Stream | None
+    main: torch.cuda.Stream | None
+    timers: _StreamTimers
+    graphs: DecodeGraphs | None
+    ids: torch.Tensor | None = None  # the last launched step's tokens, on the device
+    launched: int = 0
+    inflight: deque = field(default_factory=deque)  # _HostCopy of each launched step not yet read
+    decode_ids: list[int] = field(default_factory=list)
+    tables: list[list[int]] = field(default_factory=list)  # the decodes' block tables as scheduled
+    prefill_ids: list[int] = field(default_factory=list)
+    prefill_copy: _HostCopy | None = None
+    prefill_end: torch.cuda.Event | None = None  # recorded after the prefill on its own stream
+
+
 class ModelRunner:
     """Runs one iteration's plan on the model.
 
@@ -145,13 +172,14 @@ class ModelRunner:
     def execute(self, out: SchedulerOutput) -> Iterator[Sampled]:
         """Launch ``out`` and return an iterator over its sampled tokens, part by part. A
         temporal plan gives one part with every token; a plan with ``k`` decode steps gives one
-        part per step, each as soon as that step has finished on the device, then the prefill's
-        part. ``prefill_done`` and ``last_stream_seconds`` are set once the iterator is exhausted."""
+        part per step run, each as soon as that step has finished on the device, then the
+        prefill's part. ``prefill_done`` and ``last_stream_seconds`` are set once the iterator
+        is exhausted."""
         self.prefill_done = True
         if out.plan.prefill_layers is None:
             self._split = None  # no layer-split batch is pinned any more (finished, aborted or preempted)
         if out.plan.spatial or out.plan.k != 1 or out.plan.prefill_layers is not None:
-            return self._collect(*self._launch_spatial(out))
+            return self._execute_spatial(out)
         return iter([self._run_temporal(out)])
 
     @torch.inference_mode()
@@ -162,52 +190,82 @@ class ModelRunner:
             return Sampled({}, prefills=True)
         return Sampled(dict(zip(inputs.sample_seq_ids, self._sample(inputs, self.graphs).tolist())), prefills=True)
 
+    def _execute_spatial(self, out: SchedulerOutput) -> Iterator[Sampled]:
+        """Decode steps on the decode stream beside the prefill on the prefill stream.
+
+        Step 0 and the prefill are launched first; from then on one more decode step is queued
+        behind the running one (its inputs built while the GPU works, its input tokens the
+        previous step's, still on the device), and each step's tokens are handed out when it
+        completes. On SM-partitioned streams no new step starts once the prefill has finished
+        (at most ``plan.k``, the steps whose KV slots the scheduler reserved): the decode stream
+        neither idles behind a prefill that runs longer than predicted nor holds up the next
+        iteration when it runs shorter. Without partitioned streams all ``plan.k`` steps run.
+        """
+        run = self._launch_spatial(out)
+        while run.inflight:
+            self._launch_next_step(run)
+            copy = run.inflight.popleft()
+            yield Sampled(dict(zip(run.decode_ids, copy.tolist())), prefills=False, final=False)
+        self._join(run)
+        tokens = dict(zip(run.prefill_ids, run.prefill_copy.tolist())) if run.prefill_copy is not None else {}
+        self.last_stream_seconds = run.timers.elapsed()
+        yield Sampled(tokens, prefills=self.prefill_done)
+
     @torch.inference_mode()
-    def _launch_spatial(self, out: SchedulerOutput) -> tuple:
-        """Queue both streams' work; returns what ``_collect`` reads back."""
-        decode_ctx, prefill_ctx = self._streams(out.plan)
-        partitioned = isinstance(decode_ctx, torch.cuda.StreamContext)
-        graphs = self.split_graphs.get(out.plan.s_decode) if partitioned else self.graphs
-        # Everything is uploaded before the first launch: no host sync between the k steps.
-        steps = [self._prepare(out.decodes, len(out.decodes), [j] * len(out.decodes)) for j in range(out.plan.k)] \
-            if out.decodes else []
-        prefill = self._prepare(out.prefills, 0, [None] * len(out.prefills)) if out.prefills else None
+    def _launch_spatial(self, out: SchedulerOutput) -> _SpatialRun:
+        """Queue decode step 0 and the prefill; returns the run's state."""
+        decode_stream, prefill_stream = self._streams(out.plan)
         main = torch.cuda.current_stream() if self.device.type == "cuda" else None
-        timers = _StreamTimers(main is not None)
-        with decode_ctx as stream:
+        run = _SpatialRun(out, decode_stream, prefill_stream, main, _StreamTimers(main is not None),
+                          self.split_graphs.get(out.plan.s_decode) if decode_stream is not None else self.graphs,
+                          tables=[list(s.seq.block_table) for s in out.decodes])
+        for stream in (decode_stream, prefill_stream):
             if stream is not None:
                 stream.wait_stream(main)
-            timers.mark("decode")
-            ids, decode_copies = None, []
-            for step in steps:
-                if ids is not None:
-                    step.input_ids = ids  # the previous step's tokens, still on the device
-                ids = self._sample(step, graphs)
-                decode_copies.append(_HostCopy(ids))
-            timers.mark("decode")
-        with prefill_ctx as stream:
-            if stream is not None:
-                stream.wait_stream(main)
-            timers.mark("prefill")
+        if out.decodes:
+            with _on(decode_stream):
+                run.timers.mark("decode")
+            self._launch_next_step(run)
+        with _on(prefill_stream):
+            prefill = self._prepare(out.prefills, 0, [None] * len(out.prefills)) if out.prefills else None
+            run.timers.mark("prefill")
             if out.plan.prefill_layers is not None and prefill:
                 prefill, prefill_tokens = self._prefill_layers(out, prefill)
             else:
                 prefill_tokens = self._sample(prefill, None) if prefill else None
-            prefill_copy = _HostCopy(prefill_tokens) if prefill_tokens is not None else None
-            timers.mark("prefill")
-        for ctx_stream in (decode_ctx, prefill_ctx):
-            if isinstance(ctx_stream, torch.cuda.StreamContext):
-                main.wait_stream(ctx_stream.stream)
-        decode_ids = steps[0].sample_seq_ids if steps else []
-        return decode_ids, decode_copies, prefill.sample_seq_ids if prefill else [], prefill_copy, timers
+            run.prefill_copy = _HostCopy(prefill_tokens) if prefill_tokens is not None else None
+            run.prefill_ids = prefill.sample_seq_ids if prefill else []
+            run.timers.mark("prefill")
+            if prefill_stream is not None and out.prefills:
+                run.prefill_end = torch.cuda.Event()
+                run.prefill_end.record()
+        return run
 
-    def _collect(self, decode_ids: list[int], decode_copies: list[_HostCopy], prefill_ids: list[int],
-                 prefill_copy: _HostCopy | None, timers: _StreamTimers) -> Iterator[Sampled]:
-        for copy in decode_copies:
-            yield Sampled(dict(zip(decode_ids, copy.tolist())), prefills=False, final=False)
-        tokens = dict(zip(prefill_ids, prefill_copy.tolist())) if prefill_copy is not None else {}
-        self.last_stream_seconds = timers.elapsed()
-        yield Sampled(tokens, prefills=self.prefill_done)
+    @torch.inference_mode()
+    def _launch_next_step(self, run: _SpatialRun) -> None:
+        """Queue the next decode step if one is due: fewer than two in flight, fewer than
+        ``plan.k`` launched, and (on partitioned streams) the prefill still running."""
+        out = run.out
+        if len(run.inflight) >= 2 or run.launched >= out.plan.k or not out.decodes or \
+                (run.launched > 0 and run.prefill_end is not None and run.prefill_end.query()):
+            return
+        with _on(run.decode_stream):  # inputs uploaded on the stream that reads them
+            step = self._prepare(out.decodes, len(out.decodes), [run.launched] * len(out.decodes), run.tables)
+            if run.ids is not None:
+                step.input_ids = run.ids  # the previous step's tokens, still on the device
+            run.ids = self._sample(step, run.graphs)
+            run.inflight.append(_HostCopy(run.ids))
+        run.decode_ids = step.sample_seq_ids
+        run.launched += 1
+
+    def _join(self, run: _SpatialRun) -> None:
+        """End the decode timer after the last step and make the main stream wait for both."""
+        if run.out.decodes:
+            with _on(run.decode_stream):
+                run.timers.mark("decode")
+        for stream in (run.decode_stream, run.prefill_stream):
+            if stream is not None:
+                run.main.wait_stream(stream)
 
     def _prefill_layers(self, out: SchedulerOutput, fresh: StepInputs) -> tuple[StepInputs, torch.Tensor | None]:
         """One round of a layer-split prefill (SGLang pdmux): the next ``plan.prefill_layers``
@@ -230,23 +288,28 @@ class ModelRunner:
             hidden = hidden.index_select(0, inputs.sample_rows)
         return inputs, self.sampler.sample(self.model.compute_logits(hidden), inputs.sampling)
 
-    def _streams(self, plan) -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
+    def _streams(self, plan) -> tuple[torch.cuda.Stream | None, torch.cuda.Stream | None]:
+        """The plan's (decode, prefill) streams, or (None, None) to run both on the current one."""
         if not plan.spatial or self.partition is None or self.partition.granularity == 0 or self.device.type != "cuda":
-            return contextlib.nullcontext(), contextlib.nullcontext()
+            return None, None
         pair = self.partition.pair(plan.s_decode)
-        return torch.cuda.stream(pair.decode), torch.cuda.stream(pair.prefill)
+        return pair.decode, pair.prefill
 
-    def _prepare(self, batch: list[ScheduledSeq], num_decodes: int, ahead: list[int | None]) -> StepInputs | None:
+    def _prepare(self, batch: list[ScheduledSeq], num_decodes: int, ahead: list[int | None],
+                 block_tables: list[list[int]] | None = None) -> StepInputs | None:
         """Inputs for ``batch``; ``ahead[i] = j`` makes decode ``i`` run its look-ahead step ``j``
-        (position ``c + j``; its input token is filled in from step ``j - 1`` on the device)."""
+        (position ``c + j``; its input token is filled in from step ``j - 1`` on the device).
+        ``block_tables``: the sequences' tables as scheduled (a look-ahead step is built after
+        earlier steps' tokens were applied, when a finished sequence has given its blocks back)."""
         if not batch:
             return None
+        block_tables = block_tables or [s.seq.block_table for s in batch]
         bs = self.block_size
         ids, positions, slots, qlens, ctxs, sample_rows, sample_seqs = [], [], [], [], [], [], []
-        for s, j in zip(batch, ahead):
+        for s, j, table in zip(batch, ahead, block_tables):
             parked = j is not None and j >= s.max_steps  # no token left to make: recompute the last step
             c = s.num_cached_tokens + (min(j, s.max_steps - 1) if j is not None else 0)
-            q, table = s.num_new_tokens, s.seq.block_table
+            q = s.num_new_tokens
             ids.extend(s.seq.token_ids[c:c + q] if j is None else s.seq.token_ids[-1:])
             positions.extend(range(c, c + q))
             slots.extend(self.scratch_slot if parked else table[p // bs] * bs + p % bs for p in range(c, c + q))
@@ -255,28 +318,36 @@ class ModelRunner:
             if j is not None or s.samples:
                 sample_rows.append(len(ids) - 1)
                 sample_seqs.append(s.seq)
-        max_blocks = max(len(s.seq.block_table) for s in batch)
-        tables = [s.seq.block_table + [0] * (max_blocks - len(s.seq.block_table)) for s in batch]
+        max_blocks = max(len(t) for t in block_tables)
+        tables = [t + [0] * (max_blocks - len(t)) for t in block_tables]
         starts = [0]
         for q in qlens:
             starts.append(starts[-1] + q)
-        n, rows = len(ids), (None if len(sample_rows) == len(ids) else sample_rows)
-        i64 = self._upload(ids + positions + slots + (rows or []), torch.int64)
-        i32 = self._upload(starts + ctxs + [b for t in tables for b in t], torch.int32)
-        meta = AttentionMetadata(slot_mapping=i64[2 * n:3 * n], query_start_loc=i32[:len(starts)],
-                                 context_lens=i32[len(starts):len(starts) + len(ctxs)],
-                                 block_tables=i32[len(starts) + len(ctxs):].view(len(batch), max_blocks),
-                                 num_decodes=num_decodes, query_lens_cpu=qlens, context_lens_cpu=ctxs)
-        return StepInputs(i64[:n], i64[n:2 * n], meta, None if rows is None else i64[3 * n:],
-                          [s.seq_id for s in sample_seqs],
+        rows = None if len(sample_rows) == len(ids) else sample_rows
+        ids_t, pos_t, slots_t, rows_t = self._upload([ids, positions, slots, rows or []], torch.int64)
+        starts_t, ctxs_t, tables_t = self._upload([starts, ctxs, [b for t in tables for b in t]], torch.int32)
+        meta = AttentionMetadata(slot_mapping=slots_t, query_start_loc=starts_t, context_lens=ctxs_t,
+                                 block_tables=tables_t.view(len(batch), max_blocks), num_decodes=num_decodes,
+                                 query_lens_cpu=qlens, context_lens_cpu=ctxs)
+        return StepInputs(ids_t, pos_t, meta, None if rows is None else rows_t, [s.seq_id for s in sample_seqs],
                           self.sampler.prepare([s.seq_id for s in sample_seqs], [s.params for s in sample_seqs],
                                                self.model.dims.vocab_size))
 
-    def _upload(self, values: list[int], dtype: torch.dtype) -> torch.Tensor:
-        """One host-to-device copy of ``values`` (from pinned memory on CUDA, not waited for)."""
-        if self.device.type != "cuda":
-            return torch.tensor(values, dtype=dtype)
-        return torch.tensor(values, dtype=dtype, pin_memory=True).to(self.device, non_blocking=True)
+    def _upload(self, segments: list[list[int]], dtype: torch.dtype) -> list[torch.Tensor]:
+        """``segments`` (integers) as 1-D device tensors of the integer ``dtype`` through one host-to-device copy (from
+        pinned memory on CUDA, not waited for). Each segment starts 64-byte aligned, so Triton,
+        which specialises kernels on pointer alignment, never compiles a variant for an offset."""
+        align = 512 // torch.iinfo(dtype).bits  # elements in 64 bytes
+        flat, bounds = [], []
+        for seg in segments:
+            bounds.append((len(flat), len(flat) + len(seg)))
+            flat.extend(seg)
+            flat.extend([0] * (-len(flat) % align))
+        if self.device.type == "cuda":
+            packed = torch.tensor(flat, dtype=dtype, pin_memory=True).to(self.device, non_blocking=True)
+        else:
+            packed = torch.tensor(flat, dtype=dtype)
+        return [packed[a:b] for a, b in bounds]
 
     def _sample(self, inputs: StepInputs, graphs: DecodeGraphs | None) -> torch.Tensor:
         """Forward pass (writes the K/V) and sampling; returns the sampled tokens ``[n]`` on the device

@@ -268,13 +268,13 @@ class Scheduler:
         Args:
             out: the iteration's batch.
             sampled: seq_id -> sampled token ids: one per prefill chunk that ``samples``, and
-                ``plan.k`` per decode (tokens after a finish are dropped).
+                one per decode step run (at most ``plan.k``; tokens after a finish are dropped).
             prefill_done: False while a layer-split prefill batch has layers left: its
                 sequences stay pinned and nothing of them advances (decodes still do).
         """
         finished = []
-        for j in range(out.plan.k):
-            step = {s.seq.seq_id: sampled[s.seq.seq_id][j] for s in out.decodes if s.seq.seq_id in sampled}
+        for j in range(max((len(sampled.get(s.seq.seq_id, ())) for s in out.decodes), default=0)):
+            step = {s.seq.seq_id: sampled[s.seq.seq_id][j] for s in out.decodes if len(sampled.get(s.seq.seq_id, ())) > j}
             finished += self.advance(out, step, prefills=False)
         prefill_tokens = {s.seq.seq_id: sampled[s.seq.seq_id][0] for s in out.prefills if s.seq.seq_id in sampled}
         return finished + self.advance(out, prefill_tokens, prefills=prefill_done)

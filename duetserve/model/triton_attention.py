@@ -78,7 +78,9 @@ def _find_seq(query_start_loc, first, num_seqs, slot, BLOCK_Q: tl.constexpr):
     return lo
 
 
-@triton.jit
+# num_seqs and the block-table width change with every batch: no value specialisation (a
+# recompile per new combination stalled serving for ~1 s each time).
+@triton.jit(do_not_specialize=["num_seqs", "stride_bt"])
 def _paged_attention_kernel(
         q_ptr, k_cache, v_cache, out_ptr, lse_ptr, block_tables, context_lens, query_start_loc, num_seqs, qk_scale,
         stride_qt, stride_qh, stride_ot, stride_oh, stride_os, stride_kb, stride_ks, stride_kh, stride_bt,

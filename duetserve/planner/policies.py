@@ -23,6 +23,8 @@ the decode batch.
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from dataclasses import dataclass, field
 from functools import cached_property
 
@@ -93,6 +95,9 @@ class PlannerConfig:
         return CostModel(self.shape, self.profile, tp=self.tp, cuda_graphs=self.cuda_graphs)
 
 
+LOOKAHEAD_SLACK = 2  # KV slots reserved for up to this many times the optimizer's k
+
+
 class DuetPolicy:
     """DuetServe: temporal by default, spatial ``(S_p, S_d, k)`` when the mixed batch would
     break ``tau`` (``plan_iteration``, DESIGN section 4). Chunked prefill, decode and prefill
@@ -111,10 +116,19 @@ class DuetPolicy:
         """The optimizer's plan for the batch: ``(q, c)`` per decode and prefill request, at most
         ``max_k`` look-ahead decode steps. A spatial plan whose prefill outlasts its ``k`` decode
         steps leaves decodes waiting ``t_p - k t_d``; that wait is carried into the next plan's
-        first-token budget (``plan_iteration``'s ``carry_s``)."""
+        first-token budget (``plan_iteration``'s ``carry_s``).
+
+        A spatial plan's ``k`` is ``LOOKAHEAD_SLACK`` times the optimizer's (within ``max_k``):
+        the executor starts no decode step after the prefill has finished, so ``k`` is only the
+        most steps reserved; the slack keeps decode busy when the prefill runs long."""
         c = self.config
         plan = plan_iteration(c.cost_model, decode_reqs, prefill_reqs, c.tau_s, c.profile.num_sms,
                               c.granularity, c.min_sms, max_k, self.carry_s)
+        if plan.spatial and prefill_reqs:  # room for a prefill slower than predicted (executor stops at its end)
+            k = min(max_k, LOOKAHEAD_SLACK * plan.k)
+            t_d, t_p = plan.predicted_decode_s, plan.predicted_prefill_s
+            steps = min(k, max(1, math.ceil(t_p / t_d)))  # what the executor runs if the prediction holds
+            plan = dataclasses.replace(plan, k=k, predicted_s=max(steps * t_d, t_p))
         self.carry_s = max(0.0, plan.predicted_prefill_s - plan.k * plan.predicted_decode_s) if plan.spatial else 0.0
         return plan
 

@@ -9,9 +9,10 @@ exactly its trace output length (``max_tokens``).
 Iteration time, by plan:
 
 * temporal: ``t_mixed(S)``, the whole batch on all SMs; every token comes at the end;
-* spatial (duet): decode runs ``k`` steps of ``t_d(S_d)`` beside the prefill batch's
-  ``t_p(S_p)`` (both with the profile's interference factors, ``CostModel.predict_spatial``);
-  the iteration lasts ``max(k t_d, t_p)``; decode token ``i`` comes at ``i t_d``, the
+* spatial (duet): decode runs steps of ``t_d(S_d)`` beside the prefill batch's
+  ``t_p(S_p)`` (both with the profile's interference factors, ``CostModel.predict_spatial``)
+  until the prefill is done, as the executor does: ``n = min(k, ceil(t_p / t_d))`` steps;
+  the iteration lasts ``max(n t_d, t_p)``; decode token ``i`` comes at ``i t_d``, the
   prefill's first tokens at the end;
 * layer-split prefill (pdmux): the prefill batch's time on its SMs is spread evenly over the
   model's layers. Each round submits ``plan.prefill_layers`` more layers to the prefill
@@ -26,6 +27,7 @@ times a utilization, minus the weights, divided by the KV bytes per token (vLLM'
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -203,7 +205,7 @@ class _Run:
         self.iterations.append(IterationRecord(self.now, duration, plan.predicted_s, plan.spatial, plan.slo_risk,
                                                plan.s_decode, plan.k, len(out.decodes), out.num_prefill_tokens))
         before = {s.seq.seq_id: s.seq.num_output_tokens for s in out.scheduled}
-        sampled = {s.seq.seq_id: [FAKE_TOKEN] * plan.k for s in out.decodes}
+        sampled = {s.seq.seq_id: [FAKE_TOKEN] * len(decode_times) for s in out.decodes}
         sampled.update({s.seq.seq_id: [FAKE_TOKEN] for s in out.prefills if s.samples})
         finished = self.scheduler.postprocess(out, sampled, prefill_done=prefill_time is not None)
         for s in out.decodes:
@@ -227,8 +229,10 @@ class _Run:
             return self._layer_round(out, decode, prefill)
         if plan.spatial:
             t_d, t_p = (float(x) for x in self.cm.predict_spatial(decode, prefill, plan.s_decode, self.total_sms))
-            duration = max(plan.k * t_d, t_p)
-            return duration, [self.now + i * t_d for i in range(1, plan.k + 1)], self.now + duration
+            # The executor starts no decode step once the prefill is done (ModelRunner._execute_spatial).
+            steps = min(plan.k, max(1, math.ceil(t_p / t_d))) if prefill else plan.k
+            duration = max(steps * t_d, t_p)
+            return duration, [self.now + i * t_d for i in range(1, steps + 1)], self.now + duration
         duration = float(self.cm.predict_total(decode + prefill, self.total_sms))
         return duration, [self.now + duration], self.now + duration
 
