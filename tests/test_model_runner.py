@@ -14,3 +14,30 @@ def test_upload_packs_segments_at_64_byte_offsets():
     assert [t.storage_offset() for t in (a, b, c, d)] == [0, 8, 8, 16]  # 8 int64 = 64 bytes
     x, y = runner._upload([[7] * 17, [1]], torch.int32)
     assert y.storage_offset() == 32 and y.tolist() == [1] and x.dtype == torch.int32
+
+
+class FakeStream:
+    def __init__(self, name: str):
+        self.name, self.waited_for = name, []
+
+    def wait_stream(self, other: FakeStream) -> None:
+        self.waited_for.append(other.name)
+
+
+def test_join_leaves_an_unfinished_layer_split_prefill_running():
+    """pdmux: after a round whose prefill still has layers left, the main stream waits for the
+    decode stream only (the next round's decode must not queue behind the prefill layers)."""
+    from duetserve.engine.model_runner import _SpatialRun, _StreamTimers
+    from duetserve.engine.policy import Plan
+    from duetserve.engine.scheduler import SchedulerOutput
+
+    runner = ModelRunner.__new__(ModelRunner)
+    runner._unjoined = None
+    for done, expected in ((False, ["decode"]), (True, ["decode", "prefill"])):
+        main = FakeStream("main")
+        run = _SpatialRun(SchedulerOutput([], [], Plan(), []), FakeStream("decode"), FakeStream("prefill"), main,
+                          _StreamTimers(False), None)
+        runner.prefill_done = done
+        assert runner._join(run) == tuple(expected)
+        assert main.waited_for == expected
+        assert runner._unjoined is (None if done else run.prefill_stream)  # waited for once the split is dropped

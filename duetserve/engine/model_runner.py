@@ -110,11 +110,18 @@ class _StreamTimers:
             event.record()
             self.events.setdefault(name, []).append(event)
 
-    def elapsed(self) -> dict[str, float]:
-        """Seconds between the two marks of each stream (empty on CPU); waits for the marks."""
-        for _, end in self.events.values():
+    def elapsed(self, names: tuple[str, ...]) -> dict[str, float]:
+        """Seconds between the two marks of each of the streams ``names`` that has them
+        (empty on CPU); waits for those marks."""
+        marked = {n: self.events[n] for n in names if n in self.events}
+        for _, end in marked.values():
             end.synchronize()
-        return {name: a.elapsed_time(b) / 1e3 for name, (a, b) in self.events.items()} if self.enabled else {}
+        return {name: a.elapsed_time(b) / 1e3 for name, (a, b) in marked.items()}
+
+
+def _split_key(out: SchedulerOutput) -> tuple:
+    """Identity of a layer-split prefill batch: its sequences and chunks."""
+    return tuple((s.seq.seq_id, s.num_cached_tokens, s.num_new_tokens) for s in out.prefills)
 
 
 def _on(stream: torch.cuda.Stream | None) -> contextlib.AbstractContextManager:
@@ -165,9 +172,10 @@ class ModelRunner:
         self.sampler = sampler
         self.graphs = graphs
         self.partition = partition
-        self.last_stream_seconds: dict[str, float] = {}  # spatial plans: busy time of each stream
+        self.last_stream_seconds: dict[str, float] = {}  # spatial plans: busy time of each joined stream
         self.prefill_done = True  # False after a layer-split prefill round that left layers to run
         self._split: tuple | None = None  # layer-split prefill in flight: (key, inputs, state, next layer)
+        self._unjoined: torch.cuda.Stream | None = None  # prefill stream still running a split's layers
 
     def execute(self, out: SchedulerOutput) -> Iterator[Sampled]:
         """Launch ``out`` and return an iterator over its sampled tokens, part by part. A
@@ -178,6 +186,11 @@ class ModelRunner:
         self.prefill_done = True
         if out.plan.prefill_layers is None:
             self._split = None  # no layer-split batch is pinned any more (finished, aborted or preempted)
+        if self._unjoined is not None and (self._split is None or self._split[0] != _split_key(out)):
+            # A dropped or changed split's last layers may still run, writing KV blocks that the
+            # scheduler has since freed and may have handed out: wait for them first.
+            torch.cuda.current_stream().wait_stream(self._unjoined)
+            self._unjoined = None
         if out.plan.spatial or out.plan.k != 1 or out.plan.prefill_layers is not None:
             return self._execute_spatial(out)
         return iter([self._run_temporal(out)])
@@ -206,9 +219,9 @@ class ModelRunner:
             self._launch_next_step(run)
             copy = run.inflight.popleft()
             yield Sampled(dict(zip(run.decode_ids, copy.tolist())), prefills=False, final=False)
-        self._join(run)
+        joined = self._join(run)
         tokens = dict(zip(run.prefill_ids, run.prefill_copy.tolist())) if run.prefill_copy is not None else {}
-        self.last_stream_seconds = run.timers.elapsed()
+        self.last_stream_seconds = run.timers.elapsed(joined)
         yield Sampled(tokens, prefills=self.prefill_done)
 
     @torch.inference_mode()
@@ -258,20 +271,26 @@ class ModelRunner:
         run.decode_ids = step.sample_seq_ids
         run.launched += 1
 
-    def _join(self, run: _SpatialRun) -> None:
-        """End the decode timer after the last step and make the main stream wait for both."""
+    def _join(self, run: _SpatialRun) -> tuple[str, ...]:
+        """End the decode timer after the last step and make the main stream wait for the
+        streams whose work is complete; returns their names. A layer-split prefill with layers
+        left keeps running on its stream and nothing waits for it (SGLang's pdmux syncs only
+        the decode stream each round; later rounds queue behind it on the same stream)."""
         if run.out.decodes:
             with _on(run.decode_stream):
                 run.timers.mark("decode")
-        for stream in (run.decode_stream, run.prefill_stream):
-            if stream is not None:
+        joined = ("decode", "prefill") if self.prefill_done else ("decode",)
+        self._unjoined = None if self.prefill_done else run.prefill_stream
+        for name, stream in (("decode", run.decode_stream), ("prefill", run.prefill_stream)):
+            if stream is not None and name in joined:
                 run.main.wait_stream(stream)
+        return joined
 
     def _prefill_layers(self, out: SchedulerOutput, fresh: StepInputs) -> tuple[StepInputs, torch.Tensor | None]:
         """One round of a layer-split prefill (SGLang pdmux): the next ``plan.prefill_layers``
         layers of the pinned batch. Returns the batch's inputs and its sampled tokens once the
         last layer has run (None before; ``prefill_done`` says which)."""
-        key = tuple((s.seq.seq_id, s.num_cached_tokens, s.num_new_tokens) for s in out.prefills)
+        key = _split_key(out)
         if self._split is None or self._split[0] != key:  # a new batch (or a preempted one, restarted)
             self._split = (key, fresh, None, 0)
         _, inputs, state, start = self._split
