@@ -82,6 +82,9 @@ def _add_serve(sub) -> None:
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode")
+    p.add_argument("--num-decode-steps", type=int, default=1, metavar="N",
+                   help="decode-only iterations run up to N steps back to back, stopping when a request "
+                        "arrives (hides the host time between steps; 1 = off)")
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
 
 
@@ -122,6 +125,7 @@ def _serve(args, parser: argparse.ArgumentParser) -> int:
                               max_model_len=args.max_model_len, policy=args.policy, tbt_slo_s=args.tbt_slo,
                               hardware_profile=args.profile, partition_backend=args.partition_backend,
                               seed=args.seed, enforce_eager=args.enforce_eager,
+                              num_decode_steps=args.num_decode_steps,
                               attention_backend=args.attention_backend)
         engine = LLMEngine(config)
     except (ValueError, FileNotFoundError, KeyError) as exc:

@@ -56,6 +56,9 @@ class EngineConfig:
         seed: seed for dummy weights and for unseeded sampling.
         attention_backend: one of ``ATTENTION_BACKENDS`` (see ``duetserve.model.backends``).
         enforce_eager: never replay CUDA graphs (decode runs eagerly).
+        num_decode_steps: decode-only iterations run up to this many steps back to back (each
+            step queued behind the running one, tokens streamed per step; like vLLM's multi-step
+            scheduling), stopping early when a request arrives or is aborted; 1 turns it off.
     """
 
     model: str | None = None
@@ -76,6 +79,7 @@ class EngineConfig:
     seed: int = 0
     attention_backend: str = "auto"
     enforce_eager: bool = False
+    num_decode_steps: int = 1
 
     def __post_init__(self) -> None:
         checks = [
@@ -87,6 +91,7 @@ class EngineConfig:
              "must be auto, float32, float16 or bfloat16"),
             (self.max_num_seqs >= 1, "--max-num-seqs", "must be >= 1"),
             (self.max_num_batched_tokens >= 1, "--max-num-batched-tokens", "must be >= 1"),
+            (self.num_decode_steps >= 1, "--num-decode-steps", "must be >= 1"),
             (self.block_size >= 1, "--block-size", "must be >= 1"),
             (self.num_kv_blocks is None or self.num_kv_blocks >= 1, "--num-kv-blocks", "must be >= 1"),
             (0 < self.kv_cache_memory_fraction <= 1, "--kv-cache-memory-fraction", "must be in (0, 1]"),

@@ -203,3 +203,32 @@ def test_decode_stops_starting_steps_once_the_prefill_is_done(tiny_qwen3_folder,
         for o in engine.step():
             got[o.request_id].extend(o.new_token_ids)
     assert [got["a"], got["b"]] == expected
+
+
+def test_multi_step_decode_gives_single_step_tokens_and_stops_for_new_work(tiny_qwen3_folder):
+    """``num_decode_steps=4``: decode-only iterations run 4 steps (one output per step; a request
+    ends inside one), the tokens equal single steps'; an interrupt (new work waiting) stops an
+    iteration after the steps already queued."""
+    import dataclasses
+
+    gen = torch.Generator().manual_seed(11)
+    prompts = [torch.randint(3, 320, (n,), generator=gen).tolist() for n in (7, 19, 30)]
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in (14, 6, 9)]
+    config = EngineConfig(model=str(tiny_qwen3_folder), max_num_batched_tokens=64, num_kv_blocks=64, block_size=8)
+    expected = LLMEngine(config).generate(prompts, params)
+    engine = LLMEngine(dataclasses.replace(config, num_decode_steps=4))
+    assert engine.generate(prompts, params) == expected
+    assert engine.block_manager.num_free_blocks == 64
+
+    engine.add_request("a", prompts[0], params[0])
+    engine.step()                                   # prefill
+    parts = list(engine.step_parts())               # no interrupt: 4 steps
+    assert [len(p) for p in parts] == [1, 1, 1, 1, 0] and engine.last_stats.plan.k == 4
+    queries = []
+    engine.set_interrupt(lambda: queries.append(1) or len(queries) >= 2)
+    parts = list(engine.step_parts())               # step 0 queued, step 1 after query 1, stop at query 2
+    assert [len(p) for p in parts] == [1, 1, 0] and engine.last_stats.plan.k == 4
+    engine.set_interrupt(lambda: False)
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.block_manager.num_free_blocks == 64

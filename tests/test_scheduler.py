@@ -185,3 +185,19 @@ def test_random_workloads_never_leak(reqs, num_blocks, block_size, max_seqs, kin
     run_to_end(sched, seqs)
     assert blocks.num_free_blocks == num_blocks
     assert all(s.num_output_tokens == s.params.max_tokens for s in seqs)
+
+
+def test_decode_only_iterations_run_several_steps_when_asked():
+    sched = Scheduler(ChunkedPolicy(), BlockManager(64, 4), max_num_seqs=4, max_num_batched_tokens=64,
+                      max_model_len=100, watermark=0.0, decode_steps=6)
+    a = make_seq(0, 5, 4)
+    sched.add(a)
+    out = sched.schedule()                        # prefill: one step
+    assert out.plan.k == 1 and out.prefills
+    sched.postprocess(out, fake_sample(out))
+    out = sched.schedule()                        # decode only: 3 tokens left, 6 steps offered -> 3
+    assert (out.plan.spatial, out.plan.k, out.decodes[0].max_steps) == (False, 3, 3)
+    sched.add(make_seq(1, 5, 4))
+    sched.postprocess(out, {0: [7]})              # one step ran (the executor stopped early)
+    out = sched.schedule()                        # a prefill joins: back to one step
+    assert out.plan.k == 1 and out.prefills and out.decodes

@@ -165,5 +165,5 @@ def make_batch(engine, batch: int, ctx: int, q: int, extra_tokens: int = 0) -> l
         seq = Sequence(10_000_000 + i, [7] * ctx, prompt_len, SamplingParams(max_tokens=1 << 20, ignore_eos=True))
         seq.num_computed_tokens = ctx - q
         engine.block_manager.allocate(seq, ctx + extra_tokens)
-        out.append(ScheduledSeq(seq, q, ctx - q))
+        out.append(ScheduledSeq(seq, q, ctx - q, max_steps=1 + extra_tokens))
     return out

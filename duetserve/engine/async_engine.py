@@ -48,6 +48,7 @@ class AsyncEngine:
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="duetserve-engine", daemon=True)
+        engine.set_interrupt(lambda: not self._commands.empty())  # new work ends a multi-step decode
 
     def start(self) -> None:
         self._thread.start()

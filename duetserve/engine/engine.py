@@ -5,7 +5,7 @@ import dataclasses
 import itertools
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -112,7 +112,8 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, kv, config.block_size, self.device, self.sampler, self.graphs,
                                   self.partition, split_graphs, scratch_slot=num_blocks * config.block_size)
         self.scheduler = Scheduler(policy, self.block_manager, config.max_num_seqs,
-                                   config.max_num_batched_tokens, self.max_model_len)
+                                   config.max_num_batched_tokens, self.max_model_len,
+                                   decode_steps=config.num_decode_steps)
         self.eos_token_ids = self._eos_ids(loaded.config)
         self._requests: dict[str, _Request] = {}
         self._ids = itertools.count()
@@ -136,6 +137,11 @@ class LLMEngine:
         full = record()
         levels = (getattr(policy, "decode_levels", None) or self.partition.levels)() if self.partition.granularity else []
         return full, {s: record(self.partition.pair(s).decode) for s in levels}
+
+    def set_interrupt(self, check: Callable[[], bool]) -> None:
+        """A multi-step decode iteration (``num_decode_steps``) starts no further step once
+        ``check()`` is true, e.g. when a new request or an abort is waiting."""
+        self.runner.interrupt = check
 
     def _blocks_from_memory(self) -> int:
         per_block = kv_bytes_per_block(self.model, self.config.block_size, self.dtype)

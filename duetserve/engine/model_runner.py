@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import contextlib
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -176,6 +176,7 @@ class ModelRunner:
         self.prefill_done = True  # False after a layer-split prefill round that left layers to run
         self._split: tuple | None = None  # layer-split prefill in flight: (key, inputs, state, next layer)
         self._unjoined: torch.cuda.Stream | None = None  # prefill stream still running a split's layers
+        self.interrupt: Callable[[], bool] | None = None  # True: stop a multi-step decode early
 
     def execute(self, out: SchedulerOutput) -> Iterator[Sampled]:
         """Launch ``out`` and return an iterator over its sampled tokens, part by part. A
@@ -257,10 +258,13 @@ class ModelRunner:
     @torch.inference_mode()
     def _launch_next_step(self, run: _SpatialRun) -> None:
         """Queue the next decode step if one is due: fewer than two in flight, fewer than
-        ``plan.k`` launched, and (on partitioned streams) the prefill still running."""
+        ``plan.k`` launched, and on partitioned streams the prefill still running, or for a
+        decode-only plan (multi-step decode) no ``interrupt`` (new work waiting)."""
         out = run.out
-        if len(run.inflight) >= 2 or run.launched >= out.plan.k or not out.decodes or \
-                (run.launched > 0 and run.prefill_end is not None and run.prefill_end.query()):
+        if len(run.inflight) >= 2 or run.launched >= out.plan.k or not out.decodes:
+            return
+        if run.launched > 0 and (run.prefill_end.query() if run.prefill_end is not None else
+                                 not out.prefills and self.interrupt is not None and self.interrupt()):
             return
         with _on(run.decode_stream):  # inputs uploaded on the stream that reads them
             step = self._prepare(out.decodes, len(out.decodes), [run.launched] * len(out.decodes), run.tables)

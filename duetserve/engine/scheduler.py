@@ -73,11 +73,14 @@ class Scheduler:
         max_model_len: longest sequence, tokens.
         watermark: share of blocks kept free when admitting a new request, to avoid
             preempting right after admission.
+        decode_steps: a decode-only iteration with a temporal plan runs up to this many steps
+            (``Plan.k``, KV slots reserved up front; the executor may stop earlier).
     """
 
     def __init__(self, policy: Policy, block_manager: BlockManager, max_num_seqs: int,
-                 max_num_batched_tokens: int, max_model_len: int, watermark: float = 0.01):
+                 max_num_batched_tokens: int, max_model_len: int, watermark: float = 0.01, decode_steps: int = 1):
         self.policy = policy
+        self.decode_steps = decode_steps
         self.blocks = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -143,6 +146,10 @@ class Scheduler:
                 self._split = (prefills, plan)
         if plan.spatial and decodes:
             plan = dataclasses.replace(plan, k=self._reserve_lookahead(decodes, min(plan.k, max_k)))  # k <= max_k
+        elif decodes and not prefills and self.decode_steps > 1:  # multi-step decode
+            k = self._reserve_lookahead(decodes, min(self.decode_steps, max_k))
+            predicted = None if plan.predicted_s is None else k * plan.predicted_s
+            plan = dataclasses.replace(plan, spatial=False, k=k, predicted_s=predicted)
         elif plan.spatial or plan.k != 1:
             plan = dataclasses.replace(plan, spatial=False, k=1)
         return SchedulerOutput(decodes, prefills, plan, preempted)
