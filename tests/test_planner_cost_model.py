@@ -61,6 +61,15 @@ def test_prefill_attention_by_hand(gpu):
     assert mixed > (4_210_688 + 3.4502377472e10) / 1e14
 
 
+def test_attention_efficiency_scales_only_the_flops(gpu):
+    cm = CostModel(SHAPE, replace(gpu, attention_efficiency=0.4, provenance={**gpu.provenance,
+                                                                              "attention_efficiency": "measured"}))
+    # prefill q=4096: F at 0.4 x 1e14 -> 3.4502377472e10 / 4e13 = 8.625594368e-4 s (B still 2.1e-5 s)
+    assert cm.predict([(4096, 0)], 100).attention == pytest.approx(8.625594368e-4)
+    # decode q=1, c=1023: F / 4e13 = 1.05e-7 s stays under B / BW = 1.052672e-6 s: unchanged
+    assert cm.predict([(1, 1023)], 100).attention == pytest.approx(1.052672e-6)
+
+
 def test_norm_act_and_allreduce_by_hand(gpu):
     # 4 tokens, 100 SMs. Each RMSNorm: B = 2*(2*4*1024 + 1024) = 18,432 bytes -> 1.8432e-8 s;
     # SiLU-and-mul: B = 3*2*4*4096 = 98,304 bytes -> 9.8304e-8 s (FLOPs negligible).

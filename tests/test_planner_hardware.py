@@ -88,6 +88,16 @@ def test_invalid_profiles_are_rejected(tmp_path):
     path.write_text(json.dumps(raw))
     with pytest.raises(ValueError, match="peak"):
         load_profile(path)
+    raw = _raw("h200")
+    raw["attention_efficiency"] = 1.5
+    path.write_text(json.dumps(raw))
+    with pytest.raises(ValueError, match="attention_efficiency"):
+        load_profile(path)
+    raw = _raw("h100")
+    raw["attention_efficiency"] = 0.5  # differs from the default: needs a provenance entry
+    path.write_text(json.dumps(raw))
+    with pytest.raises(ValueError, match="provenance"):
+        load_profile(path)
     with pytest.raises(ValueError, match="no profile"):
         load_profile("b200")
     with pytest.raises(ValueError, match="backend"):
@@ -114,5 +124,7 @@ def test_shipped_h200_carries_the_measured_kernel_overheads():
     assert h200.kernel_gpu_s == pytest.approx(4.221e-6) and h200.launch_cpu_s == pytest.approx(38.689e-6)
     assert h200.kernel_count("decode", 36) == 36 * 12 + 26 == 458  # counted by scripts/profile_decode.py on the H200
     assert h200.provenance["kernel_gpu_s"] == "measured"
+    assert h200.attention_efficiency == 0.4 and h200.provenance["attention_efficiency"] == "measured"
     bare = roofline_only(h200)
-    assert (bare.kernel_gpu_s, bare.launch_cpu_s, bare.kernels_per_layer) == (0.0, 0.0, {})
+    assert (bare.kernel_gpu_s, bare.launch_cpu_s, bare.kernels_per_layer, bare.attention_efficiency) == \
+        (0.0, 0.0, {}, 1.0)

@@ -14,7 +14,8 @@ Operators per block (one decoder layer of the Llama / Qwen3 family, per GPU unde
 * attention (sequence-level), per request with ``q`` new and ``c`` cached tokens:
   ``F = (4 d_h + 2) h_q P`` and ``B = b (2 h_q q d_h + 2 h_kv (q + c) d_h)`` where ``P`` is
   the number of (query, key) pairs computed; the batch's time is the sum of each request's
-  roofline time;
+  roofline time, its FLOPs at ``Pi(S)`` times the profile's ``attention_efficiency`` (beyond
+  the paper: the attention kernel's measured share of the GEMM rate);
 * communication under TP over N GPUs: two all-reduces of the ``n x hidden`` output per
   block, ``2(N-1) alpha + 2(N-1) B_o / (N BW_link) + N(N-1) B_o / Pi(S)``, the third term
   read as one operation per byte, as the paper writes it.
@@ -316,7 +317,7 @@ class CostModel:
         pairs = qf * c + qf * (qf + 1) / 2 if self.causal else qf * (qf + c)
         flops = (4 * dh + 2) * self._hq * pairs
         nbytes = (b * dh) * (2 * self._hq * qf + 2 * self._hkv * (qf + c)) * (q > 0)
-        return np.maximum(flops / pi, nbytes / bw).sum(axis=0)
+        return np.maximum(flops / (pi * self.profile.attention_efficiency), nbytes / bw).sum(axis=0)
 
     def _allreduce_time(self, n: np.ndarray, pi: np.ndarray) -> np.ndarray:
         """Two all-reduces of the block output per layer (DESIGN section 3), 0 when tp == 1."""
