@@ -95,6 +95,7 @@ class EngineConfig:
             (self.block_size >= 1, "--block-size", "must be >= 1"),
             (self.num_kv_blocks is None or self.num_kv_blocks >= 1, "--num-kv-blocks", "must be >= 1"),
             (0 < self.kv_cache_memory_fraction <= 1, "--kv-cache-memory-fraction", "must be in (0, 1]"),
+            (self.cpu_kv_cache_bytes > 0, "--cpu-kv-cache-gb", "must be positive"),
             (self.max_model_len is None or self.max_model_len >= 2, "--max-model-len", "must be >= 2"),
             (self.tbt_slo_s > 0, "--tbt-slo", "must be positive"),
             (self.partition_backend in PARTITION_BACKENDS + ("auto",), "--partition-backend",

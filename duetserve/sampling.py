@@ -4,6 +4,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
+GREEDY_TEMPERATURE = 1e-5
+
+
 class ParamError(ValueError):
     """A request parameter is invalid; ``param`` names it (for the OpenAI error body)."""
 
@@ -18,7 +21,7 @@ class SamplingParams:
 
     Attributes:
         max_tokens: most tokens to generate (>= 1).
-        temperature: 0 means greedy; otherwise in (0, 2].
+        temperature: in [0, 2]; below ``GREEDY_TEMPERATURE`` (1e-5, vLLM's threshold) greedy.
         top_p: nucleus mass in (0, 1].
         top_k: keep the k most likely tokens; 0 or -1 keeps all.
         seed: per-request seed; None draws from the engine's generator.
@@ -38,7 +41,9 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0 or self.top_k == 1
+        """Argmax decoding: a temperature too small to sample with (it would overflow the
+        logits in float32), or top-k 1."""
+        return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
 
     def validate(self) -> None:
         """Raise ParamError naming the first invalid field."""

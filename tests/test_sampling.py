@@ -34,6 +34,16 @@ def test_top_p_keeps_smallest_set_reaching_p():
     assert torch.isinf(masked).tolist() == [[False, False, True, True], [True, False, True, True]]
 
 
+def test_vanishing_top_p_and_temperature_fall_back_to_the_most_likely_token():
+    # top_p 1e-300 is 0 in float32 and temperature 1e-45 would overflow the logits: both must
+    # still give the argmax (they were returning arbitrary tokens), like top_p 0.001 does.
+    logits = torch.log(torch.tensor([[0.1, 0.6, 0.3], [0.7, 0.2, 0.1]]))
+    params = [SamplingParams(temperature=1.0, top_p=1e-300), SamplingParams(temperature=1e-45)]
+    assert _kept(logits, params) == [{1}, {0}]
+    assert SamplingParams(temperature=1e-45).greedy and not SamplingParams(temperature=1e-4).greedy
+    assert torch.isinf(_top_p(logits, torch.zeros(2, 1))).tolist() == [[True, False, True], [False, True, True]]
+
+
 def test_greedy_and_seeded_sampling_repeat():
     sampler = Sampler(torch.device("cpu"), seed=0)
     logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(0))
@@ -82,6 +92,10 @@ def test_engine_config_names_the_flag():
         EngineConfig(policy="fastest")
     with pytest.raises(ValueError, match="--block-size"):
         EngineConfig(block_size=0)
+    with pytest.raises(ValueError, match="--cpu-kv-cache-gb"):
+        EngineConfig(cpu_kv_cache_bytes=0)
+    with pytest.raises(ValueError, match="--num-decode-steps"):
+        EngineConfig(num_decode_steps=0)
 
 
 class CharTokenizer:

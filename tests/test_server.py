@@ -66,9 +66,11 @@ def tokenizer(smollm_folder):
     return AutoTokenizer.from_pretrained(smollm_folder)
 
 
-def metric(base: str, name: str) -> float:
+def metric(base: str, name: str, label: str = "") -> float:
+    """Sum of the samples of ``name`` whose labels contain ``label`` (e.g. 'finished_reason="abort"')."""
     text = httpx.get(f"{base}/metrics").text
-    return sum(float(m.group(1)) for m in re.finditer(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", text, re.M))
+    return sum(float(m.group(2)) for m in re.finditer(rf"^{re.escape(name)}(?:{{([^}}]*)}})? (\S+)$", text, re.M)
+               if label in (m.group(1) or ""))
 
 
 async def stream_chat(client: httpx.AsyncClient, base: str, content: str, max_tokens: int) -> tuple[list[dict], dict]:
@@ -125,6 +127,20 @@ def test_non_streaming_completion(server):
                    json={"prompt": [504, 3575, 282, 4649, 314], "max_tokens": 20, "temperature": 0, "stop": ["."]})
     assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "stop"
     assert "." not in r.json()["choices"][0]["text"]
+    # the stop string completes on the last allowed token: "stop", not "length" (vLLM's rule)
+    r = httpx.post(f"{server}/v1/completions", headers=AUTH, timeout=120,
+                   json={"prompt": "1, 2, 3, 4,", "max_tokens": 5, "temperature": 0, "stop": [", 6"]})
+    assert r.json()["choices"][0] == {**r.json()["choices"][0], "text": " 5", "finish_reason": "stop"}
+    # unsupported OpenAI fields at their "off" values (as client libraries send them) are fine
+    r = httpx.post(f"{server}/v1/completions", headers=AUTH, timeout=120,
+                   json={"prompt": "The capital of France is", "max_tokens": 5, "temperature": 0, "logprobs": None,
+                         "presence_penalty": 0, "frequency_penalty": 0.0, "best_of": 1, "user": "u-1"})
+    assert r.json()["choices"][0]["text"] == body["choices"][0]["text"]
+    # vanishing top_p / temperature sample the most likely token, like greedy
+    for extra in ({"temperature": 1, "top_p": 1e-300}, {"temperature": 1e-45}):
+        r = httpx.post(f"{server}/v1/completions", headers=AUTH, timeout=120,
+                       json={"prompt": "The capital of France is", "max_tokens": 5, **extra})
+        assert r.json()["choices"][0]["text"] == body["choices"][0]["text"], extra
 
 
 BAD = [
@@ -144,6 +160,14 @@ BAD = [
     ("/v1/completions", b'{"prompt": "\\ud800 hi", "max_tokens": 4}', "prompt"),  # lone surrogate
     ("/v1/completions", {"prompt": "x" * 2_000_000}, "prompt"),
     ("/v1/completions", {"prompt": "hi", "stop_token_ids": [-1]}, "stop_token_ids"),
+    ("/v1/completions", {"prompt": "hi", "logprobs": 2}, "logprobs"),
+    ("/v1/completions", {"prompt": "hi", "presence_penalty": 0.5}, "presence_penalty"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                              "response_format": {"type": "json_object"}}, "response_format"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]},
+     "tools"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi " * 9000}]}, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x" * 2_000_000}]}, "messages"),
 ]
 
 
@@ -190,9 +214,14 @@ def test_api_key_required(server):
     assert httpx.get(f"{server}/v1/models", headers={"Authorization": f"bearer {KEY}"}).status_code == 200
     models = httpx.get(f"{server}/v1/models", headers=AUTH).json()
     assert models["data"][0]["id"] == "SmolLM2-135M-Instruct"
+    card = httpx.get(f"{server}/v1/models/SmolLM2-135M-Instruct", headers=AUTH).json()
+    assert card["id"] == "SmolLM2-135M-Instruct" and card["object"] == "model"
+    r = httpx.get(f"{server}/v1/models/gpt-4", headers=AUTH)
+    assert r.status_code == 404 and r.json()["error"]["param"] == "model"
 
 
 def test_disconnect_frees_the_request(server):
+    aborted = metric(server, "vllm:request_success_total", 'finished_reason="abort"')
     body = {"prompt": "Once upon a time", "max_tokens": 2000, "ignore_eos": True, "stream": True}
     with httpx.Client(timeout=60) as client:
         with client.stream("POST", f"{server}/v1/completions", json=body, headers=AUTH) as resp:
@@ -205,6 +234,7 @@ def test_disconnect_frees_the_request(server):
         time.sleep(0.5)
     assert metric(server, "vllm:num_requests_running") == 0
     assert metric(server, "vllm:kv_cache_usage_perc") == 0
+    assert metric(server, "vllm:request_success_total", 'finished_reason="abort"') == aborted + 1
 
 
 def test_iteration_log_records_every_iteration(server_proc):

@@ -29,7 +29,8 @@ class StepObserver(Protocol):
 
     def on_arrival(self, request_id: str, now: float) -> None: ...
 
-    def forget(self, request_id: str) -> None: ...
+    def forget(self, request_id: str) -> None:
+        """``request_id`` was aborted before it finished."""
 
 
 class AsyncEngine:

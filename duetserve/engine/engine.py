@@ -254,8 +254,9 @@ class LLMEngine:
     def _emit(self, req: _Request, new_ids: list[int]) -> RequestOutput:
         seq = req.seq
         text, hit_stop = req.detok.add(new_ids)
-        if hit_stop and not seq.is_finished:
+        if hit_stop:  # a stop string ends it, even on the token that also reached max_tokens
             self.scheduler.finish(seq, "stop")
+            seq.finish_reason = "stop"
         if seq.is_finished:
             text += req.detok.finish()
             self._requests.pop(req.request_id, None)

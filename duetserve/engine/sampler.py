@@ -97,4 +97,5 @@ def _top_p(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     sorted_logits, order = logits.sort(dim=-1, descending=True)
     probs = sorted_logits.softmax(dim=-1)
     drop = probs.cumsum(dim=-1) - probs >= top_p  # mass before this token already reaches p
+    drop[:, 0] = False  # the most likely token always stays (a top_p that rounds to 0 in float32)
     return torch.empty_like(logits).scatter_(1, order, sorted_logits.masked_fill(drop, float("-inf")))

@@ -84,7 +84,7 @@ def create_app(engine: AsyncEngine, metrics: ServerMetrics, model_name: str, api
         """
         length = text if isinstance(text, int) else len(text)
         if length > max_chars:
-            raise ParamError(f"the {param} has {length} characters, more than the {engine.engine.max_model_len}-token "
+            raise ParamError(f"{param}: {length} characters, more than the {engine.engine.max_model_len}-token "
                              "context can hold", param)
         try:
             return await run_in_threadpool(encode)
@@ -105,11 +105,20 @@ def create_app(engine: AsyncEngine, metrics: ServerMetrics, model_name: str, api
     async def prometheus():
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
+    def model_card() -> dict:
+        return {"id": model_name, "object": "model", "created": int(time.time()), "owned_by": "duetserve",
+                "max_model_len": engine.engine.max_model_len}
+
     @app.get("/v1/models")
     async def models():
-        card = {"id": model_name, "object": "model", "created": int(time.time()), "owned_by": "duetserve",
-                "max_model_len": engine.engine.max_model_len}
-        return {"object": "list", "data": [card]}
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str):
+        if model_id != model_name:
+            return error_response(404, f"the model `{model_id}` does not exist; this server serves `{model_name}`",
+                                  "model")
+        return model_card()
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
@@ -124,6 +133,7 @@ def create_app(engine: AsyncEngine, metrics: ServerMetrics, model_name: str, api
             prompt = prompt[0]
         if isinstance(prompt, str):
             need_tokenizer("prompt")
+            _check_text(prompt, "prompt")
             prompt_ids = await tokenize(prompt, "prompt", lambda: tokenizer.encode(prompt))
         else:
             prompt_ids = list(prompt)
@@ -137,6 +147,8 @@ def create_app(engine: AsyncEngine, metrics: ServerMetrics, model_name: str, api
         params = body.sampling_params(default_max_tokens=_room(engine, 0))
         need_tokenizer("messages")
         messages = body.chat_messages()
+        for m in messages:
+            _check_text(m["content"], "messages")
         text = sum(len(m["content"]) for m in messages)
         prompt_ids = await tokenize(text, "messages", lambda: tokenizer.apply_chat_template(
             messages, add_generation_prompt=True, tokenize=True))
@@ -152,8 +164,10 @@ def create_app(engine: AsyncEngine, metrics: ServerMetrics, model_name: str, api
         stream = engine.generate(request_id, prompt_ids, params)
         try:
             first = await anext(stream)  # surfaces ParamError as HTTP 400 before any byte is sent
-        except ParamError:
+        except ParamError as exc:
             await stream.aclose()
+            if chat and exc.param == "prompt":  # a chat request's prompt is its messages
+                exc.param = "messages"
             raise
         except EngineError as exc:
             return error_response(500, str(exc))
@@ -242,6 +256,14 @@ class BearerAuth:
                 await response(scope, receive, send)
                 return
         await self.app(scope, receive, send)
+
+
+def _check_text(text: str, param: str) -> None:
+    """Raise ParamError when ``text`` is not valid Unicode (a lone surrogate cannot be encoded)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ParamError(f"{param} is not valid Unicode text: {exc.reason} at character {exc.start}", param) from None
 
 
 def _room(engine: AsyncEngine, prompt_len: int) -> int:

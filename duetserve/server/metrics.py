@@ -104,9 +104,15 @@ class ServerMetrics:
                 self.prompt_tokens.labels(**lab).inc(out.num_prompt_tokens)
                 if rid in self._arrival:
                     self.e2e.labels(**lab).observe(now - self._arrival[rid])
-                self.forget(rid)
+                self._drop(rid)
 
     def forget(self, request_id: str) -> None:
-        """Drop timing state of a request that ended without a finished output (e.g. aborted)."""
+        """A request was aborted (e.g. its client went away): counted as finished with reason
+        ``abort`` (vLLM's label) if it was still running; its timing state is dropped."""
+        if request_id in self._arrival:
+            self.success.labels(finished_reason="abort", **self._label).inc()
+        self._drop(request_id)
+
+    def _drop(self, request_id: str) -> None:
         self._arrival.pop(request_id, None)
         self._last.pop(request_id, None)

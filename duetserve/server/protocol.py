@@ -12,10 +12,24 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class _SamplingFields(BaseModel):
-    """Fields shared by completions and chat completions (OpenAI + vLLM extensions)."""
+# OpenAI fields this server does not implement, with the values that ask for nothing (a client
+# library may send those); any other value is refused with HTTP 400 rather than ignored.
+_UNSUPPORTED: dict[str, tuple] = {
+    "logprobs": (None, False, 0), "top_logprobs": (None, 0), "best_of": (None, 1),
+    "frequency_penalty": (None, 0), "presence_penalty": (None, 0), "repetition_penalty": (None, 1),
+    "logit_bias": (None, {}), "suffix": (None, ""), "min_tokens": (None, 0),
+    "response_format": (None, {"type": "text"}), "tools": (None, []), "tool_choice": (None, "none", "auto"),
+    "functions": (None, []), "function_call": (None, "none", "auto"), "guided_json": (None,),
+    "guided_regex": (None,), "guided_choice": (None,), "guided_grammar": (None,),
+}
 
-    model_config = ConfigDict(extra="ignore")
+
+class _SamplingFields(BaseModel):
+    """Fields shared by completions and chat completions (OpenAI + vLLM extensions). Other
+    fields are ignored (e.g. ``user``), except those in ``_UNSUPPORTED`` when they ask for
+    something (``sampling_params`` refuses them)."""
+
+    model_config = ConfigDict(extra="allow")
 
     model: str | None = None
     max_tokens: int | None = None
@@ -34,10 +48,13 @@ class _SamplingFields(BaseModel):
         """Build and validate ``SamplingParams``.
 
         Raises:
-            ParamError: a field is out of range or unsupported.
+            ParamError: a field is out of range or unsupported (``_UNSUPPORTED``).
         """
         if self.n != 1:
             raise ParamError("only n=1 is supported", "n")
+        for name, value in (self.model_extra or {}).items():
+            if name in _UNSUPPORTED and value not in _UNSUPPORTED[name]:
+                raise ParamError(f"{name} is not supported by this server", name)
         if self.stream_options is not None and not self.stream:
             raise ParamError("stream_options is only allowed when stream is true", "stream_options")
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
