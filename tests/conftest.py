@@ -95,3 +95,17 @@ def tiny_qwen3_folder(tmp_path_factory) -> Path:
                 p.normal_(0, 0.1)
     model.save_pretrained(folder)
     return folder
+
+
+def run_counting_split_rounds(engine, prompts: list[list[int]], params) -> tuple[list[list[int]], int]:
+    """Run ``prompts`` on ``engine`` to the end; returns each one's output tokens and the number
+    of iterations after which a layer-split (pdmux) prefill still had layers to run."""
+    outputs: dict[str, list[int]] = {str(i): [] for i in range(len(prompts))}
+    for i, prompt in enumerate(prompts):
+        engine.add_request(str(i), prompt, params)
+    unfinished = 0
+    while engine.has_unfinished():
+        for out in engine.step():
+            outputs[out.request_id].extend(out.new_token_ids)
+        unfinished += not engine.runner.prefill_done
+    return [outputs[str(i)] for i in range(len(prompts))], unfinished

@@ -5,6 +5,7 @@ import json
 
 import pytest
 import torch
+from conftest import run_counting_split_rounds
 
 from duetserve.config import EngineConfig
 from duetserve.engine.engine import LLMEngine
@@ -31,16 +32,8 @@ def test_layer_split_prefill_gives_chunked_tokens(tiny_qwen3_folder, budget):
     planner = PlannerConfig(shape, roofline_only(load_profile("h200")), 0.1, "greenctx",
                             PdmuxConfig(split_forward_token_budget=budget))
     engine.scheduler.policy = PdmuxPolicy(planner)
-    rounds, unfinished = 0, 0
-    outputs: dict[str, list[int]] = {}
-    for i, prompt in enumerate(prompts):
-        engine.add_request(str(i), prompt, params)
-    while engine.has_unfinished():
-        for out in engine.step():
-            outputs.setdefault(out.request_id, []).extend(out.new_token_ids)
-        rounds += 1
-        unfinished += not engine.runner.prefill_done
-    assert [outputs[str(i)] for i in range(len(prompts))] == expected
+    outputs, unfinished = run_counting_split_rounds(engine, prompts, params)
+    assert outputs == expected
     assert (unfinished > 0) == (budget == 64)
     assert engine.block_manager.num_free_blocks == 128
 

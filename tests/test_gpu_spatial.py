@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import run_counting_split_rounds
 
 from duetserve.config import EngineConfig
 from duetserve.engine.engine import LLMEngine
@@ -71,14 +72,7 @@ def test_pdmux_layer_split_on_green_contexts_gives_chunked_tokens(tiny_qwen3_fol
     planner = PlannerConfig(shape, load_profile("h200"), 0.1, "greenctx", PdmuxConfig(split_forward_token_budget=64),
                             cuda_graphs=not enforce_eager)
     engine.scheduler.policy = PdmuxPolicy(planner)  # 64 tokens a round: one layer per round
-    unfinished = 0
-    outputs: dict[str, list[int]] = {}
-    for i, prompt in enumerate(prompts):
-        engine.add_request(str(i), prompt, params)
-    while engine.has_unfinished():
-        for out in engine.step():
-            outputs.setdefault(out.request_id, []).extend(out.new_token_ids)
-        unfinished += not engine.runner.prefill_done
-    assert [outputs[str(i)] for i in range(len(prompts))] == expected
+    outputs, unfinished = run_counting_split_rounds(engine, prompts, params)
+    assert outputs == expected
     assert unfinished > 0
     assert engine.block_manager.num_free_blocks == 256
