@@ -213,7 +213,8 @@ class ModelRunner:
         completes. On SM-partitioned streams no new step starts once the prefill has finished
         (at most ``plan.k``, the steps whose KV slots the scheduler reserved): the decode stream
         neither idles behind a prefill that runs longer than predicted nor holds up the next
-        iteration when it runs shorter. Without partitioned streams all ``plan.k`` steps run.
+        iteration when it runs shorter. A decode-only plan (multi-step decode) stops starting
+        steps once ``interrupt()`` says new work waits; otherwise all ``plan.k`` steps run.
         """
         run = self._launch_spatial(out)
         while run.inflight:
