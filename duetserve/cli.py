@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import os
 import re
 import sys
@@ -44,30 +45,64 @@ def _port(text: str) -> int:
     return port
 
 
+def _positive_float(flag: str):
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            value = math.nan
+        if not (math.isfinite(value) and value > 0):
+            raise argparse.ArgumentTypeError(f"must be a positive number, got {text!r}")
+        return value
+    parse.__name__ = flag
+    return parse
+
+
+def _non_empty(flag: str):
+    def parse(text: str) -> str:
+        if not text.strip():
+            raise argparse.ArgumentTypeError("must not be empty")
+        return text
+    parse.__name__ = flag
+    return parse
+
+
+class _DefaultsOnceFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Appends "(default: X)" only where the help does not already say the default and X is not None."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default is None or "default" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
+
+
 def _add_serve(sub) -> None:
     p = sub.add_parser("serve", help="start the OpenAI-compatible HTTP server",
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                       formatter_class=_DefaultsOnceFormatter)
     p.add_argument("--model", default=None,
                    help="Hugging Face folder or .gguf file; default: the embedded SmolLM2-135M-Instruct")
-    p.add_argument("--served-model-name", default=None, help="model name in the API (default: from --model)")
+    p.add_argument("--served-model-name", type=_non_empty("--served-model-name"), default=None,
+                   help="model name in the API (default: from --model)")
     p.add_argument("--load-format", choices=("auto", "dummy"), default="auto",
                    help="dummy: random weights with the config's shapes")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=_port, default=8000)
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    p.add_argument("--port", type=_port, default=8000, help="port to listen on")
     p.add_argument("--tbt-slo", type=_duration("--tbt-slo"), default=0.1, help="TBT SLO, e.g. 100ms or 0.1s")
-    p.add_argument("--policy", choices=POLICIES, default="duet")
-    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--policy", choices=POLICIES, default="duet", help="scheduling policy")
+    p.add_argument("--max-num-seqs", type=int, default=64, help="most sequences per iteration")
     p.add_argument("--max-num-batched-tokens", type=int, default=None,
                    help="token budget per iteration (default: 512 on CPU, 8192 on CUDA)")
-    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block")
     group = p.add_mutually_exclusive_group()
     group.add_argument("--num-kv-blocks", type=int, default=None, help="KV-cache blocks")
     group.add_argument("--kv-cache-memory-fraction", type=float, default=0.9,
                        help="share of free GPU memory (or of --cpu-kv-cache-gb on CPU) for the KV cache")
-    p.add_argument("--cpu-kv-cache-gb", type=float, default=2.0, help="KV-cache pool on the CPU, GiB")
+    p.add_argument("--cpu-kv-cache-gb", type=_positive_float("--cpu-kv-cache-gb"), default=2.0,
+                   help="KV-cache pool on the CPU, GiB")
     p.add_argument("--max-model-len", type=int, default=None, help="context limit, tokens (default: the model's)")
     p.add_argument("--device", default=None, help="cpu or cuda[:N] (default: cuda if available)")
-    p.add_argument("--dtype", choices=("auto", "float32", "float16", "bfloat16"), default="auto")
+    p.add_argument("--dtype", choices=("auto", "float32", "float16", "bfloat16"), default="auto",
+                   help="auto: float32 on the CPU, bfloat16 on CUDA")
     p.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default="auto",
                    help="auto: flash-attn if it imports and fits, else triton on CUDA; torch on the CPU")
     p.add_argument("--profile", default="h200", metavar="NAME|PATH", help="GPU profile the planner predicts with: "
@@ -80,12 +115,13 @@ def _add_serve(sub) -> None:
     p.add_argument("--iteration-log", default=None, metavar="PATH",
                    help="append one JSON line per engine iteration (plan, SMs, k, predicted and measured seconds)")
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed for dummy weights and unseeded sampling")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode")
     p.add_argument("--num-decode-steps", type=int, default=1, metavar="N",
                    help="decode-only iterations run up to N steps back to back, stopping when a request "
                         "arrives (hides the host time between steps; 1 = off)")
-    p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"),
+                   help="server log level")
 
 
 def _serve(args, parser: argparse.ArgumentParser) -> int:

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from duetserve.cli import main
+from duetserve.cli import _positive_float, main
 
 
 @pytest.mark.parametrize("argv, flag", [
@@ -23,3 +23,50 @@ def test_bad_serve_flags_exit_2_naming_the_flag(argv, flag, capsys):
         main(["serve", "--device", "cpu", *argv] if "--device" not in argv else ["serve", *argv])
     assert exc.value.code == 2
     assert flag in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--cpu-kv-cache-gb", "-1"], "argument --cpu-kv-cache-gb: must be a positive number, got '-1'"),
+    (["--cpu-kv-cache-gb", "0"], "argument --cpu-kv-cache-gb: must be a positive number, got '0'"),
+    (["--cpu-kv-cache-gb", "nan"], "argument --cpu-kv-cache-gb: must be a positive number, got 'nan'"),
+    (["--cpu-kv-cache-gb", "inf"], "argument --cpu-kv-cache-gb: must be a positive number, got 'inf'"),
+    (["--cpu-kv-cache-gb", "two"], "argument --cpu-kv-cache-gb: must be a positive number, got 'two'"),
+    (["--served-model-name", ""], "argument --served-model-name: must not be empty"),
+    (["--served-model-name", "  "], "argument --served-model-name: must not be empty"),
+])
+def test_bad_serve_values_are_explained(argv, message, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["serve", "--device", "cpu", *argv])
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_cpu_kv_cache_gb_accepts_small_positive_values():
+    assert _positive_float("--cpu-kv-cache-gb")("0.25") == 0.25
+    assert _positive_float("--cpu-kv-cache-gb")("1e-3") == 0.001
+
+
+def test_serve_help_shows_each_default_once(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["serve", "--help"])
+    assert exc.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())  # undo argparse's line wrapping
+    assert "(default: None)" not in text
+    assert "model name in the API (default: from --model) --load-format" in text
+    assert "cpu or cuda[:N] (default: cuda if available) --dtype" in text
+    assert "context limit, tokens (default: the model's) --device" in text
+    assert "port to listen on (default: 8000)" in text
+    assert "KV-cache pool on the CPU, GiB (default: 2.0)" in text
+
+
+def test_bench_help_is_for_users_and_lists_exit_codes(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["bench", "--help"])
+    assert exc.value.code == 0
+    text = capsys.readouterr().out
+    assert "configure_parser" not in text and ":func:" not in text and "``" not in text
+    lines = [line.strip() for line in text.splitlines()]
+    assert lines[lines.index("Exit status:") + 1].startswith("0  every run completed at least one request")
+    assert any(line.startswith("1  setup error") for line in lines)
+    assert any(line.startswith("2  every request of a run failed") for line in lines)
+    assert "2 is also argparse's status for a usage error" in " ".join(lines)
