@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import itertools
 import json
+import logging
 import re
 import socket
 import subprocess
@@ -265,6 +266,25 @@ def test_launch_failure_is_reported(capsys: pytest.CaptureFixture) -> None:
     assert bench(["--launch", command, "--base-url", f"http://127.0.0.1:{free_port()}", *SYNTHETIC]) == 1
     err = capsys.readouterr().err
     assert "exited with code 3" in err and "no model here" in err
+
+
+@pytest.mark.parametrize("command, code", [("false", 1), ("sh -c 'sleep 0.2; exit 4'", 4)])
+def test_launch_that_exits_while_another_server_answers_fails(command: str, code: int,
+                                                               capsys: pytest.CaptureFixture) -> None:
+    # false exits at once; sh exits 0.2 s later, after the other server passed the health check.
+    with serving(fake_app()) as url:
+        assert bench(["--launch", command, "--base-url", url, *SYNTHETIC, "--launch-timeout", "10s"]) == 1
+    captured = capsys.readouterr()
+    assert f"the launched command exited with code {code}, yet" in captured.err
+    assert f"yet {url}/health answers: another server may be running on that port" in captured.err
+    assert "Serving Benchmark Result" not in captured.out
+
+
+def test_no_log_line_per_request(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO)
+    with serving(fake_app()) as url:
+        assert bench(["--base-url", url, *SYNTHETIC]) == 0
+    assert [r for r in caplog.records if r.name.startswith(("httpx", "httpcore"))] == []
 
 
 def test_module_entry_point() -> None:

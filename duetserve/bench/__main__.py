@@ -3,12 +3,14 @@
 import argparse
 import sys
 
+from duetserve.bench import cli
 from duetserve.bench.cli import configure_parser, run
 
 
 def main() -> int:
     """Parse ``sys.argv`` and run the benchmark; returns the exit status."""
-    parser = argparse.ArgumentParser(prog="python -m duetserve.bench")
+    parser = argparse.ArgumentParser(prog="python -m duetserve.bench", description=cli.__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     configure_parser(parser)
     return run(parser.parse_args())
 

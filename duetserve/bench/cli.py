@@ -1,13 +1,16 @@
-"""``duetserve bench``: replay a trace (or synthetic load) against an OpenAI-compatible server.
+"""duetserve bench: replay a trace (or synthetic load) against an OpenAI-compatible server.
 
-The main CLI registers it with :func:`configure_parser` and :func:`run`; ``python -m duetserve.bench``
-runs it standalone.
+Prints a vllm bench serve-style table per run; --result-file R.json saves the metrics
+(vLLM's keys), the run's settings and per-request records. With --sweep-qps each load is
+one run and one file, R_qps{Q}.json (e.g. R_qps2.json), and --plot overlays all loads in
+one image.
 
-Results: a ``vllm bench serve``-style table is printed per run; ``--result-file R.json``
-saves the metrics (vLLM's keys), the run's settings and per-request records. With
-``--sweep-qps`` each load is one run and one file, ``R_qps{Q}.json`` (e.g. ``R_qps2.json``),
-and ``--plot`` overlays all loads in one image. Exit status: 0 when every run produced a
-report (failed requests are counted in it), 1 on a setup error (server, trace, files).
+Exit status:
+  0  every run completed at least one request (failed requests are counted in its report)
+  1  setup error: bad options, unreadable trace or files, server not reachable or not
+     starting ("duetserve bench: error: ..." on stderr)
+  2  every request of a run failed (the reports are still printed, and saved with
+     --result-file); 2 is also argparse's status for a usage error ("usage: ..." on stderr)
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import logging
 import math
 import sys
 from dataclasses import fields, is_dataclass, replace
@@ -271,6 +275,8 @@ def run(args: argparse.Namespace) -> int:
         have failed), 1 on a setup error (bad options, unreadable trace, server not reachable
         or not starting), 2 when every request of a run failed (the reports are still written).
     """
+    for name in ("httpx", "httpcore"):  # one INFO line per request otherwise
+        logging.getLogger(name).setLevel(logging.WARNING)
     try:
         return _compare(args) if args.compare else _bench(args)
     except (ValueError, RuntimeError, TimeoutError, OSError) as e:

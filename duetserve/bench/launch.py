@@ -46,8 +46,8 @@ class ServerProcess:
     sends SIGTERM to the group, then SIGKILL after ``stop_timeout_s``.
 
     Raises (from ``__enter__``):
-        RuntimeError: the process exits before it is healthy (with its exit code and the
-            tail of its log).
+        RuntimeError: the process exits before it is healthy, or right after the health check
+            passed (another server answered), with its exit code and the tail of its log.
         TimeoutError: it is not healthy within ``startup_timeout_s``.
         OSError: the command cannot be started.
     """
@@ -93,20 +93,33 @@ class ServerProcess:
         while time.monotonic() < deadline:
             code = self.proc.poll()
             if code is not None:
-                raise RuntimeError(
-                    f"server exited with code {code} before becoming healthy "
-                    f"(log: {self.log_path}):\n{self.log_tail()}"
-                )
-            try:
-                if httpx.get(self.config.health_url, timeout=2.0, trust_env=False).status_code == 200:
+                raise self._exited(code)
+            if self._healthy():
+                try:  # still running a moment later? If not, whatever answered was not it
+                    code = self.proc.wait(_POLL_S)
+                except subprocess.TimeoutExpired:
                     return
-            except httpx.HTTPError:
-                pass
+                raise self._exited(code)
             time.sleep(_POLL_S)
         raise TimeoutError(
             f"server not healthy at {self.config.health_url} after "
             f"{self.config.startup_timeout_s:g} s (log: {self.log_path}):\n{self.log_tail()}"
         )
+
+    def _healthy(self) -> bool:
+        try:
+            return httpx.get(self.config.health_url, timeout=2.0, trust_env=False).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def _exited(self, code: int) -> RuntimeError:
+        """The error for a launched command that exited with ``code`` during startup."""
+        if self._healthy():
+            why = f"yet {self.config.health_url} answers: another server may be running on that port"
+        else:
+            why = "before becoming healthy"
+        return RuntimeError(f"the launched command exited with code {code}, {why} "
+                            f"(log: {self.log_path}):\n{self.log_tail()}")
 
     def stop(self) -> None:
         """Stop the server: SIGTERM to its process group, SIGKILL if it does not exit."""
