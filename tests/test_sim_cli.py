@@ -6,6 +6,7 @@ import json
 import pytest
 
 from duetserve.cli import main
+from duetserve.sim import cli as sim_cli
 
 SMALL = ["simulate", "--format", "synthetic", "--num-requests", "40", "--input-len", "500:3000",
          "--output-len", "10:60", "--no-progress"]
@@ -67,6 +68,12 @@ def test_missing_qps_is_a_usage_error(capsys):
     (["simulate", "--format", "synthetic", "--qps", "2"], "--num-requests is required"),
     ([*SMALL, "--qps", "2", "--policy", "pdmux", "--partition-backend", "none"], "--policy pdmux needs"),
     ([*SMALL, "--qps", "2", "--window", "5s:1s"], "empty window"),
+    ([*SMALL, "--qps", "2", "--kv-cache-tokens", "10"],
+     "--kv-cache-tokens 10 is less than one KV block of 16 tokens"),
+    ([*SMALL, "--qps", "2", "--kv-cache-tokens", "100"],
+     "the KV cache of 96 tokens (from --kv-cache-tokens) holds no request of the trace: the shortest needs"),
+    ([*SMALL, "--qps", "2", "--max-model-len", "10"],
+     "--max-model-len 10 leaves no room for an output token: the shortest prompt of the trace has"),
 ])
 def test_inconsistent_input_exits_1_with_a_message(args, words, capsys):
     assert main(args) == 1
@@ -78,3 +85,19 @@ def test_all_without_partition_backend_leaves_pdmux_out(capsys):
     assert main([*SMALL, "--qps", "3", "--partition-backend", "none"]) == 0
     captured = capsys.readouterr()
     assert "pdmux left out" in captured.err and "pdmux" not in captured.out
+
+
+@pytest.mark.parametrize("flag", ["--json", "--plot"])
+def test_unwritable_outputs_fail_before_simulating(flag, tmp_path, monkeypatch, capsys):
+    simulated = []
+    monkeypatch.setattr(sim_cli, "simulate", lambda *a, **k: simulated.append(a))
+    for path, words in [(tmp_path / "no" / "out", f"argument {flag}: folder {tmp_path / 'no'} does not exist"),
+                        (tmp_path, f"argument {flag}: {tmp_path} is a folder")]:
+        with pytest.raises(SystemExit) as exc:
+            main([*SMALL, "--qps", "2", flag, str(path)])
+        assert exc.value.code == 2 and words in capsys.readouterr().err
+    monkeypatch.setattr(sim_cli.os, "access", lambda path, mode: False)  # as if not root and read-only
+    with pytest.raises(SystemExit):
+        main([*SMALL, "--qps", "2", flag, str(tmp_path / "out")])
+    assert f"argument {flag}: folder {tmp_path} is not writable" in capsys.readouterr().err
+    assert simulated == []

@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from duetserve.config import POLICIES, parse_duration
 from duetserve.engine.policy import policy_by_name
@@ -25,7 +26,7 @@ from duetserve.partition.base import BACKENDS as PARTITION_BACKENDS
 from duetserve.planner.policies import PlannerConfig
 from duetserve.sim.report import format_capacity, format_table, plot_rows, summarize
 from duetserve.sim.simulator import SimConfig, simulate
-from duetserve.traces import TraceSpec, load_trace, parse_length, resolve_format
+from duetserve.traces import TraceRequest, TraceSpec, load_trace, parse_length, resolve_format
 
 
 def _argtype(parse: Callable[[str], Any], name: str) -> Callable[[str], Any]:
@@ -81,6 +82,19 @@ def _existing_file(text: str) -> Path:
     return Path(text)
 
 
+def _output_file(text: str) -> Path:
+    """A file path whose folder exists and is writable (checked before any simulation runs)."""
+    path = Path(text)
+    folder = path.parent
+    if path.is_dir():
+        raise ValueError(f"{text} is a folder")
+    if not folder.is_dir():
+        raise ValueError(f"{folder} is not a folder" if folder.exists() else f"folder {folder} does not exist")
+    if not os.access(folder, os.W_OK):
+        raise ValueError(f"folder {folder} is not writable")
+    return path
+
+
 def configure_parser(p: argparse.ArgumentParser) -> None:
     """Add every ``duetserve simulate`` option to ``p``."""
     t = p.add_argument_group("trace")
@@ -131,8 +145,10 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
                    help="context limit (default: the trace's longest request)")
 
     r = p.add_argument_group("results")
-    r.add_argument("--json", type=Path, metavar="OUT.json", help="save the rows as a JSON list")
-    r.add_argument("--plot", type=Path, metavar="OUT.png", help="plot TBT, TTFT and throughput against QPS")
+    r.add_argument("--json", type=_argtype(_output_file, "--json"), metavar="OUT.json",
+                   help="save the rows as a JSON list")
+    r.add_argument("--plot", type=_argtype(_output_file, "--plot"), metavar="OUT.png",
+                   help="plot TBT, TTFT and throughput against QPS")
     r.add_argument("--no-progress", action="store_true", help="hide the progress bar")
 
 
@@ -150,6 +166,24 @@ def _check_trace_flags(args: argparse.Namespace) -> None:
         raise ValueError("--num-requests is required for a synthetic trace")
 
 
+def _check_trace_fits(args: argparse.Namespace, config: SimConfig, trace: Sequence[TraceRequest]) -> None:
+    """Raise ValueError, naming the flag, when the KV cache or the context limit leaves no
+    request of ``trace`` able to run."""
+    if args.kv_cache_tokens is not None and args.kv_cache_tokens < args.block_size:
+        raise ValueError(f"--kv-cache-tokens {args.kv_cache_tokens} is less than one KV block of "
+                         f"{args.block_size} tokens (--block-size)")
+    shortest_prompt = min(r.input_len for r in trace)
+    if args.max_model_len is not None and shortest_prompt >= args.max_model_len:
+        raise ValueError(f"--max-model-len {args.max_model_len} leaves no room for an output token: "
+                         f"the shortest prompt of the trace has {shortest_prompt} tokens")
+    shortest = min(r.input_len + r.output_len for r in trace)
+    blocks = config.kv_blocks()
+    if -(-shortest // args.block_size) > blocks:
+        source = "--kv-cache-tokens" if args.kv_cache_tokens else "--gpu and --gpu-memory-utilization"
+        raise ValueError(f"the KV cache of {blocks * args.block_size} tokens (from {source}) holds no request "
+                         f"of the trace: the shortest needs {shortest} tokens of prompt and output")
+
+
 def _simulate(args: argparse.Namespace) -> int:
     _check_trace_flags(args)
     names = [args.policy] if args.policy != "all" else list(POLICIES)
@@ -165,6 +199,7 @@ def _simulate(args: argparse.Namespace) -> int:
         trace = load_trace(args.trace, _trace_spec(args, qps))
         if not trace:
             raise ValueError("the trace selection holds no requests (see --window and --num-requests)")
+        _check_trace_fits(args, config, trace)
         for policy in policies:
             result = simulate(trace, policy, config, not args.no_progress, f"{policy.name} qps {qps:g}")
             rows.append(summarize(result, qps, args.tbt_slo))
