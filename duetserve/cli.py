@@ -120,6 +120,10 @@ def _add_serve(sub) -> None:
     p.add_argument("--num-decode-steps", type=int, default=1, metavar="N",
                    help="decode-only iterations run up to N steps back to back, stopping when a request "
                         "arrives (hides the host time between steps; 1 = off)")
+    p.add_argument("--trim-margin", type=_positive_float("--trim-margin"), default=None, metavar="FRACTION",
+                   help="duet: when a split is planned, run a temporal batch with its prefill trimmed to fit "
+                        "FRACTION x --tbt-slo instead if its predicted token rate is higher (e.g. 0.85; "
+                        "default: off, the paper's rule)")
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"),
                    help="server log level")
 
@@ -161,7 +165,7 @@ def _serve(args, parser: argparse.ArgumentParser) -> int:
                               max_model_len=args.max_model_len, policy=args.policy, tbt_slo_s=args.tbt_slo,
                               hardware_profile=args.profile, partition_backend=args.partition_backend,
                               seed=args.seed, enforce_eager=args.enforce_eager,
-                              num_decode_steps=args.num_decode_steps,
+                              num_decode_steps=args.num_decode_steps, trim_margin=args.trim_margin,
                               attention_backend=args.attention_backend)
         engine = LLMEngine(config)
     except (ValueError, FileNotFoundError, KeyError) as exc:

@@ -59,6 +59,9 @@ class EngineConfig:
         num_decode_steps: decode-only iterations run up to this many steps back to back (each
             step queued behind the running one, tokens streamed per step; like vLLM's multi-step
             scheduling), stopping early when a request arrives or is aborted; 1 turns it off.
+        trim_margin: duet: also consider a temporal batch with its prefill trimmed to fit this
+            share of ``tbt_slo_s`` and run it instead of a split when its predicted token rate
+            is higher (``plan_iteration``); None (default) keeps the paper's rule.
     """
 
     model: str | None = None
@@ -80,6 +83,7 @@ class EngineConfig:
     attention_backend: str = "auto"
     enforce_eager: bool = False
     num_decode_steps: int = 1
+    trim_margin: float | None = None
 
     def __post_init__(self) -> None:
         checks = [
@@ -92,6 +96,7 @@ class EngineConfig:
             (self.max_num_seqs >= 1, "--max-num-seqs", "must be >= 1"),
             (self.max_num_batched_tokens >= 1, "--max-num-batched-tokens", "must be >= 1"),
             (self.num_decode_steps >= 1, "--num-decode-steps", "must be >= 1"),
+            (self.trim_margin is None or 0 < self.trim_margin <= 1, "--trim-margin", "must be in (0, 1]"),
             (self.block_size >= 1, "--block-size", "must be >= 1"),
             (self.num_kv_blocks is None or self.num_kv_blocks >= 1, "--num-kv-blocks", "must be >= 1"),
             (0 < self.kv_cache_memory_fraction <= 1, "--kv-cache-memory-fraction", "must be in (0, 1]"),

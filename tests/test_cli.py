@@ -17,6 +17,9 @@ from duetserve.cli import _positive_float, main
     (["--max-num-seqs", "0"], "--max-num-seqs"),
     (["--policy", "pdmux", "--device", "cpu"], "--policy"),
     (["--libsmctrl", "/nonexistent.so"], "--libsmctrl"),
+    (["--trim-margin", "0"], "--trim-margin"),
+    (["--trim-margin", "1.5"], "--trim-margin"),
+    (["--num-decode-steps", "0"], "--num-decode-steps"),
 ])
 def test_bad_serve_flags_exit_2_naming_the_flag(argv, flag, capsys):
     with pytest.raises(SystemExit) as exc:

@@ -185,3 +185,25 @@ def test_duet_policy_carries_the_idle_tail_of_a_spatial_plan(qwen_h200):
     assert policy.carry_s == pytest.approx(spatial.predicted_prefill_s - spatial.k * spatial.predicted_decode_s)
     policy.plan([(1, 2047)] * 32, [], max_k=4)  # decode only: temporal, nothing carried
     assert policy.carry_s == 0.0
+
+
+def test_trim_margin_prefers_a_smaller_temporal_chunk_only_when_it_is_faster():
+    """Pure roofline, Qwen3-8B on the H200 (green contexts): 16 decodes at 2k beside a 4096-token
+    prompt under tau = 50 ms split at S_d = 8, k = 2 for 44.1k tokens/s; the same batch with its
+    prefill trimmed to fit 0.85 tau (2123 tokens in 42.5 ms) makes 50.3k tokens/s and wins.
+    64 decodes at 16k beside a chunk after 24k cached tokens: trimming to fit leaves too little
+    prefill, so the split stays."""
+    cm = CostModel(ModelShape.preset("qwen3-8b"), roofline_only(load_profile("h200")))
+    decode, prefill = [(1, 2047)] * 16, [(4096, 0)]
+    split = plan_iteration(cm, decode, prefill, 0.05, 132, 8)
+    assert (split.spatial, split.s_decode, split.k) == (True, 8, 2)
+    assert (2 * 16 + 4096) / split.predicted_s == pytest.approx(44081, rel=1e-3)
+    trimmed = plan_iteration(cm, decode, prefill, 0.05, 132, 8, trim_margin=0.85)
+    assert (trimmed.spatial, trimmed.prefill_token_limit, trimmed.slo_risk) == (False, 2123, False)
+    assert trimmed.predicted_s <= 0.85 * 0.05 and (16 + 2123) / trimmed.predicted_s == pytest.approx(50332, rel=1e-3)
+
+    decode, prefill = [(1, 16000)] * 64, [(8192, 24000)]
+    split = plan_iteration(cm, decode, prefill, 0.1, 132, 8)
+    assert split.spatial and plan_iteration(cm, decode, prefill, 0.1, 132, 8, trim_margin=0.85) == split
+    with pytest.raises(ValueError):
+        plan_iteration(cm, decode, prefill, 0.1, 132, 8, trim_margin=1.5)

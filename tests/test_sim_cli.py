@@ -49,6 +49,7 @@ def test_model_config_file_and_single_policy(tmp_path, capsys):
     (["--qps", "2", "--model-config", "gpt-5"], "--model-config"),
     (["--qps", "2", "--gpu", "b300"], "--gpu"),
     (["--qps", "2", "--window", "10"], "--window"),
+    (["--qps", "2", "--trim-margin", "1.2"], "--trim-margin"),
 ])
 def test_bad_flags_are_usage_errors_naming_the_flag(args, flag, capsys):
     with pytest.raises(SystemExit) as exc:

@@ -102,7 +102,8 @@ def make_policy(config, model_config: Mapping[str, object] | None = None) -> Pol
     if config.policy in ("duet", "pdmux"):
         shape = ModelShape.from_hf_config(model_config or _read_model_config(config.model))
         planner = PlannerConfig(shape, load_profile(config.hardware_profile), config.tbt_slo_s,
-                                config.partition_backend, cuda_graphs=not config.enforce_eager)
+                                config.partition_backend, cuda_graphs=not config.enforce_eager,
+                                trim_margin=config.trim_margin)
     return policy_by_name(config.policy, planner)
 
 

@@ -25,6 +25,7 @@ Beyond the paper:
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -85,7 +86,7 @@ def trim_prefill(prefill_reqs: Sequence[Request], token_limit: int) -> list[Requ
 
 def plan_iteration(cost_model: CostModel, decode_reqs: Sequence[Request], prefill_reqs: Sequence[Request],
                    tau: float, total_sms: int, granularity: int | None, min_sms: int | None = None,
-                   max_k: int | None = None, carry_s: float = 0.0) -> Plan:
+                   max_k: int | None = None, carry_s: float = 0.0, trim_margin: float | None = None) -> Plan:
     """Choose this iteration's plan (DESIGN section 4; see the module docstring).
 
     Args:
@@ -103,14 +104,20 @@ def plan_iteration(cost_model: CostModel, decode_reqs: Sequence[Request], prefil
             this iteration starts: the idle tail ``t_p - k t_d`` of a previous spatial plan
             whose prefill outlasted its decode steps. This iteration's first decode token
             must come within ``tau - carry_s`` (beyond the paper, which checks each plan alone).
+        trim_margin: in (0, 1], or None (the paper's rule). When step 2 finds a split, also
+            price a temporal batch with the prefill trimmed to fit ``trim_margin`` times the
+            first-token budget (step 3's rule) and return it instead when its token rate
+            ``(decodes + prefill kept) / t`` beats the split's (beyond the paper: a smaller
+            chunk on all SMs can beat splitting, as chunked prefill with a small budget did
+            on the H200; the margin leaves room for prediction error).
 
     Raises:
-        ValueError: for tau <= 0, granularity < 1, min_sms < 1, max_k < 1, or SM counts
-            the cost model rejects.
+        ValueError: for tau <= 0, granularity < 1, min_sms < 1, max_k < 1, trim_margin
+            outside (0, 1], or SM counts the cost model rejects.
     """
     if tau <= 0 or (granularity is not None and granularity < 1) or (min_sms is not None and min_sms < 1) \
-            or (max_k is not None and max_k < 1):
-        raise ValueError("tau, granularity, min_sms and max_k must be positive")
+            or (max_k is not None and max_k < 1) or (trim_margin is not None and not 0 < trim_margin <= 1):
+        raise ValueError("tau, granularity, min_sms and max_k must be positive and trim_margin in (0, 1]")
     decode, prefill = _as_array(decode_reqs), _as_array(prefill_reqs)
     t_mixed = float(cost_model.predict_total(np.concatenate([decode, prefill]), total_sms))
     first_tau = tau - max(carry_s, 0.0) if len(decode) else tau  # budget of the first decode token
@@ -124,7 +131,14 @@ def plan_iteration(cost_model: CostModel, decode_reqs: Sequence[Request], prefil
     first = -(-min_sms // granularity) * granularity
     s_d = np.arange(first, total_sms - min_sms + 1, granularity)
     plan = _best_spatial(cost_model, decode, prefill, tau, first_tau, total_sms, s_d, max_k) if s_d.size else None
-    return plan or _fallback(cost_model, decode, prefill, first_tau, total_sms)
+    if plan is None:
+        return _fallback(cost_model, decode, prefill, first_tau, total_sms)
+    if trim_margin is not None:
+        trimmed = _fallback(cost_model, decode, prefill, trim_margin * first_tau, total_sms)
+        if (len(decode) + trimmed.prefill_token_limit) / trimmed.predicted_s > \
+                (plan.k * len(decode) + prefill[:, 0].sum()) / plan.predicted_s:
+            return dataclasses.replace(trimmed, slo_risk=False)
+    return plan
 
 
 def _as_array(reqs: Sequence[Request] | np.ndarray) -> np.ndarray:

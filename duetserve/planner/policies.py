@@ -56,10 +56,11 @@ class PlannerConfig:
         cuda_graphs: whether the engine replays decode-only iterations from CUDA graphs (False
             under ``enforce_eager``); with a profile that has per-kernel overheads, graph-replayed
             and eager iterations are priced differently (``cost_model`` module docstring).
+        trim_margin: duet only: ``plan_iteration``'s ``trim_margin`` (None: off).
 
     Raises:
-        ValueError: ``tau_s <= 0``, or a backend that is not in ``BACKENDS`` or not in the
-            profile.
+        ValueError: ``tau_s <= 0``, ``trim_margin`` outside (0, 1], or a backend that is not in
+            ``BACKENDS`` or not in the profile.
     """
 
     shape: ModelShape
@@ -69,10 +70,13 @@ class PlannerConfig:
     pdmux: PdmuxConfig = field(default_factory=PdmuxConfig)
     tp: int = 1
     cuda_graphs: bool = True
+    trim_margin: float | None = None
 
     def __post_init__(self) -> None:
         if self.tau_s <= 0:
             raise ValueError("the TBT SLO must be positive")
+        if self.trim_margin is not None and not 0 < self.trim_margin <= 1:
+            raise ValueError("the trim margin must be in (0, 1]")
         if self.partition_backend not in BACKENDS:
             raise ValueError(f"unknown partition backend {self.partition_backend!r}; known {', '.join(BACKENDS)}")
         if self.partition_backend != "none":
@@ -123,7 +127,7 @@ class DuetPolicy:
         most steps reserved; the slack keeps decode busy when the prefill runs long."""
         c = self.config
         plan = plan_iteration(c.cost_model, decode_reqs, prefill_reqs, c.tau_s, c.profile.num_sms,
-                              c.granularity, c.min_sms, max_k, self.carry_s)
+                              c.granularity, c.min_sms, max_k, self.carry_s, c.trim_margin)
         if plan.spatial and prefill_reqs:  # room for a prefill slower than predicted (executor stops at its end)
             k = min(max_k, LOOKAHEAD_SLACK * plan.k)
             t_d, t_p = plan.predicted_decode_s, plan.predicted_prefill_s

@@ -14,19 +14,25 @@ import argparse
 import json
 import os
 import sys
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
-from collections.abc import Callable, Sequence
 
 from duetserve.config import POLICIES, parse_duration
 from duetserve.engine.policy import policy_by_name
+from duetserve.partition.base import BACKENDS as PARTITION_BACKENDS
 from duetserve.planner.cost_model import ModelShape
 from duetserve.planner.hardware import available_profiles, load_profile
-from duetserve.partition.base import BACKENDS as PARTITION_BACKENDS
 from duetserve.planner.policies import PlannerConfig
 from duetserve.sim.report import format_capacity, format_table, plot_rows, summarize
 from duetserve.sim.simulator import SimConfig, simulate
-from duetserve.traces import TraceRequest, TraceSpec, load_trace, parse_length, resolve_format
+from duetserve.traces import (
+    TraceRequest,
+    TraceSpec,
+    load_trace,
+    parse_length,
+    resolve_format,
+)
 
 
 def _argtype(parse: Callable[[str], Any], name: str) -> Callable[[str], Any]:
@@ -50,6 +56,14 @@ def _positive(convert: Callable[[str], float | int]) -> Callable[[str], Any]:
         return value
 
     return parse
+
+
+def _fraction(text: str) -> float:
+    """A number in (0, 1]."""
+    value = float(text)
+    if not 0 < value <= 1:
+        raise ValueError(f"must be in (0, 1], got {text!r}")
+    return value
 
 
 def _qps_list(text: str) -> list[float]:
@@ -137,6 +151,9 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
     s.add_argument("--policy", choices=[*POLICIES, "all"], default="all", help="policy to simulate, or all")
     s.add_argument("--tbt-slo", type=_argtype(_positive(lambda x: parse_duration(x, "ms")), "--tbt-slo"),
                    default=0.1, metavar="DURATION", help="TBT SLO, e.g. 100ms (bare numbers: ms)")
+    s.add_argument("--trim-margin", type=_argtype(_fraction, "--trim-margin"), default=None, metavar="FRACTION",
+                   help="duet: prefer a temporal batch trimmed to FRACTION x the SLO when its predicted token "
+                        "rate beats the split (as `serve --trim-margin`; default off)")
     s.add_argument("--max-num-batched-tokens", type=_argtype(_positive(int), "--max-num-batched-tokens"),
                    default=8192, help="token budget per iteration (default 8192; 2048 suits A100)")
     s.add_argument("--max-num-seqs", type=_argtype(_positive(int), "--max-num-seqs"), default=256)
@@ -190,7 +207,8 @@ def _simulate(args: argparse.Namespace) -> int:
     if args.policy == "all" and args.partition_backend == "none":
         names.remove("pdmux")
         print("duetserve simulate: pdmux left out: --partition-backend none", file=sys.stderr)
-    planner = PlannerConfig(args.model_config, args.gpu, args.tbt_slo, args.partition_backend, tp=args.tp)
+    planner = PlannerConfig(args.model_config, args.gpu, args.tbt_slo, args.partition_backend, tp=args.tp,
+                            trim_margin=args.trim_margin)
     policies = [policy_by_name(name, planner) for name in names]
     config = SimConfig(planner, args.max_num_seqs, args.max_num_batched_tokens, args.block_size,
                        args.kv_cache_tokens, args.gpu_memory_utilization, args.max_model_len)
