@@ -242,11 +242,11 @@ class ModelRunner:
                 run.timers.mark("decode")
             self._launch_next_step(run)
         with _on(prefill_stream):
-            prefill = self._prepare(out.prefills, 0, [None] * len(out.prefills)) if out.prefills else None
             run.timers.mark("prefill")
-            if out.plan.prefill_layers is not None and prefill:
-                prefill, prefill_tokens = self._prefill_layers(out, prefill)
+            if out.plan.prefill_layers is not None and out.prefills:
+                prefill, prefill_tokens = self._prefill_layers(out)
             else:
+                prefill = self._prepare(out.prefills, 0, [None] * len(out.prefills)) if out.prefills else None
                 prefill_tokens = self._sample(prefill, None) if prefill else None
             run.prefill_copy = _HostCopy(prefill_tokens) if prefill_tokens is not None else None
             run.prefill_ids = prefill.sample_seq_ids if prefill else []
@@ -291,13 +291,14 @@ class ModelRunner:
                 run.main.wait_stream(stream)
         return joined
 
-    def _prefill_layers(self, out: SchedulerOutput, fresh: StepInputs) -> tuple[StepInputs, torch.Tensor | None]:
+    def _prefill_layers(self, out: SchedulerOutput) -> tuple[StepInputs, torch.Tensor | None]:
         """One round of a layer-split prefill (SGLang pdmux): the next ``plan.prefill_layers``
-        layers of the pinned batch. Returns the batch's inputs and its sampled tokens once the
-        last layer has run (None before; ``prefill_done`` says which)."""
+        layers of the pinned batch (its inputs uploaded in its first round). Returns the batch's
+        inputs and its sampled tokens once the last layer has run (None before;
+        ``prefill_done`` says which)."""
         key = _split_key(out)
         if self._split is None or self._split[0] != key:  # a new batch (or a preempted one, restarted)
-            self._split = (key, fresh, None, 0)
+            self._split = (key, self._prepare(out.prefills, 0, [None] * len(out.prefills)), None, 0)
         _, inputs, state, start = self._split
         end = min(self.model.dims.num_layers, start + out.plan.prefill_layers)
         state = self.model.run_layers(state, inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta,
