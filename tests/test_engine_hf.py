@@ -147,7 +147,7 @@ def test_lookahead_tokens_come_out_one_step_at_a_time(tiny_qwen3_folder):
     assert [[(r, len(ids), fin) for r, ids, fin in part] for part in parts] == [
         [("a", 1, False), ("b", 1, False)], [("a", 1, False), ("b", 1, True)], [("a", 1, False)], [("a", 1, False)],
         [("c", 1, False)]]
-    assert engine.last_stats.plan.k == 4 and engine.last_stats.num_decodes == 2
+    assert engine.last_stats.plan.k == 4 and engine.last_stats.num_decodes == 2 and engine.last_stats.decode_steps == 4
     for part in parts:
         for rid, ids, _ in part:
             got[rid] = got.get(rid, []) + ids
@@ -195,7 +195,7 @@ def test_decode_stops_starting_steps_once_the_prefill_is_done(tiny_qwen3_folder,
     # step 0 is queued with the prefill, steps 1 and 2 after queries 1 and 2, none once the
     # event has fired: 3 of the 8 steps reserved.
     assert [[o.request_id for o in part] for part in parts] == [["a"], ["a"], ["a"], ["b"]]
-    assert engine.last_stats.plan.k == 8
+    assert engine.last_stats.plan.k == 8 and engine.last_stats.decode_steps == 3
     for part in parts:
         for o in part:
             got.setdefault(o.request_id, []).extend(o.new_token_ids)
@@ -228,7 +228,28 @@ def test_multi_step_decode_gives_single_step_tokens_and_stops_for_new_work(tiny_
     engine.set_interrupt(lambda: queries.append(1) or len(queries) >= 2)
     parts = list(engine.step_parts())               # step 0 queued, step 1 after query 1, stop at query 2
     assert [len(p) for p in parts] == [1, 1, 0] and engine.last_stats.plan.k == 4
+    assert engine.last_stats.decode_steps == 2
     engine.set_interrupt(lambda: False)
     while engine.has_unfinished():
         engine.step()
+    assert engine.block_manager.num_free_blocks == 64
+
+
+def test_a_seeded_request_aborted_inside_a_lookahead_keeps_no_generator(tiny_qwen3_folder):
+    """The decodes' sampling parameters are uploaded once per iteration: a seeded request that
+    ends between two look-ahead steps is not given a new generator by the later steps."""
+    from duetserve.engine.policy import Plan
+
+    config = EngineConfig(model=str(tiny_qwen3_folder), max_num_batched_tokens=64, num_kv_blocks=64, block_size=8)
+    engine = LLMEngine(config)
+    force_plan(engine, Plan(spatial=True, s_prefill=8, s_decode=8, k=4))
+    engine.add_request("a", list(range(5, 20)), SamplingParams(max_tokens=30, temperature=0.8, seed=3))
+    engine.step()                                   # prefill
+    parts = engine.step_parts()
+    next(parts)                                     # step 0 delivered
+    engine.abort("a")
+    assert engine.sampler._generators == {}
+    for _ in parts:                                 # the other steps run and are dropped
+        pass
+    assert engine.sampler._generators == {} and not engine.has_unfinished()
     assert engine.block_manager.num_free_blocks == 64

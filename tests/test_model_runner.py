@@ -4,16 +4,18 @@ from __future__ import annotations
 import torch
 
 from duetserve.engine.model_runner import ModelRunner
+from duetserve.engine.upload import upload
 
 
 def test_upload_packs_segments_at_64_byte_offsets():
-    runner = ModelRunner.__new__(ModelRunner)  # _upload uses only the device
-    runner.device = torch.device("cpu")
-    a, b, c, d = runner._upload([[1, 2, 3], [], [4, 5], list(range(9))], torch.int64)
+    cpu = torch.device("cpu")
+    a, b, c, d = upload([[1, 2, 3], [], [4, 5], list(range(9))], torch.int64, cpu)
     assert (a.tolist(), b.tolist(), c.tolist(), d.tolist()) == ([1, 2, 3], [], [4, 5], list(range(9)))
     assert [t.storage_offset() for t in (a, b, c, d)] == [0, 8, 8, 16]  # 8 int64 = 64 bytes
-    x, y = runner._upload([[7] * 17, [1]], torch.int32)
+    x, y = upload([[7] * 17, [1]], torch.int32, cpu)
     assert y.storage_offset() == 32 and y.tolist() == [1] and x.dtype == torch.int32
+    t, p = upload([[0.5], [0.25, 1.0]], torch.float32, cpu)
+    assert p.storage_offset() == 16 and p.tolist() == [0.25, 1.0] and t.dtype == torch.float32
 
 
 class FakeStream:

@@ -201,3 +201,23 @@ def test_decode_only_iterations_run_several_steps_when_asked():
     sched.postprocess(out, {0: [7]})              # one step ran (the executor stopped early)
     out = sched.schedule()                        # a prefill joins: back to one step
     assert out.plan.k == 1 and out.prefills and out.decodes
+
+
+def test_lookahead_offered_is_capped():
+    """A request with thousands of tokens left is offered at most MAX_LOOKAHEAD steps (the fit
+    is a binary search up to there, not a walk down from its remaining tokens)."""
+    from duetserve.engine.scheduler import MAX_LOOKAHEAD
+
+    policy = _Spatial(k=1)
+    sched = Scheduler(policy, BlockManager(4000, 4), max_num_seqs=4, max_num_batched_tokens=64,
+                      max_model_len=20_000, watermark=0.0)
+    sched.add(make_seq(0, 7, 10_000))
+    sched.postprocess(sched.schedule(), {0: [7]})
+    sched.schedule()
+    assert policy.max_k_seen[-1] == MAX_LOOKAHEAD == 256
+    sched2 = Scheduler(_Spatial(k=1), BlockManager(10, 4), max_num_seqs=4, max_num_batched_tokens=64,
+                       max_model_len=20_000, watermark=0.0)
+    sched2.add(make_seq(0, 7, 10_000))
+    sched2.postprocess(sched2.schedule(), {0: [7]})
+    sched2.schedule()                             # 8 tokens in 2 blocks, 8 free: 7 + k <= 40 -> k = 33
+    assert sched2.policy.max_k_seen[-1] == 33

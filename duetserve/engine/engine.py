@@ -57,13 +57,15 @@ class RequestOutput:
 
 @dataclass
 class StepStats:
-    """One iteration, for metrics: plan, sizes and wall time (seconds)."""
+    """One iteration, for metrics: plan, sizes, wall time (seconds) and the decode steps that
+    ran (at most ``plan.k``: a spatial plan stops at its prefill's end)."""
 
     plan: Plan
     num_decodes: int
     num_prefill_tokens: int
     duration_s: float
     num_preempted: int
+    decode_steps: int = 1
 
 
 @dataclass
@@ -234,7 +236,9 @@ class LLMEngine:
             return
         emitted = {s.seq.seq_id: s.seq.num_tokens for s in out.scheduled}
         requests = [r for r in self._requests.values() if r.seq.seq_id in emitted]
+        steps = 0  # look-ahead decode steps delivered (a temporal plan's decodes come in its one part)
         for part in self.runner.execute(out):
+            steps += not part.final
             self.scheduler.advance(out, part.tokens, part.prefills)
             outputs = []
             for req in requests:
@@ -247,7 +251,8 @@ class LLMEngine:
                     outputs.append(self._emit(req, new_ids))
             if part.final:
                 self.last_stats = StepStats(out.plan, len(out.decodes), out.num_prefill_tokens,
-                                            time.perf_counter() - start, len(out.preempted))
+                                            time.perf_counter() - start, len(out.preempted),
+                                            steps or int(bool(out.decodes)))
             if outputs or part.final:
                 yield outputs
 

@@ -21,6 +21,7 @@ import torch
 from duetserve.engine.cuda_graphs import DecodeGraphs
 from duetserve.engine.sampler import Sampler, SamplingBatch
 from duetserve.engine.scheduler import ScheduledSeq, SchedulerOutput
+from duetserve.engine.upload import upload
 from duetserve.model.attention import AttentionMetadata
 from duetserve.model.decoder import CausalLM
 from duetserve.partition import PartitionBackend
@@ -144,6 +145,7 @@ class _SpatialRun:
     inflight: deque = field(default_factory=deque)  # _HostCopy of each launched step not yet read
     decode_ids: list[int] = field(default_factory=list)
     tables: list[list[int]] = field(default_factory=list)  # the decodes' block tables as scheduled
+    sampling: SamplingBatch | None = None  # the decodes' sampling parameters, uploaded with step 0
     prefill_ids: list[int] = field(default_factory=list)
     prefill_copy: _HostCopy | None = None
     prefill_end: torch.cuda.Event | None = None  # recorded after the prefill on its own stream
@@ -217,14 +219,24 @@ class ModelRunner:
         steps once ``interrupt()`` says new work waits; otherwise all ``plan.k`` steps run.
         """
         run = self._launch_spatial(out)
-        while run.inflight:
-            self._launch_next_step(run)
-            copy = run.inflight.popleft()
-            yield Sampled(dict(zip(run.decode_ids, copy.tolist())), prefills=False, final=False)
-        joined = self._join(run)
-        tokens = dict(zip(run.prefill_ids, run.prefill_copy.tolist())) if run.prefill_copy is not None else {}
-        self.last_stream_seconds = run.timers.elapsed(joined)
-        yield Sampled(tokens, prefills=self.prefill_done)
+        joined = None
+        try:
+            while True:
+                self._launch_next_step(run)
+                if not run.inflight:
+                    break
+                copy = run.inflight.popleft()
+                yield Sampled(dict(zip(run.decode_ids, copy.tolist())), prefills=False, final=False)
+            joined = self._join(run)
+            tokens = dict(zip(run.prefill_ids, run.prefill_copy.tolist())) if run.prefill_copy is not None else {}
+            self.last_stream_seconds = run.timers.elapsed(joined)
+            yield Sampled(tokens, prefills=self.prefill_done)
+        finally:
+            if joined is None:  # abandoned (an error here or in the consumer): nothing may outrun it
+                for stream in (run.decode_stream, run.prefill_stream):
+                    if stream is not None:
+                        run.main.wait_stream(stream)
+                self._split, self._unjoined = None, None
 
     @torch.inference_mode()
     def _launch_spatial(self, out: SchedulerOutput) -> _SpatialRun:
@@ -258,17 +270,21 @@ class ModelRunner:
 
     @torch.inference_mode()
     def _launch_next_step(self, run: _SpatialRun) -> None:
-        """Queue the next decode step if one is due: fewer than two in flight, fewer than
-        ``plan.k`` launched, and on partitioned streams the prefill still running, or for a
-        decode-only plan (multi-step decode) no ``interrupt`` (new work waiting)."""
+        """Queue the next decode step if one is due: fewer than ``plan.k`` launched, and either
+        the prefill still running beside it on a partitioned stream (then only after the
+        previous step completed, so no step starts after the prefill has ended), or, for a
+        decode-only plan (multi-step decode), no ``interrupt`` and fewer than two in flight."""
         out = run.out
-        if len(run.inflight) >= 2 or run.launched >= out.plan.k or not out.decodes:
+        in_flight = 1 if run.prefill_end is not None else 2
+        if len(run.inflight) >= in_flight or run.launched >= out.plan.k or not out.decodes:
             return
         if run.launched > 0 and (run.prefill_end.query() if run.prefill_end is not None else
                                  not out.prefills and self.interrupt is not None and self.interrupt()):
             return
         with _on(run.decode_stream):  # inputs uploaded on the stream that reads them
-            step = self._prepare(out.decodes, len(out.decodes), [run.launched] * len(out.decodes), run.tables)
+            step = self._prepare(out.decodes, len(out.decodes), [run.launched] * len(out.decodes), run.tables,
+                                 run.sampling)
+            run.sampling = step.sampling  # built once: a request finished mid-iteration keeps no generator
             if run.ids is not None:
                 step.input_ids = run.ids  # the previous step's tokens, still on the device
             run.ids = self._sample(step, run.graphs)
@@ -321,11 +337,13 @@ class ModelRunner:
         return pair.decode, pair.prefill
 
     def _prepare(self, batch: list[ScheduledSeq], num_decodes: int, ahead: list[int | None],
-                 block_tables: list[list[int]] | None = None) -> StepInputs | None:
+                 block_tables: list[list[int]] | None = None, sampling: SamplingBatch | None = None
+                 ) -> StepInputs | None:
         """Inputs for ``batch``; ``ahead[i] = j`` makes decode ``i`` run its look-ahead step ``j``
         (position ``c + j``; its input token is filled in from step ``j - 1`` on the device).
         ``block_tables``: the sequences' tables as scheduled (a look-ahead step is built after
-        earlier steps' tokens were applied, when a finished sequence has given its blocks back)."""
+        earlier steps' tokens were applied, when a finished sequence has given its blocks back);
+        ``sampling``: the batch's sampling parameters if already uploaded."""
         if not batch:
             return None
         block_tables = block_tables or [s.seq.block_table for s in batch]
@@ -349,30 +367,16 @@ class ModelRunner:
         for q in qlens:
             starts.append(starts[-1] + q)
         rows = None if len(sample_rows) == len(ids) else sample_rows
-        ids_t, pos_t, slots_t, rows_t = self._upload([ids, positions, slots, rows or []], torch.int64)
-        starts_t, ctxs_t, tables_t = self._upload([starts, ctxs, [b for t in tables for b in t]], torch.int32)
+        ids_t, pos_t, slots_t, rows_t = upload([ids, positions, slots, rows or []], torch.int64, self.device)
+        starts_t, ctxs_t, tables_t = upload([starts, ctxs, [b for t in tables for b in t]], torch.int32, self.device)
         meta = AttentionMetadata(slot_mapping=slots_t, query_start_loc=starts_t, context_lens=ctxs_t,
                                  block_tables=tables_t.view(len(batch), max_blocks), num_decodes=num_decodes,
                                  query_lens_cpu=qlens, context_lens_cpu=ctxs)
+        if sampling is None:
+            sampling = self.sampler.prepare([s.seq_id for s in sample_seqs], [s.params for s in sample_seqs],
+                                            self.model.dims.vocab_size)
         return StepInputs(ids_t, pos_t, meta, None if rows is None else rows_t, [s.seq_id for s in sample_seqs],
-                          self.sampler.prepare([s.seq_id for s in sample_seqs], [s.params for s in sample_seqs],
-                                               self.model.dims.vocab_size))
-
-    def _upload(self, segments: list[list[int]], dtype: torch.dtype) -> list[torch.Tensor]:
-        """``segments`` (integers) as 1-D device tensors of the integer ``dtype`` through one host-to-device copy (from
-        pinned memory on CUDA, not waited for). Each segment starts 64-byte aligned, so Triton,
-        which specialises kernels on pointer alignment, never compiles a variant for an offset."""
-        align = 512 // torch.iinfo(dtype).bits  # elements in 64 bytes
-        flat, bounds = [], []
-        for seg in segments:
-            bounds.append((len(flat), len(flat) + len(seg)))
-            flat.extend(seg)
-            flat.extend([0] * (-len(flat) % align))
-        if self.device.type == "cuda":
-            packed = torch.tensor(flat, dtype=dtype, pin_memory=True).to(self.device, non_blocking=True)
-        else:
-            packed = torch.tensor(flat, dtype=dtype)
-        return [packed[a:b] for a, b in bounds]
+                          sampling)
 
     def _sample(self, inputs: StepInputs, graphs: DecodeGraphs | None) -> torch.Tensor:
         """Forward pass (writes the K/V) and sampling; returns the sampled tokens ``[n]`` on the device

@@ -5,6 +5,7 @@ from dataclasses import dataclass
 
 import torch
 
+from duetserve.engine.upload import upload
 from duetserve.sampling import SamplingParams
 
 
@@ -53,21 +54,18 @@ class Sampler:
         self._generators.pop(seq_id, None)
 
     def prepare(self, seq_ids: list[int], params: list[SamplingParams], vocab_size: int) -> SamplingBatch:
-        """Upload the batch's sampling parameters (call before launching the steps that use them)."""
+        """Upload the batch's sampling parameters (two copies from pinned memory, queued on the
+        current stream; call before launching the steps that use them)."""
         rows = [i for i, p in enumerate(params) if not p.greedy]
         if not rows:
             return SamplingBatch(None, None, None, None, [])
-        dev = self.device
         sub = [params[i] for i in rows]
-        top_k = None
-        if any(0 < p.top_k < vocab_size for p in sub):
-            top_k = torch.tensor([p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in sub], device=dev)
-        top_p = None
-        if any(p.top_p < 1.0 for p in sub):
-            top_p = torch.tensor([[p.top_p] for p in sub], dtype=torch.float32, device=dev)
-        return SamplingBatch(torch.tensor(rows, device=dev),
-                             torch.tensor([[p.temperature] for p in sub], dtype=torch.float32, device=dev),
-                             top_k, top_p, [self.generator_for(seq_ids[i], params[i]) for i in rows])
+        use_k, use_p = any(0 < p.top_k < vocab_size for p in sub), any(p.top_p < 1.0 for p in sub)
+        rows_t, top_k = upload([rows, [p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in sub]],
+                               torch.int64, self.device)
+        temperature, top_p = upload([[p.temperature for p in sub], [p.top_p for p in sub]], torch.float32, self.device)
+        return SamplingBatch(rows_t, temperature[:, None], top_k if use_k else None, top_p[:, None] if use_p else None,
+                             [self.generator_for(seq_ids[i], params[i]) for i in rows])
 
     def sample(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         """Token ids ``[n]`` (int64, on the device) from ``logits`` ``[n, vocab]`` (float32)."""

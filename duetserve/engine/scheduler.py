@@ -21,6 +21,8 @@ from duetserve.engine.policy import Plan, Policy
 from duetserve.engine.sequence import Sequence, SequenceStatus
 from duetserve.planner.optimizer import trim_prefill
 
+MAX_LOOKAHEAD = 256  # most decode steps one iteration may reserve (seconds of decode at any split)
+
 
 @dataclass
 class ScheduledSeq:
@@ -247,11 +249,17 @@ class Scheduler:
         return max(1, min(k, self._remaining_tokens(d.seq)))
 
     def _lookahead_fit(self, decodes: list[ScheduledSeq], k: int, free_blocks: int) -> int:
-        """Largest depth <= ``k`` (at least 1) whose KV slots for every decode fit ``free_blocks``."""
-        while k > 1 and sum(self.blocks.blocks_needed(d.seq, d.seq.num_tokens - 1 + self._lookahead_steps(d, k))
-                            for d in decodes) > free_blocks:
-            k -= 1
-        return k
+        """Largest depth <= min(``k``, ``MAX_LOOKAHEAD``) (at least 1) whose KV slots for every
+        decode fit ``free_blocks`` (binary search: the blocks needed grow with the depth)."""
+        def fits(depth: int) -> bool:
+            return sum(self.blocks.blocks_needed(d.seq, d.seq.num_tokens - 1 + self._lookahead_steps(d, depth))
+                       for d in decodes) <= free_blocks
+
+        lo, hi = 1, min(k, MAX_LOOKAHEAD)
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
+        return lo
 
     def _reserve_lookahead(self, decodes: list[ScheduledSeq], k: int) -> int:
         """Reserve KV slots for ``k`` decode steps (the policy was offered only depths that fit,

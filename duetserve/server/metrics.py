@@ -21,7 +21,7 @@ class ServerMetrics:
 
     def __init__(self, model_name: str, iteration_log: str | None = None):
         # Optional JSONL, one line per iteration: {"t": unix seconds, "spatial", "s_decode",
-        # "s_prefill", "k", "predicted_s", "measured_s", "num_decodes", "num_prefill_tokens"}
+        # "s_prefill", "k", "steps", "predicted_s", "measured_s", "num_decodes", "num_prefill_tokens"}
         # (`duetserve bench --iteration-log` marks spatial iterations with it).
         self._iteration_log = open(iteration_log, "a", buffering=1) if iteration_log else None  # noqa: SIM115
         self.registry = CollectorRegistry()
@@ -48,7 +48,8 @@ class ServerMetrics:
                                 "within the TBT SLO.", names, registry=r)
         self.partition_sms = Gauge("duetserve:partition_sms", "SMs given to each stream in the last iteration.",
                                    names + ["stream"], registry=r)
-        self.lookahead = Gauge("duetserve:lookahead_steps", "Decode look-ahead steps k of the last iteration.",
+        self.lookahead = Gauge("duetserve:lookahead_steps",
+                               "Decode steps the last iteration ran (at most its plan's k).",
                                names, registry=r)
         self.predicted_vs_measured = Gauge("duetserve:predicted_vs_measured_seconds",
                                            "Last iteration's predicted and measured time.", names + ["kind"],
@@ -81,14 +82,15 @@ class ServerMetrics:
                 self.slo_risk.labels(**lab).inc()
             self.partition_sms.labels(stream="prefill", **lab).set(plan.s_prefill)
             self.partition_sms.labels(stream="decode", **lab).set(plan.s_decode)
-            self.lookahead.labels(**lab).set(plan.k)
+            self.lookahead.labels(**lab).set(stats.decode_steps)
             self.predicted_vs_measured.labels(kind="measured", **lab).set(stats.duration_s)
             if plan.predicted_s is not None:
                 self.predicted_vs_measured.labels(kind="predicted", **lab).set(plan.predicted_s)
             if self._iteration_log is not None:
                 self._iteration_log.write(json.dumps({
                     "t": time.time(), "spatial": plan.spatial, "s_decode": plan.s_decode, "s_prefill": plan.s_prefill,
-                    "k": plan.k, "predicted_s": plan.predicted_s, "measured_s": stats.duration_s,
+                    "k": plan.k, "steps": stats.decode_steps, "predicted_s": plan.predicted_s,
+                    "measured_s": stats.duration_s,
                     "num_decodes": stats.num_decodes, "num_prefill_tokens": stats.num_prefill_tokens}) + "\n")
         for out in outputs:
             rid = out.request_id
