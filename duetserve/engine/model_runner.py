@@ -3,11 +3,11 @@
 Temporal plans run the whole batch once on the current stream. Spatial plans run up to ``k``
 decode steps on the decode stream and the prefill batch on the prefill stream at the same
 time (DESIGN section 5; DuetServe's look-ahead decode): each step's sampled tokens feed the
-next step on the device, and the next step is always queued behind the running one, so the
-decode stream never waits for the host. Each step also copies its tokens into pinned host
-memory and records an event, so the host hands a step's tokens out as soon as that step is
-done (clients see one token per decode step, not a burst of ``k`` at the join). Beyond the
-paper, decode stops starting steps once the prefill is done (``_execute_spatial``).
+next step on the device. Each step also copies its tokens into pinned host memory and records
+an event, so the host hands a step's tokens out as soon as that step is done (clients see one
+token per decode step, not a burst of ``k`` at the join). Beyond the paper, decode starts no
+step once the prefill is done, and a decode-only plan (multi-step decode) keeps the next step
+queued behind the running one (``_execute_spatial``).
 """
 from __future__ import annotations
 
@@ -209,14 +209,16 @@ class ModelRunner:
     def _execute_spatial(self, out: SchedulerOutput) -> Iterator[Sampled]:
         """Decode steps on the decode stream beside the prefill on the prefill stream.
 
-        Step 0 and the prefill are launched first; from then on one more decode step is queued
-        behind the running one (its inputs built while the GPU works, its input tokens the
-        previous step's, still on the device), and each step's tokens are handed out when it
-        completes. On SM-partitioned streams no new step starts once the prefill has finished
-        (at most ``plan.k``, the steps whose KV slots the scheduler reserved): the decode stream
-        neither idles behind a prefill that runs longer than predicted nor holds up the next
-        iteration when it runs shorter. A decode-only plan (multi-step decode) stops starting
-        steps once ``interrupt()`` says new work waits; otherwise all ``plan.k`` steps run.
+        Step 0 and the prefill are launched first; each later step takes the previous step's
+        tokens on the device, and each step's tokens are handed out when it completes. Beside a
+        prefill on SM-partitioned streams the next step is launched when the previous one has
+        completed and only while the prefill is still running (at most ``plan.k``, the steps
+        whose KV slots the scheduler reserved): decode neither idles behind a prefill that runs
+        longer than predicted nor holds up the next iteration when it runs shorter, at the
+        cost of a host round trip between steps. A decode-only plan (multi-step decode) keeps
+        the next step queued behind the running one (its inputs built while the GPU works) and
+        stops starting steps once ``interrupt()`` says new work waits; otherwise all ``plan.k``
+        steps run.
         """
         run = self._launch_spatial(out)
         joined = None
