@@ -87,7 +87,8 @@ def main() -> int:
     ap.add_argument("--timeout", type=float, default=10.0, help="seconds without progress that count as a hang")
     ap.add_argument("--levels", default="", help="decode SM counts (default: every level the backend offers)")
     ap.add_argument("--decode-batches", default="1,8,32,64,128,256")
-    ap.add_argument("--prefill-tokens", default="512,2048,8192")
+    ap.add_argument("--prefill-tokens", default="512,2048,8192,32768",
+                    help="prefill rows (32768: pdmux runs whole prompts, up to the context length)")
     args = ap.parse_args()
     if args.levels:
         levels = [int(v) for v in args.levels.split(",")]
