@@ -46,8 +46,9 @@ class ServerProcess:
     sends SIGTERM to the group, then SIGKILL after ``stop_timeout_s``.
 
     Raises (from ``__enter__``):
-        RuntimeError: the process exits before it is healthy, or right after the health check
-            passed (another server answered), with its exit code and the tail of its log.
+        RuntimeError: something already answers at ``health_url`` before the launch (another
+            server on that port), or the process exits before it is healthy (with its exit
+            code and the tail of its log).
         TimeoutError: it is not healthy within ``startup_timeout_s``.
         OSError: the command cannot be started.
     """
@@ -64,6 +65,9 @@ class ServerProcess:
         return self.log_path.read_text(errors="replace")[-_LOG_TAIL_CHARS:]
 
     def __enter__(self) -> ServerProcess:
+        if self._healthy():  # whatever answers there is not the server this run launches
+            raise RuntimeError(f"{self.config.health_url} already answers before the launch: another server is "
+                               "running there; stop it or launch on another port (--base-url)")
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(
                 shlex.split(self.config.command),
@@ -95,11 +99,7 @@ class ServerProcess:
             if code is not None:
                 raise self._exited(code)
             if self._healthy():
-                try:  # still running a moment later? If not, whatever answered was not it
-                    code = self.proc.wait(_POLL_S)
-                except subprocess.TimeoutExpired:
-                    return
-                raise self._exited(code)
+                return
             time.sleep(_POLL_S)
         raise TimeoutError(
             f"server not healthy at {self.config.health_url} after "
@@ -114,11 +114,7 @@ class ServerProcess:
 
     def _exited(self, code: int) -> RuntimeError:
         """The error for a launched command that exited with ``code`` during startup."""
-        if self._healthy():
-            why = f"yet {self.config.health_url} answers: another server may be running on that port"
-        else:
-            why = "before becoming healthy"
-        return RuntimeError(f"the launched command exited with code {code}, {why} "
+        return RuntimeError(f"the launched command exited with code {code} before becoming healthy "
                             f"(log: {self.log_path}):\n{self.log_tail()}")
 
     def stop(self) -> None:
