@@ -42,3 +42,17 @@ def test_tiny_qwen3_on_gpu_equals_hf(tiny_qwen3_folder, backend, eager):
         assert engine.graphs is not None
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     assert engine.generate(prompts, params) == hf_greedy_cuda(tiny_qwen3_folder, prompts, 24)
+
+
+def test_multi_step_decode_on_gpu_equals_hf(tiny_qwen3_folder):
+    """``num_decode_steps=6``: decode-only iterations queue 6 graph replays one behind the other
+    (inputs uploaded from pinned memory while the GPU works); greedy tokens equal transformers'."""
+    gen = torch.Generator().manual_seed(12)
+    prompts = [torch.randint(3, 320, (n,), generator=gen).tolist() for n in (5, 33, 70)]
+    config = EngineConfig(model=str(tiny_qwen3_folder), device="cuda", dtype="float32", max_num_batched_tokens=256,
+                          num_kv_blocks=128, block_size=16, max_num_seqs=8, attention_backend="triton",
+                          num_decode_steps=6)
+    engine = LLMEngine(config)
+    params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+    assert engine.generate(prompts, params) == hf_greedy_cuda(tiny_qwen3_folder, prompts, 20)
+    assert engine.last_stats.plan.k > 1
