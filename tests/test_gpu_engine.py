@@ -54,5 +54,13 @@ def test_multi_step_decode_on_gpu_equals_hf(tiny_qwen3_folder):
                           num_decode_steps=6)
     engine = LLMEngine(config)
     params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
-    assert engine.generate(prompts, params) == hf_greedy_cuda(tiny_qwen3_folder, prompts, 20)
-    assert engine.last_stats.plan.k > 1
+    outputs: dict[str, list[int]] = {str(i): [] for i in range(len(prompts))}
+    for i, prompt in enumerate(prompts):
+        engine.add_request(str(i), prompt, params)
+    steps = []
+    while engine.has_unfinished():
+        for out in engine.step():
+            outputs[out.request_id].extend(out.new_token_ids)
+        steps.append(engine.last_stats.decode_steps)
+    assert [outputs[str(i)] for i in range(len(prompts))] == hf_greedy_cuda(tiny_qwen3_folder, prompts, 20)
+    assert steps == [1, 6, 6, 6, 1]  # the prefill iteration (one token each), then 19 tokens in 6 + 6 + 6 + 1
