@@ -63,4 +63,4 @@ def test_multi_step_decode_on_gpu_equals_hf(tiny_qwen3_folder):
             outputs[out.request_id].extend(out.new_token_ids)
         steps.append(engine.last_stats.decode_steps)
     assert [outputs[str(i)] for i in range(len(prompts))] == hf_greedy_cuda(tiny_qwen3_folder, prompts, 20)
-    assert steps == [1, 6, 6, 6, 1]  # the prefill iteration (one token each), then 19 tokens in 6 + 6 + 6 + 1
+    assert steps == [0, 6, 6, 6, 1]  # the prefill iteration (no decode), then 19 tokens in 6 + 6 + 6 + 1
