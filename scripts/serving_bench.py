@@ -93,7 +93,8 @@ def iteration_summary(records: list[dict[str, Any]], t0: float, t1: float) -> di
                            "pred_err_median": errs[len(errs) // 2] if errs else None}
     if spatial:
         sd = sorted(r["s_decode"] for r in spatial if r.get("s_decode") is not None)
-        ks = sorted(r["k"] for r in spatial if r.get("k") is not None)
+        # decode steps run ("steps", at most the reserved "k"; older logs have only "k")
+        ks = sorted(r.get("steps", r.get("k")) for r in spatial if r.get("steps", r.get("k")) is not None)
         out["s_decode_median"] = sd[len(sd) // 2] if sd else None
         out["k_median"] = ks[len(ks) // 2] if ks else None
     return out

@@ -31,7 +31,7 @@ def test_trace_run_parse():
 def test_iteration_summary_window_and_error():
     recs = [{"t": 0.5, "spatial": True, "s_decode": 8, "k": 4, "predicted_s": 1.0, "measured_s": 1.0},
             {"t": 1.0, "spatial": False, "predicted_s": 0.5, "measured_s": 1.0},
-            {"t": 2.0, "spatial": True, "s_decode": 16, "k": 6, "predicted_s": 3.0, "measured_s": 2.0},
+            {"t": 2.0, "spatial": True, "s_decode": 16, "k": 12, "steps": 6, "predicted_s": 3.0, "measured_s": 2.0},
             {"t": 3.0, "spatial": False, "predicted_s": None, "measured_s": 1.0},
             {"t": 9.0, "spatial": True, "s_decode": 99, "k": 1, "predicted_s": 1.0, "measured_s": 1.0}]
     s = sb.iteration_summary(recs, 1.0, 3.0)
