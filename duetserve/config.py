@@ -95,7 +95,7 @@ class EngineConfig:
              "must be auto, float32, float16 or bfloat16"),
             (self.max_num_seqs >= 1, "--max-num-seqs", "must be >= 1"),
             (self.max_num_batched_tokens >= 1, "--max-num-batched-tokens", "must be >= 1"),
-            (self.num_decode_steps >= 1, "--num-decode-steps", "must be >= 1"),
+            (1 <= self.num_decode_steps <= 256, "--num-decode-steps", "must be in [1, 256]"),
             (self.trim_margin is None or 0 < self.trim_margin <= 1, "--trim-margin", "must be in (0, 1]"),
             (self.block_size >= 1, "--block-size", "must be >= 1"),
             (self.num_kv_blocks is None or self.num_kv_blocks >= 1, "--num-kv-blocks", "must be >= 1"),

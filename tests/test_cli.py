@@ -20,6 +20,7 @@ from duetserve.cli import _positive_float, main
     (["--trim-margin", "0"], "--trim-margin"),
     (["--trim-margin", "1.5"], "--trim-margin"),
     (["--num-decode-steps", "0"], "--num-decode-steps"),
+    (["--num-decode-steps", "300"], "--num-decode-steps"),  # more than the scheduler's MAX_LOOKAHEAD
 ])
 def test_bad_serve_flags_exit_2_naming_the_flag(argv, flag, capsys):
     with pytest.raises(SystemExit) as exc:

@@ -12,6 +12,7 @@ queued behind the running one (``_execute_spatial``).
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -25,6 +26,8 @@ from duetserve.engine.upload import upload
 from duetserve.model.attention import AttentionMetadata
 from duetserve.model.decoder import CausalLM
 from duetserve.partition import PartitionBackend
+
+log = logging.getLogger(__name__)
 
 
 def allocate_kv_cache(model: CausalLM, num_blocks: int, block_size: int, dtype: torch.dtype,
@@ -211,34 +214,39 @@ class ModelRunner:
 
         Step 0 and the prefill are launched first; each later step takes the previous step's
         tokens on the device, and each step's tokens are handed out when it completes. Beside a
-        prefill on SM-partitioned streams the next step is launched when the previous one has
-        completed and only while the prefill is still running (at most ``plan.k``, the steps
-        whose KV slots the scheduler reserved): decode neither idles behind a prefill that runs
-        longer than predicted nor holds up the next iteration when it runs shorter, at the
-        cost of a host round trip between steps. A decode-only plan (multi-step decode) keeps
+        prefill on SM-partitioned streams the next step is launched as soon as the previous one
+        has completed (before its tokens are handed out) and only while the prefill is still
+        running (at most ``plan.k``, the steps whose KV slots the scheduler reserved): decode
+        neither idles behind a prefill that runs longer than predicted nor holds up the next
+        iteration when it runs shorter, at the cost of a short host gap between steps; a step
+        may still start just after the prefill ended (the check and the launch are not atomic). A decode-only plan (multi-step decode) keeps
         the next step queued behind the running one (its inputs built while the GPU works) and
         stops starting steps once ``interrupt()`` says new work waits; otherwise all ``plan.k``
         steps run.
         """
-        run = self._launch_spatial(out)
-        joined = None
+        run, joined = None, None
         try:
+            run = self._launch_spatial(out)
             while True:
                 self._launch_next_step(run)
                 if not run.inflight:
                     break
-                copy = run.inflight.popleft()
-                yield Sampled(dict(zip(run.decode_ids, copy.tolist())), prefills=False, final=False)
+                tokens = run.inflight.popleft().tolist()  # waits for that step
+                self._launch_next_step(run)  # the next step is queued before the caller handles this one
+                yield Sampled(dict(zip(run.decode_ids, tokens)), prefills=False, final=False)
             joined = self._join(run)
-            tokens = dict(zip(run.prefill_ids, run.prefill_copy.tolist())) if run.prefill_copy is not None else {}
+            tokens = run.prefill_copy.tolist() if run.prefill_copy is not None else []
             self.last_stream_seconds = run.timers.elapsed(joined)
-            yield Sampled(tokens, prefills=self.prefill_done)
+            yield Sampled(dict(zip(run.prefill_ids, tokens)), prefills=self.prefill_done)
         finally:
-            if joined is None:  # abandoned (an error here or in the consumer): nothing may outrun it
-                for stream in (run.decode_stream, run.prefill_stream):
-                    if stream is not None:
-                        run.main.wait_stream(stream)
+            if joined is None:  # abandoned (an error here or in the caller): nothing may outrun it
                 self._split, self._unjoined = None, None
+                try:
+                    for stream in (run.decode_stream, run.prefill_stream) if run is not None else ():
+                        if stream is not None:
+                            run.main.wait_stream(stream)
+                except RuntimeError:  # a sticky CUDA error: the original exception says more
+                    log.exception("could not join the streams of an abandoned iteration")
 
     @torch.inference_mode()
     def _launch_spatial(self, out: SchedulerOutput) -> _SpatialRun:
