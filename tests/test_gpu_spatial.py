@@ -44,6 +44,8 @@ def test_spatial_tokens_equal_temporal(tiny_qwen3_folder, backend_name):
     engine.scheduler.policy = ForcedSpatial(backend.levels()[0], backend.num_sms, k=4)
     assert engine.generate(prompts, params) == expected
     assert set(engine.runner.last_stream_seconds) == {"decode", "prefill"}
+    stats = engine.last_stats  # the iteration log's per-stream busy times
+    assert stats.stream_s == engine.runner.last_stream_seconds and min(stats.stream_s.values()) > 0
 
 
 @pytest.mark.parametrize("enforce_eager", [True, False])

@@ -247,3 +247,4 @@ def test_iteration_log_records_every_iteration(server_proc):
     assert len(rows) >= 6  # one prefill iteration, then one per further token (plus other requests' steps)
     assert {"t", "spatial", "s_decode", "s_prefill", "k", "predicted_s", "measured_s"} <= set(rows[-1])
     assert all(r["measured_s"] > 0 and r["spatial"] is False for r in rows)  # no partition backend on the CPU
+    assert all(r["decode_stream_s"] is None and r["prefill_stream_s"] is None for r in rows)  # no CUDA events

@@ -6,7 +6,7 @@ import itertools
 import logging
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -57,8 +57,10 @@ class RequestOutput:
 
 @dataclass
 class StepStats:
-    """One iteration, for metrics: plan, sizes, wall time (seconds) and the decode steps that
-    ran (at most ``plan.k``: a spatial plan stops at its prefill's end)."""
+    """One iteration, for metrics: plan, sizes, wall time (seconds), the decode steps that
+    ran (at most ``plan.k``: a spatial plan stops at its prefill's end) and, for plans on
+    CUDA streams, each stream's busy seconds between CUDA events (``{"decode": s,
+    "prefill": s}``; empty on the CPU and for temporal plans)."""
 
     plan: Plan
     num_decodes: int
@@ -66,6 +68,7 @@ class StepStats:
     duration_s: float
     num_preempted: int
     decode_steps: int = 1
+    stream_s: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass
@@ -252,7 +255,8 @@ class LLMEngine:
             if part.final:
                 self.last_stats = StepStats(out.plan, len(out.decodes), out.num_prefill_tokens,
                                             time.perf_counter() - start, len(out.preempted),
-                                            steps or int(bool(out.decodes)))
+                                            steps or int(bool(out.decodes)),
+                                            dict(self.runner.last_stream_seconds))
             if outputs or part.final:
                 yield outputs
 

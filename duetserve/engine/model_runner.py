@@ -188,8 +188,9 @@ class ModelRunner:
         temporal plan gives one part with every token; a plan with ``k`` decode steps gives one
         part per step run, each as soon as that step has finished on the device, then the
         prefill's part. ``prefill_done`` and ``last_stream_seconds`` are set once the iterator
-        is exhausted."""
+        is exhausted (``last_stream_seconds`` stays empty for a temporal plan)."""
         self.prefill_done = True
+        self.last_stream_seconds = {}
         if out.plan.prefill_layers is None:
             self._split = None  # no layer-split batch is pinned any more (finished, aborted or preempted)
         if self._unjoined is not None and (self._split is None or self._split[0] != _split_key(out)):

@@ -21,7 +21,9 @@ class ServerMetrics:
 
     def __init__(self, model_name: str, iteration_log: str | None = None):
         # Optional JSONL, one line per iteration: {"t": unix seconds, "spatial", "s_decode",
-        # "s_prefill", "k", "steps", "predicted_s", "measured_s", "num_decodes", "num_prefill_tokens"}
+        # "s_prefill", "k", "steps", "predicted_s", "measured_s", "predicted_decode_s" (one step),
+        # "predicted_prefill_s", "decode_stream_s" / "prefill_stream_s" (each stream's busy time
+        # between CUDA events, spatial plans on the GPU; else null), "num_decodes", "num_prefill_tokens"}
         # (`duetserve bench --iteration-log` marks spatial iterations with it).
         self._iteration_log = open(iteration_log, "a", buffering=1) if iteration_log else None  # noqa: SIM115
         self.registry = CollectorRegistry()
@@ -90,7 +92,9 @@ class ServerMetrics:
                 self._iteration_log.write(json.dumps({
                     "t": time.time(), "spatial": plan.spatial, "s_decode": plan.s_decode, "s_prefill": plan.s_prefill,
                     "k": plan.k, "steps": stats.decode_steps, "predicted_s": plan.predicted_s,
-                    "measured_s": stats.duration_s,
+                    "measured_s": stats.duration_s, "predicted_decode_s": plan.predicted_decode_s,
+                    "predicted_prefill_s": plan.predicted_prefill_s,
+                    "decode_stream_s": stats.stream_s.get("decode"), "prefill_stream_s": stats.stream_s.get("prefill"),
                     "num_decodes": stats.num_decodes, "num_prefill_tokens": stats.num_prefill_tokens}) + "\n")
         for out in outputs:
             rid = out.request_id
