@@ -10,19 +10,28 @@
 # within it (docs/benchmarks.md, "Next: serving on the GPU").
 # KV cache: 0.9 of the free memory after 16.4 GB of weights is about 800k tokens (144 KiB a
 # token), far above 64 running sequences of <= 33k tokens each.
-# Time: per policy server start (weights drawn on the CPU: expect 30-60 s) + warm-up + 4 runs;
-# each policy gets an equal slice of what is left and runs that cannot fit are skipped (and
-# listed as such), so the call ends inside its 600 s whatever the start-up costs.
+# Time: per configuration server start (weights drawn on the CPU: expect 30-60 s) + warm-up +
+# 4 runs; each configuration gets an equal slice of what its lane (GPU) has left and runs that
+# cannot fit are skipped (and listed as such), so the call ends inside its 600 s whatever the
+# start-up costs.
 #
 # Before the call, here:  bash scripts/fetch_device_wheels.sh && bash scripts/copy_traces.sh
 # Device call:  run(command="bash scripts/device_serving.sh", carry=[".whl", ".traces"], timeout_s=600)
 # Results under $OUT (6 files): serving.json, serving_table.md, serving.log,
 # serving_azure_code.png, serving_mooncake.png, iterations.jsonl.gz.
 #
-# Knobs (env): SERVING_POLICIES, SERVING_AZURE ("QPS,QPS:SECONDS"), SERVING_MOONCAKE
-# ("QPS,QPS:SECONDS:MAX_INPUT:MAX_OUTPUT"), SERVING_TRACES ("azure_code mooncake"), SERVING_BUDGET_S
-# (internal deadline, default 510), SERVING_SERVE_ARGS (extra serve flags).
-# SERVING_CPU=1: smoke run on the CPU (tiny Qwen3, --device cpu, duet+chunked, tiny windows).
+# Knobs (env): SERVING_POLICIES (may be empty to run only variants), SERVING_AZURE
+# ("QPS,QPS:SECONDS"), SERVING_MOONCAKE ("QPS,QPS:SECONDS:MAX_INPUT:MAX_OUTPUT"), SERVING_TRACES
+# ("azure_code mooncake"), SERVING_BUDGET_S (internal deadline, default 510; each GPU lane has
+# all of it), SERVING_SERVE_ARGS (extra serve flags, every configuration),
+# SERVING_VARIANTS (more configurations, ';'-separated LABEL=SERVE_ARGS each, SERVE_ARGS with
+# its own --policy, e.g. "duet-trim=--policy duet --trim-margin 0.85;chunked-2048=--policy
+# chunked --max-num-batched-tokens 2048"; LABEL names it in the table, JSON, plots and logs),
+# SERVING_GPUS (lanes run in parallel, default: the GPUs `nvidia-smi -L` lists, 1 in CPU mode
+# or without any: configuration j (policies first, then variants) runs on GPU j % N, port
+# 8123 + j % N, the lane's configurations one after another).
+# SERVING_CPU=1: smoke run on the CPU (tiny Qwen3, --device cpu, duet+chunked, tiny windows;
+# with SERVING_GPUS=2 two servers run at once on the CPU).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-out}; mkdir -p "$OUT"
@@ -55,14 +64,21 @@ command -v nvidia-smi > /dev/null && nvidia-smi --query-gpu=name,driver_version,
 
 # 2. the benchmark
 if [ "${SERVING_CPU:-0}" = 1 ]; then
-  defaults=(--model-config tiny --device cpu --policies "${SERVING_POLICIES:-duet,chunked}"
+  defaults=(--model-config tiny --device cpu --policies "${SERVING_POLICIES-duet,chunked}"
             --warmup-requests 2 --warmup-input-len 64:256 --warmup-output-len 4 --request-timeout-s 30
             --launch-timeout-s 120)
   azure=${SERVING_AZURE:-2:3:512}; mooncake=${SERVING_MOONCAKE:-1:3:512:64}; budget=${SERVING_BUDGET_S:-150}
 else
-  defaults=(--model-config qwen3-8b --policies "${SERVING_POLICIES:-duet,chunked,prefill-first,pdmux}")
+  defaults=(--model-config qwen3-8b --policies "${SERVING_POLICIES-duet,chunked,prefill-first,pdmux}")
   azure=${SERVING_AZURE:-10,16:10}; mooncake=${SERVING_MOONCAKE:-1.5,3:12:32768:1024}; budget=${SERVING_BUDGET_S:-510}
 fi
+if [ "${SERVING_CPU:-0}" = 1 ]; then gpus=1; else gpus=$(nvidia-smi -L 2> /dev/null | grep -c '^GPU'); fi
+gpus=${SERVING_GPUS:-$gpus}; [ "$gpus" -ge 1 ] 2> /dev/null || gpus=1
+variants=()
+IFS=';' read -ra specs <<< "${SERVING_VARIANTS:-}"
+for v in ${specs[@]+"${specs[@]}"}; do
+  [ -n "${v//[[:space:]]/}" ] && variants+=(--variant "$v")
+done
 traces=()
 for t in ${SERVING_TRACES:-azure_code mooncake}; do
   case $t in azure_code) traces+=(--trace "azure_code:$azure") ;; mooncake) traces+=(--trace "mooncake:$mooncake") ;; esac
@@ -70,7 +86,8 @@ done
 work=$(mktemp -d /tmp/duetserve-serving.XXXX)
 # outer bound: the internal deadline plus the last run's drain and the plots
 timeout -k 10 $((budget + 50)) python3 scripts/serving_bench.py --out "$OUT" --work "$work" \
-  --deadline-s "$budget" "${defaults[@]}" "${traces[@]}" ${SERVING_SERVE_ARGS:+--serve-args "$SERVING_SERVE_ARGS"}
+  --deadline-s "$budget" --gpus "$gpus" "${defaults[@]}" ${variants[@]+"${variants[@]}"} "${traces[@]}" \
+  ${SERVING_SERVE_ARGS:+--serve-args "$SERVING_SERVE_ARGS"}
 rc=$?
 for f in "$work"/server_*.log; do  # server logs into the one log (uvicorn access lines dropped)
   [ -f "$f" ] || continue

@@ -1,19 +1,26 @@
-"""Serving benchmark through the HTTP server: every policy x trace x QPS in one process budget.
+"""Serving benchmark through the HTTP server: every configuration x trace x QPS in one process budget.
 
-For each policy it starts ``python3 -m duetserve.cli serve`` once (dummy weights, iteration
-log on; the same start/stop code as ``duetserve bench --launch``), sends a short warm-up (so
-Triton compiles before anything is timed), then runs ``python3 -m duetserve.bench`` once per
-(trace, QPS) against it: Poisson arrivals re-drawn at the QPS over the trace's first
-``ceil(QPS x seconds)`` requests (the simulator's setting in docs/benchmarks.md), input
-lengths capped where asked. One server per policy instead of one per bench call halves the
-start-up cost, which a 10-minute device call cannot spare.
+A configuration is a policy of ``--policies`` or a ``--variant LABEL=SERVE_ARGS`` (serve flags
+with their own ``--policy``), named by its label in every output. For each it starts ``python3
+-m duetserve.cli serve`` once (dummy weights, iteration log on; the same start/stop code as
+``duetserve bench --launch``), sends a short warm-up (so Triton compiles before anything is
+timed), then runs ``python3 -m duetserve.bench`` once per (trace, QPS) against it: Poisson
+arrivals re-drawn at the QPS over the trace's first ``ceil(QPS x seconds)`` requests (the
+simulator's setting in docs/benchmarks.md), input lengths capped where asked. One server per
+configuration instead of one per bench call halves the start-up cost, which a 10-minute device
+call cannot spare.
+
+``--gpus N`` splits the configurations round-robin into N lanes that run in parallel threads:
+lane i runs its configurations one after another on port ``--port + i``, its servers seeing
+``CUDA_VISIBLE_DEVICES=i`` when N > 1. Each configuration gets an equal share of the time its
+lane has left, and every lane has the whole ``--deadline-s``; what no longer fits is skipped.
 
 Everything lands in ``--out`` as at most six files, rewritten after every run so a kill
 leaves what was done: ``serving.json`` (settings, environment, per-run metrics with spatial
 share and predicted-vs-measured iteration error, and each run's full bench result),
-``serving_table.md``, ``serving_<trace>.png`` (one per trace, the highest QPS, all policies)
-and ``iterations.jsonl.gz`` (the servers' iteration logs, with ``policy``). The caller's log
-is the sixth. A global deadline (``--deadline-s``) skips what no longer fits.
+``serving_table.md``, ``serving_<trace>.png`` (one per trace, the highest QPS, all
+configurations) and ``iterations.jsonl.gz`` (the servers' iteration logs, with ``policy``: the
+label). The caller's log is the sixth.
 
 Used by scripts/device_serving.sh (GPU, and its CPU smoke mode).
 """
@@ -25,10 +32,14 @@ import json
 import math
 import os
 import platform
+import re
+import shlex
 import subprocess
 import sys
+import threading
 import time
-from dataclasses import dataclass
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, is_dataclass
 from pathlib import Path
 from typing import Any
 
@@ -74,6 +85,65 @@ class TraceRun:
 
     def num_requests(self, qps: float) -> int:
         return max(1, math.ceil(qps * self.seconds))
+
+
+LABEL = re.compile(r"[A-Za-z0-9._-]+")
+"""What a configuration's label may be made of (it names files too)."""
+
+
+@dataclass(frozen=True)
+class Config:
+    """One server configuration: ``label`` names it in every output (the table's and the JSON's
+    ``policy``), ``policy`` is its ``serve --policy``, ``serve_args`` its other serve flags."""
+    label: str
+    policy: str
+    serve_args: tuple[str, ...] = ()
+
+    @classmethod
+    def variant(cls, text: str) -> Config:
+        """``LABEL=SERVE_ARGS`` (``--variant``); SERVE_ARGS holds ``--policy X`` exactly once."""
+        label, sep, rest = (part.strip() for part in text.partition("="))
+        if not sep or not LABEL.fullmatch(label):
+            raise argparse.ArgumentTypeError(f"--variant {text!r}: use LABEL=SERVE_ARGS, LABEL non-empty "
+                                             "and made of letters, digits, '-', '_' and '.'")
+        try:
+            words = iter(shlex.split(rest))
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(f"--variant {text!r}: {exc}") from exc
+        policies, others = [], []
+        for word in words:
+            if word == "--policy":
+                policies.append(next(words, ""))
+            elif word.startswith("--policy="):
+                policies.append(word.partition("=")[2])
+            else:
+                others.append(word)
+        if len(policies) != 1 or not policies[0] or policies[0].startswith("-"):
+            raise argparse.ArgumentTypeError(f"--variant {text!r}: SERVE_ARGS must contain --policy X "
+                                             "exactly once")
+        return cls(label, policies[0], tuple(others))
+
+
+def configurations(policies: str, variants: list[Config]) -> list[Config]:
+    """The ``--policies`` (comma-separated, may be empty), then the ``--variant`` ones.
+
+    Raises ValueError when there is none, or a label is malformed or not unique."""
+    configs = [Config(p, p) for p in (p.strip() for p in policies.split(",")) if p] + variants
+    labels = [c.label for c in configs]
+    if not configs:
+        raise ValueError("no configuration: give --policies or --variant")
+    bad = [label for label in labels if not LABEL.fullmatch(label)]
+    if bad:
+        raise ValueError(f"--policies: malformed name(s) {bad}")
+    dup = sorted({label for label in labels if labels.count(label) > 1})
+    if dup:
+        raise ValueError(f"configuration labels must be unique across --policies and --variant: {dup} repeated")
+    return configs
+
+
+def assign_lanes(configs: list[Config], n: int) -> list[list[Config]]:
+    """Round-robin: configuration ``j`` runs in lane ``j % n``; lanes left empty are dropped."""
+    return [configs[i::n] for i in range(min(n, len(configs)))]
 
 
 # ---------------------------------------------------------------- summarising (CPU-tested)
@@ -208,6 +278,13 @@ def _environment() -> dict[str, Any]:
     return env
 
 
+def _replace(path: Path, data: bytes) -> None:
+    """Write ``path`` whole: a reader sees the old file or the new one, never a part."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_bytes(data)
+    tmp.replace(path)
+
+
 def write_tokenizer(folder: Path, vocab_size: int) -> None:
     """A word-level tokenizer in which token ``i`` is the word ``t{i}`` (unknown: ``<unk>``,
     id ``vocab_size``, which the model never samples).
@@ -244,7 +321,22 @@ def write_model(work: Path, name: str) -> Path:
     return folder
 
 
+@dataclass
+class Lane:
+    """Configurations run one after another, each with its own server on ``port``; ``gpu`` is
+    the servers' ``CUDA_VISIBLE_DEVICES`` (``None``: the environment's, with one lane)."""
+    index: int
+    configs: list[Config]
+    port: int
+    gpu: int | None
+    slice_end: float = math.inf
+    """End of the running configuration's time slice (``time.monotonic()``)."""
+
+
 class Bench:
+    """The benchmark: lanes run in parallel threads; ``lock`` guards ``runs``, ``servers``,
+    ``iter_logs``, the server records' fields and the files ``save`` writes."""
+
     def __init__(self, args: argparse.Namespace):
         self.args = args
         self.t_start = time.monotonic()
@@ -252,26 +344,35 @@ class Bench:
         self.work = Path(args.work)
         self.out.mkdir(parents=True, exist_ok=True)
         self.work.mkdir(parents=True, exist_ok=True)
+        self.lock = threading.RLock()
         self.runs: list[dict[str, Any]] = []
         self.servers: list[dict[str, Any]] = []
         self.iter_logs: dict[str, Path] = {}
-        self.env = _environment()
+        self.env: dict[str, Any] = {}
         self.slo_ms = args.tbt_slo_ms
-        self.slice_end = time.monotonic() + args.deadline_s
+        self.lanes = [Lane(i, configs, args.port + i, i if args.gpus > 1 else None)
+                      for i, configs in enumerate(assign_lanes(args.configs, args.gpus))]
 
     def left(self) -> float:
         return self.args.deadline_s - (time.monotonic() - self.t_start)
 
-    def log(self, msg: str) -> None:
-        print(f"[{time.monotonic() - self.t_start:6.1f}s] {msg}", flush=True)
+    def log(self, msg: str, lane: Lane | None = None) -> None:
+        tag = f"[lane {lane.index}] " if lane is not None else ""
+        with self.lock:
+            print(f"[{time.monotonic() - self.t_start:6.1f}s] {tag}{msg}", flush=True)
 
-    def bench_cmd(self, extra: list[str], result: Path) -> list[str]:
-        return [sys.executable, "-m", "duetserve.bench", "--base-url", f"http://127.0.0.1:{self.args.port}",
+    def note(self, record: dict[str, Any], **fields: Any) -> None:
+        """Set fields of a record ``save`` may be writing from another lane."""
+        with self.lock:
+            record.update(fields)
+
+    def bench_cmd(self, port: int, extra: list[str], result: Path) -> list[str]:
+        return [sys.executable, "-m", "duetserve.bench", "--base-url", f"http://127.0.0.1:{port}",
                 "--endpoint", "/v1/completions", "--tbt-slo", f"{self.slo_ms:g}ms", "--no-progress",
                 "--seed", str(self.args.seed), "--result-file", str(result), *extra]
 
-    def run_bench(self, cmd: list[str], limit_s: float) -> tuple[int | None, str]:
-        self.log("$ " + " ".join(cmd[1:]))
+    def run_bench(self, cmd: list[str], limit_s: float, lane: Lane) -> tuple[int | None, str]:
+        self.log("$ " + " ".join(cmd[1:]), lane)
         try:
             p = subprocess.run(cmd, capture_output=True, text=True, timeout=limit_s, cwd=ROOT)
         except subprocess.TimeoutExpired as exc:
@@ -279,92 +380,107 @@ class Bench:
             return None, out.decode(errors="replace") if isinstance(out, bytes) else out
         return p.returncode, p.stdout + p.stderr
 
-    def server_cmd(self, policy: str, model: Path, iter_log: Path) -> str:
+    def server_cmd(self, cfg: Config, model: Path, iter_log: Path, lane: Lane) -> str:
+        """The serve command line (split with shlex and run without a shell by ServerProcess,
+        which cannot pass an environment: the lane's GPU is set through ``env``)."""
         a = self.args
-        cmd = (f"{sys.executable} -m duetserve.cli serve --model {model} --load-format dummy --port {a.port} "
-               f"--tbt-slo {self.slo_ms:g}ms --policy {policy} --iteration-log {iter_log} --seed {a.seed}")
+        cmd = (f"{sys.executable} -m duetserve.cli serve --model {model} --load-format dummy --port {lane.port} "
+               f"--tbt-slo {self.slo_ms:g}ms --policy {cfg.policy} --iteration-log {iter_log} --seed {a.seed}")
+        if lane.gpu is not None:
+            cmd = f"env CUDA_VISIBLE_DEVICES={lane.gpu} {cmd}"
         if a.device:
             cmd += f" --device {a.device}"
-        return cmd + (" " + a.serve_args if a.serve_args else "")
+        return " ".join([cmd, *map(shlex.quote, cfg.serve_args), *([a.serve_args] if a.serve_args else [])])
 
-    def one_policy(self, policy: str, model: Path, share: float = 1.0) -> None:
+    def run_lane(self, lane: Lane, model: Path) -> None:
+        """The lane's configurations in turn, each with an equal share of the time left."""
+        for i, cfg in enumerate(lane.configs):
+            self.one_config(lane, cfg, model, share=1.0 / (len(lane.configs) - i))
+
+    def one_config(self, lane: Lane, cfg: Config, model: Path, share: float = 1.0) -> None:
         """Start the server, warm up, run each (trace, QPS), stop; ``share`` of the time left is
-        this policy's slice (a run that would end past it is skipped, so later policies run too)."""
+        this configuration's slice (a run that would end past it is skipped, so later ones run too)."""
         from duetserve.bench.launch import LaunchConfig, ServerProcess
 
         a = self.args
-        iter_log = self.work / f"iterations_{policy}.jsonl"
+        label = cfg.label
+        iter_log = self.work / f"iterations_{label}.jsonl"
         iter_log.unlink(missing_ok=True)
-        self.iter_logs[policy] = iter_log
-        server_log = self.work / f"server_{policy}.log"
-        info: dict[str, Any] = {"policy": policy, "command": self.server_cmd(policy, model, iter_log)}
-        self.servers.append(info)
-        self.slice_end = time.monotonic() + share * self.left()
+        server_log = self.work / f"server_{label}.log"
+        info: dict[str, Any] = {"policy": label, "lane": lane.index, "port": lane.port,
+                                "command": self.server_cmd(cfg, model, iter_log, lane)}
+        with self.lock:
+            self.iter_logs[label] = iter_log
+            self.servers.append(info)
+        lane.slice_end = time.monotonic() + share * self.left()
         # QPS levels interleaved across traces, so a short slice still covers every trace
         pending = [(tr, tr.qps[i]) for i in range(max(len(tr.qps) for tr in a.trace))
                    for tr in a.trace if i < len(tr.qps)]
         if self.left() < a.launch_reserve_s:
-            info["status"] = "skipped: out of time before start"
-            self._skip(policy, pending, info["status"])
+            self.note(info, status="skipped: out of time before start")
+            self._skip(label, pending, info["status"])
             return
-        self.log(f"=== {policy}: starting server")
+        self.log(f"=== {label}: starting server", lane)
         t0 = time.monotonic()
-        server = ServerProcess(LaunchConfig(info["command"], f"http://127.0.0.1:{a.port}/health",
+        server = ServerProcess(LaunchConfig(info["command"], f"http://127.0.0.1:{lane.port}/health",
                                             startup_timeout_s=max(10.0, min(a.launch_timeout_s, self.left() - 20)),
                                             stop_timeout_s=15.0, log_path=server_log))
         try:
             server.__enter__()
         except (RuntimeError, TimeoutError, OSError) as exc:
-            info["status"] = f"server failed: {type(exc).__name__}"
-            info["error"] = str(exc)[-3000:]
-            self.log(f"{policy}: {info['status']}\n{info['error']}")
-            self._skip(policy, pending, info["status"])
+            self.note(info, status=f"server failed: {type(exc).__name__}", error=str(exc)[-3000:])
+            self.log(f"{label}: {info['status']}\n{info['error']}", lane)
+            self._skip(label, pending, info["status"])
             return
-        info["startup_s"] = round(time.monotonic() - t0, 1)
-        self.log(f"{policy}: healthy after {info['startup_s']} s")
+        self.note(info, startup_s=round(time.monotonic() - t0, 1))
+        self.log(f"{label}: healthy after {info['startup_s']} s", lane)
         try:
             if a.warmup_requests > 0 and self.left() > 30:
                 t1 = time.monotonic()
-                rc, text = self.run_bench(self.bench_cmd(
-                    ["--num-requests", str(a.warmup_requests), "--input-len", a.warmup_input_len,
-                     "--output-len", a.warmup_output_len, "--qps", str(a.warmup_qps),
-                     "--request-timeout", "120s"], self.work / "warmup.json"), min(150.0, self.left() - 20))
-                info["warmup_s"] = round(time.monotonic() - t1, 1)
-                info["warmup_rc"] = rc
-                self.log(f"{policy}: warm-up rc={rc} in {info['warmup_s']} s")
+                rc, text = self.run_bench(self.bench_cmd(lane.port, [
+                    "--num-requests", str(a.warmup_requests), "--input-len", a.warmup_input_len,
+                    "--output-len", a.warmup_output_len, "--qps", str(a.warmup_qps),
+                    "--request-timeout", "120s"], self.work / f"warmup_{label}.json"),
+                    min(150.0, self.left() - 20), lane)
+                self.note(info, warmup_s=round(time.monotonic() - t1, 1), warmup_rc=rc)
+                self.log(f"{label}: warm-up rc={rc} in {info['warmup_s']} s", lane)
                 if rc != 0:
-                    self.log(text[-2000:])
+                    self.log(text[-2000:], lane)
             for i, (tr, qps) in enumerate(pending):
-                self.one_run(policy, tr, qps, iter_log, first=i == 0)
+                self.one_run(lane, label, tr, qps, iter_log, first=i == 0)
         finally:
             server.stop()
-            info["log_tail"] = server.log_tail()[-4000:]
+            self.note(info, log_tail=server.log_tail()[-4000:])
             self.save()
 
-    def _skip(self, policy: str, pending: list[tuple[TraceRun, float]], why: str) -> None:
-        for tr, qps in pending:
-            self.runs.append({"policy": policy, "trace": tr.name, "qps": qps, "status": why,
-                              "num_requests": tr.num_requests(qps)})
-        self.save()
+    def add_runs(self, *runs: dict[str, Any]) -> None:
+        """Record finished runs and rewrite the files."""
+        with self.lock:
+            self.runs.extend(runs)
+            self.save()
 
-    def one_run(self, policy: str, tr: TraceRun, qps: float, iter_log: Path, first: bool = False) -> None:
+    def _skip(self, label: str, pending: list[tuple[TraceRun, float]], why: str) -> None:
+        self.add_runs(*({"policy": label, "trace": tr.name, "qps": qps, "status": why,
+                         "num_requests": tr.num_requests(qps)} for tr, qps in pending))
+
+    def one_run(self, lane: Lane, label: str, tr: TraceRun, qps: float, iter_log: Path,
+                first: bool = False) -> None:
         a = self.args
         n = tr.num_requests(qps)
-        run: dict[str, Any] = {"policy": policy, "trace": tr.name, "qps": qps, "num_requests": n,
+        run: dict[str, Any] = {"policy": label, "trace": tr.name, "qps": qps, "num_requests": n,
                                "seconds": tr.seconds, "max_input_len": tr.max_input_len,
                                "max_output_len": tr.max_output_len}
-        self.runs.append(run)
         limit = tr.seconds + a.request_timeout_s + 30
         need = tr.seconds + a.drain_estimate_s
-        slice_left = self.slice_end - time.monotonic()
+        slice_left = lane.slice_end - time.monotonic()
         if self.left() < min(limit, need) or (not first and slice_left < need):
             run["status"] = "skipped: out of time"
-            self.log(f"{policy} {tr.name} qps {qps:g}: {run['status']} ({slice_left:.0f} s left in this "
-                     f"policy's slice, {self.left():.0f} s in all, {need:.0f} s needed)")
-            self.save()
+            self.log(f"{label} {tr.name} qps {qps:g}: {run['status']} ({slice_left:.0f} s left in this "
+                     f"configuration's slice, {self.left():.0f} s in all, {need:.0f} s needed)", lane)
+            self.add_runs(run)
             return
         fname, fmt = TRACE_FILES[tr.name]
-        result = self.work / f"{policy}_{tr.name}_qps{qps:g}.json"
+        result = self.work / f"{label}_{tr.name}_qps{qps:g}.json"
         result.unlink(missing_ok=True)
         extra = ["--trace", str(Path(a.traces_dir) / fname), "--trace-format", fmt, "--arrival", "poisson",
                  "--qps", f"{qps:g}", "--num-requests", str(n), "--request-timeout", f"{a.request_timeout_s:g}s"]
@@ -372,13 +488,14 @@ class Bench:
             extra += ["--max-input-len", str(tr.max_input_len)]
         if tr.max_output_len:
             extra += ["--max-output-len", str(tr.max_output_len)]
-        run["command"] = " ".join(self.bench_cmd(extra, result)[1:])
-        rc, text = self.run_bench(self.bench_cmd(extra, result), min(limit, self.left() - 5))
+        cmd = self.bench_cmd(lane.port, extra, result)
+        run["command"] = " ".join(cmd[1:])
+        rc, text = self.run_bench(cmd, min(limit, self.left() - 5), lane)
         run["rc"] = rc
         if rc is None or not result.is_file():
             run["status"] = "timeout" if rc is None else f"bench failed rc={rc}"
             run["bench_output_tail"] = text[-2000:]
-            self.log(f"{policy} {tr.name} qps {qps:g}: {run['status']}\n{text[-2000:]}")
+            self.log(f"{label} {tr.name} qps {qps:g}: {run['status']}\n{text[-2000:]}", lane)
         else:
             res = json.loads(result.read_text())
             run["status"] = "ok"
@@ -386,29 +503,27 @@ class Bench:
             t0 = res["start_time_unix"]
             run["iterations"] = iteration_summary(_read_jsonl(iter_log), t0, t0 + res["duration"])
             r = run_row(run)
-            self.log(f"{policy} {tr.name} qps {qps:g}: done {r['done']}/{n} failed {r['failed']}, "
+            self.log(f"{label} {tr.name} qps {qps:g}: done {r['done']}/{n} failed {r['failed']}, "
                      f"{_f(r['req_s'], '.2f')} req/s, TBT p50/p99 {_f(r['tbt_p50_ms'], '.1f')}/"
                      f"{_f(r['tbt_p99_ms'], '.1f')} ms, SLO att {_f(r['slo_att'], '.4f')}, "
-                     f"spatial {_f(r['spatial'], '.3f')}")
+                     f"spatial {_f(r['spatial'], '.3f')}", lane)
             if res.get("failure_reasons"):
-                self.log(f"  failures: {json.dumps(res['failure_reasons'])[:600]}")
-        self.save()
+                self.log(f"  failures: {json.dumps(res['failure_reasons'])[:600]}", lane)
+        self.add_runs(run)
 
     def save(self) -> None:
-        a = self.args
-        doc = {"settings": {k: (v if not isinstance(v, list) or not v or not isinstance(v[0], TraceRun)
-                                else [vars(t) for t in v]) for k, v in vars(a).items()},
-               "environment": self.env, "elapsed_s": round(time.monotonic() - self.t_start, 1),
-               "servers": self.servers, "runs": self.runs}
-        tmp = self.out / "serving.json.tmp"
-        tmp.write_text(json.dumps(doc))
-        tmp.replace(self.out / "serving.json")
-        table = format_table(self.runs, self.slo_ms)
-        (self.out / "serving_table.md").write_text(table)
-        with gzip.open(self.out / "iterations.jsonl.gz", "wt") as f:
-            for policy, path in self.iter_logs.items():
-                for rec in _read_jsonl(path):
-                    f.write(json.dumps({"policy": policy, **rec}) + "\n")
+        """Rewrite serving.json, serving_table.md and iterations.jsonl.gz (each replaced whole)."""
+        with self.lock:
+            settings = {k: [asdict(x) for x in v] if isinstance(v, list) and v and is_dataclass(v[0]) else v
+                        for k, v in vars(self.args).items()}
+            doc = {"settings": settings, "environment": self.env,
+                   "elapsed_s": round(time.monotonic() - self.t_start, 1),
+                   "servers": self.servers, "runs": self.runs}
+            _replace(self.out / "serving.json", json.dumps(doc).encode())
+            _replace(self.out / "serving_table.md", format_table(self.runs, self.slo_ms).encode())
+            lines = [json.dumps({"policy": label, **rec}) + "\n"
+                     for label, path in self.iter_logs.items() for rec in _read_jsonl(path)]
+            _replace(self.out / "iterations.jsonl.gz", gzip.compress("".join(lines).encode()))
 
     def plots(self) -> None:
         from duetserve.bench.plot import plot_results, read_iteration_log
@@ -425,7 +540,7 @@ class Bench:
             if not done:
                 continue
             top = {}
-            for r in done:  # highest QPS each policy finished
+            for r in done:  # highest QPS each configuration finished
                 if r["policy"] not in top or r["qps"] > top[r["policy"]]["qps"]:
                     top[r["policy"]] = r
             runs = list(top.values())
@@ -435,13 +550,21 @@ class Bench:
             except Exception as exc:  # noqa: BLE001 - a plot must not lose the numbers
                 self.log(f"plot {tr.name} failed: {type(exc).__name__}: {exc}")
 
+    def run_lanes(self, model: Path) -> None:
+        """Every lane in its own thread; an error in one is raised once all have ended."""
+        with ThreadPoolExecutor(len(self.lanes)) as pool:
+            futures = [pool.submit(self.run_lane, lane, model) for lane in self.lanes]
+        for f in futures:
+            f.result()
+
     def main(self) -> int:
         a = self.args
+        self.env = _environment()
         self.log(f"environment: {json.dumps(self.env)}")
-        model = write_model(self.work, a.model_config)
-        policies = a.policies.split(",")
-        for i, policy in enumerate(policies):
-            self.one_policy(policy, model, share=1.0 / (len(policies) - i))
+        for lane in self.lanes:
+            gpu = "" if lane.gpu is None else f", CUDA_VISIBLE_DEVICES={lane.gpu}"
+            self.log(f"{', '.join(c.label for c in lane.configs)} (port {lane.port}{gpu})", lane)
+        self.run_lanes(write_model(self.work, a.model_config))
         self.plots()
         self.save()
         self.log(f"done in {time.monotonic() - self.t_start:.0f} s\n")
@@ -455,18 +578,26 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--work", default="/tmp/duetserve-serving", help="server logs, per-run JSON, model folder")
     p.add_argument("--model-config", default="qwen3-8b", choices=("qwen3-8b", "tiny"))
     p.add_argument("--device", default=None, help="passed to serve --device")
-    p.add_argument("--policies", default="duet,chunked,prefill-first,pdmux")
+    p.add_argument("--policies", default="duet,chunked,prefill-first,pdmux",
+                   help="comma-separated serve policies, one configuration each (may be empty)")
+    p.add_argument("--variant", type=Config.variant, action="append", default=[], metavar="LABEL=SERVE_ARGS",
+                   help="one more configuration, labelled LABEL, served with SERVE_ARGS (which hold "
+                        "--policy X), e.g. 'duet-trim=--policy duet --trim-margin 0.85'; repeatable")
+    p.add_argument("--gpus", type=int, default=1,
+                   help="lanes run in parallel: configuration j in lane j %% N, whose servers see "
+                        "CUDA_VISIBLE_DEVICES=j %% N (when N > 1) and listen on --port + j %% N")
     p.add_argument("--trace", type=TraceRun.parse, action="append", required=True,
                    metavar="NAME:QPS,QPS:SECONDS[:MAX_INPUT]",
                    help="runs of one trace: Poisson QPS levels, seconds of arrivals each, input cap")
     p.add_argument("--traces-dir", default=str(ROOT / ".traces"))
     p.add_argument("--tbt-slo-ms", type=float, default=100.0)
-    p.add_argument("--port", type=int, default=8123)
+    p.add_argument("--port", type=int, default=8123, help="lane i's servers listen on PORT + i")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--serve-args", default="", help="extra flags for duetserve serve")
     p.add_argument("--request-timeout-s", type=float, default=40.0,
                    help="per request; bounds the drain of an overloaded run")
-    p.add_argument("--deadline-s", type=float, default=500.0, help="the whole benchmark's time budget")
+    p.add_argument("--deadline-s", type=float, default=500.0,
+                   help="the whole benchmark's time budget (each lane's: lanes run in parallel)")
     p.add_argument("--drain-estimate-s", type=float, default=12.0,
                    help="expected time after the last arrival of a run (skip runs that cannot fit)")
     p.add_argument("--launch-timeout-s", type=float, default=240.0)
@@ -479,8 +610,21 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line, with ``configs`` (the configurations in order) added."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.gpus < 1:
+        parser.error(f"--gpus {args.gpus}: must be >= 1")
+    try:
+        args.configs = configurations(args.policies, args.variant)
+    except ValueError as exc:
+        parser.error(str(exc))
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
-    return Bench(build_parser().parse_args(argv)).main()
+    return Bench(parse_args(argv)).main()
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
-"""scripts/serving_bench.py (the GPU serving benchmark's driver): argument parsing, iteration
-summaries, the combined table and the SLO-capacity line; scripts/select_wheels.py's choice.
+"""scripts/serving_bench.py (the GPU serving benchmark's driver): argument parsing (traces,
+variants), lanes and their server commands, iteration summaries, the combined table and the
+SLO-capacity line, a run of two lanes with fake servers; scripts/select_wheels.py's choice.
 
 The end-to-end CPU smoke run (`SERVING_CPU=1 bash scripts/device_serving.sh`, ~40 s: two
 servers, four bench runs) is not part of the suite.
@@ -7,6 +8,11 @@ servers, four bench runs) is not part of the suite.
 from __future__ import annotations
 
 import argparse
+import gzip
+import json
+import shlex
+import threading
+import time
 import zipfile
 from pathlib import Path
 
@@ -26,6 +32,134 @@ def test_trace_run_parse():
     for bad in ("sharegpt:1:10", "azure_code:1", "azure_code:0:10", "azure_code:x:10", "azure_code:1:10:1:2:3"):
         with pytest.raises(argparse.ArgumentTypeError):
             sb.TraceRun.parse(bad)
+
+
+def test_variant_parse():
+    v = sb.Config.variant("duet-trim=--policy duet --trim-margin 0.85")
+    assert v == sb.Config("duet-trim", "duet", ("--trim-margin", "0.85"))
+    v = sb.Config.variant(" chunked_2048.b = --max-num-batched-tokens 2048 --policy=chunked")
+    assert v == sb.Config("chunked_2048.b", "chunked", ("--max-num-batched-tokens", "2048"))
+    for bad, why in [("--policy duet", "use LABEL=SERVE_ARGS"), ("=--policy duet", "use LABEL=SERVE_ARGS"),
+                     ("a b=--policy duet", "use LABEL=SERVE_ARGS"), ("a/b=--policy duet", "use LABEL=SERVE_ARGS"),
+                     ("x=--trim-margin 0.85", "must contain --policy X exactly once"),
+                     ("x=--policy duet --policy chunked", "must contain --policy X exactly once"),
+                     ("x=--trim-margin 0.85 --policy", "must contain --policy X exactly once"),
+                     ("x=--policy 'duet", "No closing quotation")]:
+        with pytest.raises(argparse.ArgumentTypeError, match=why):
+            sb.Config.variant(bad)
+
+
+def _parse_error(capsys, argv: list[str]) -> str:
+    with pytest.raises(SystemExit):
+        sb.parse_args(["--trace", "azure_code:2:3", *argv])
+    return capsys.readouterr().err
+
+
+def test_configurations_from_the_command_line(capsys):
+    args = sb.parse_args(["--trace", "azure_code:2:3", "--policies", "duet,chunked",
+                          "--variant", "duet-trim=--policy duet --trim-margin 0.85"])
+    assert [(c.label, c.policy, c.serve_args) for c in args.configs] == \
+        [("duet", "duet", ()), ("chunked", "chunked", ()), ("duet-trim", "duet", ("--trim-margin", "0.85"))]
+    args = sb.parse_args(["--trace", "azure_code:2:3", "--policies", "", "--variant", "c2k=--policy chunked"])
+    assert args.configs == [sb.Config("c2k", "chunked")]
+    assert "argument --variant: --variant 'x=--trim-margin 0.85': SERVE_ARGS must contain --policy X exactly once" \
+        in _parse_error(capsys, ["--variant", "x=--trim-margin 0.85"])
+    assert "labels must be unique across --policies and --variant: ['duet'] repeated" \
+        in _parse_error(capsys, ["--policies", "duet,chunked", "--variant", "duet=--policy duet"])
+    assert "no configuration: give --policies or --variant" in _parse_error(capsys, ["--policies", ""])
+    assert "--gpus 0: must be >= 1" in _parse_error(capsys, ["--gpus", "0"])
+
+
+def test_assign_lanes_round_robin():
+    configs = [sb.Config(f"c{j}", "duet") for j in range(5)]
+    labels = lambda lanes: [[c.label for c in lane] for lane in lanes]
+    assert labels(sb.assign_lanes(configs, 1)) == [["c0", "c1", "c2", "c3", "c4"]]
+    assert labels(sb.assign_lanes(configs, 2)) == [["c0", "c2", "c4"], ["c1", "c3"]]
+    assert labels(sb.assign_lanes(configs, 3)) == [["c0", "c3"], ["c1", "c4"], ["c2"]]
+    assert labels(sb.assign_lanes(configs[:2], 4)) == [["c0"], ["c1"]]
+
+
+def _bench(tmp_path: Path, *argv: str) -> sb.Bench:
+    return sb.Bench(sb.parse_args(["--trace", "azure_code:2:3", "--out", str(tmp_path / "out"),
+                                   "--work", str(tmp_path / "work"), "--port", "9000", *argv]))
+
+
+def test_server_command_of_a_variant(tmp_path):
+    bench = _bench(tmp_path, "--gpus", "2", "--policies", "chunked", "--device", "cpu",
+                   "--variant", "duet-trim=--policy duet --trim-margin 0.85", "--serve-args", "--max-num-seqs 32")
+    assert [(lane.index, lane.port, lane.gpu, [c.label for c in lane.configs]) for lane in bench.lanes] == \
+        [(0, 9000, 0, ["chunked"]), (1, 9001, 1, ["duet-trim"])]
+    lane = bench.lanes[1]
+    words = shlex.split(bench.server_cmd(lane.configs[0], Path("/m"), Path("/w/it.jsonl"), lane))
+    assert words[:2] == ["env", "CUDA_VISIBLE_DEVICES=1"]
+    assert words[3:6] == ["-m", "duetserve.cli", "serve"]
+    assert words.count("--policy") == 1 and words[words.index("--policy") + 1] == "duet"
+    assert words[words.index("--port") + 1] == "9001"
+    assert words[words.index("--iteration-log") + 1] == "/w/it.jsonl"
+    assert words[-6:] == ["--device", "cpu", "--trim-margin", "0.85", "--max-num-seqs", "32"]
+
+    bench = _bench(tmp_path, "--policies", "", "--variant", "duet-trim=--policy duet --trim-margin 0.85")
+    lane = bench.lanes[0]
+    assert (lane.port, lane.gpu) == (9000, None)  # one lane: the environment's GPUs
+    words = shlex.split(bench.server_cmd(lane.configs[0], Path("/m"), Path("/w/it.jsonl"), lane))
+    assert words[1:4] == ["-m", "duetserve.cli", "serve"] and "CUDA_VISIBLE_DEVICES" not in " ".join(words)
+    assert words.count("--policy") == 1 and words[-2:] == ["--trim-margin", "0.85"]
+
+
+def test_lanes_run_in_parallel_and_variant_labels_reach_the_outputs(tmp_path, monkeypatch):
+    from duetserve.bench import launch
+
+    both_up = threading.Barrier(2, timeout=10)  # broken (a "server failed") unless both lanes' first servers
+    # are up at once
+    started: list[str] = []
+
+    class FakeServer:
+        def __init__(self, config):
+            self.config = config
+
+        def __enter__(self):
+            words = shlex.split(self.config.command)
+            it_log = Path(words[words.index("--iteration-log") + 1])
+            it_log.write_text(json.dumps({"t": time.time(), "spatial": False}) + "\n")
+            started.append(self.config.command)
+            if len(started) <= 2:
+                both_up.wait()
+            return self
+
+        def stop(self):
+            pass
+
+        def log_tail(self):
+            return "fake server log"
+
+    def fake_bench(self, cmd, limit_s, lane):
+        result = Path(cmd[cmd.index("--result-file") + 1])
+        qps = float(cmd[cmd.index("--qps") + 1])
+        result.write_text(json.dumps({"completed": 6, "failed": 0, "request_throughput": 1.9 * qps,
+                                      "p99_itl_ms": 40.0 + lane.port - 9000, "start_time_unix": time.time() - 1,
+                                      "duration": 2.0}))
+        return 0, ""
+
+    monkeypatch.setattr(launch, "ServerProcess", FakeServer)
+    monkeypatch.setattr(sb.Bench, "run_bench", fake_bench)
+    bench = _bench(tmp_path, "--gpus", "2", "--policies", "duet,chunked", "--warmup-requests", "0",
+                   "--variant", "duet-trim=--policy duet --trim-margin 0.85")
+    bench.run_lanes(tmp_path)
+
+    assert len(started) == 3 and sum("CUDA_VISIBLE_DEVICES=0" in c for c in started) == 2
+    doc = json.loads((tmp_path / "out" / "serving.json").read_text())
+    assert sorted((r["policy"], r["status"]) for r in doc["runs"]) == \
+        [("chunked", "ok"), ("duet", "ok"), ("duet-trim", "ok")]
+    assert {s["policy"]: (s["lane"], s["port"], s["log_tail"]) for s in doc["servers"]} == \
+        {"duet": (0, 9000, "fake server log"), "chunked": (1, 9001, "fake server log"),
+         "duet-trim": (0, 9000, "fake server log")}
+    assert [c["label"] for c in doc["settings"]["configs"]] == ["duet", "chunked", "duet-trim"]
+    table = (tmp_path / "out" / "serving_table.md").read_text()
+    assert "| azure_code | duet-trim | 2 | 6/6 | 3.80 | - | - | - | - | 40.0 | - | 0.0% | - |" in table
+    assert "| azure_code | chunked | 2 | 6/6 | 3.80 | - | - | - | - | 41.0 | - | 0.0% | - |" in table
+    assert "duet-trim: qps 2 (3.80 req/s, 1.00x chunked)" in table
+    with gzip.open(tmp_path / "out" / "iterations.jsonl.gz", "rt") as f:
+        assert sorted(json.loads(line)["policy"] for line in f) == ["chunked", "duet", "duet-trim"]
 
 
 def test_iteration_summary_window_and_error():
