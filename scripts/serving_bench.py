@@ -152,7 +152,11 @@ def iteration_summary(records: list[dict[str, Any]], t0: float, t1: float) -> di
     """Iterations logged in ``[t0, t1]``: count, spatial share, plan shapes, prediction error.
 
     ``pred_err_median`` is the median of ``|predicted - measured| / measured`` over iterations
-    with both times (the cost model's error on the real engine).
+    with both times (the cost model's error on the real engine). For spatial iterations,
+    ``spatial_measured_over_predicted`` is the median of measured / predicted iteration time,
+    ``prefill_measured_over_predicted`` the median of the prefill stream's busy time over the
+    predicted prefill time, and ``decode_step_measured_over_predicted`` the median of the decode
+    stream's busy time per step over the predicted step time (None where not logged).
     """
     its = [r for r in records if t0 <= r.get("t", -1.0) <= t1]
     spatial = [r for r in its if r.get("spatial")]
@@ -167,7 +171,28 @@ def iteration_summary(records: list[dict[str, Any]], t0: float, t1: float) -> di
         ks = sorted(r.get("steps", r.get("k")) for r in spatial if r.get("steps", r.get("k")) is not None)
         out["s_decode_median"] = sd[len(sd) // 2] if sd else None
         out["k_median"] = ks[len(ks) // 2] if ks else None
+        out["spatial_measured_over_predicted"] = _median_ratio(spatial, lambda r: r["measured_s"],
+                                                              lambda r: r["predicted_s"])
+        out["prefill_measured_over_predicted"] = _median_ratio(spatial, lambda r: r["prefill_stream_s"],
+                                                              lambda r: r["predicted_prefill_s"])
+        out["decode_step_measured_over_predicted"] = _median_ratio(
+            [r for r in spatial if r.get("steps")], lambda r: r["decode_stream_s"] / r["steps"],
+            lambda r: r["predicted_decode_s"])
     return out
+
+
+def _median_ratio(records: list[dict[str, Any]], num: Any, den: Any) -> float | None:
+    """Median of ``num(r) / den(r)`` over the records where both are logged and positive."""
+    vals = []
+    for r in records:
+        try:
+            a, b = num(r), den(r)
+        except (KeyError, TypeError):
+            continue
+        if a and b:
+            vals.append(a / b)
+    vals.sort()
+    return vals[len(vals) // 2] if vals else None
 
 
 def run_row(run: dict[str, Any]) -> dict[str, Any]:
@@ -507,6 +532,12 @@ class Bench:
                      f"{_f(r['req_s'], '.2f')} req/s, TBT p50/p99 {_f(r['tbt_p50_ms'], '.1f')}/"
                      f"{_f(r['tbt_p99_ms'], '.1f')} ms, SLO att {_f(r['slo_att'], '.4f')}, "
                      f"spatial {_f(r['spatial'], '.3f')}", lane)
+            it = run["iterations"]
+            if it.get("spatial_iterations"):
+                self.log(f"  spatial iterations, measured / predicted (median): whole "
+                         f"{_f(it['spatial_measured_over_predicted'], '.2f')}, prefill stream "
+                         f"{_f(it['prefill_measured_over_predicted'], '.2f')}, decode step "
+                         f"{_f(it['decode_step_measured_over_predicted'], '.2f')}", lane)
             if res.get("failure_reasons"):
                 self.log(f"  failures: {json.dumps(res['failure_reasons'])[:600]}", lane)
         self.add_runs(run)

@@ -173,8 +173,23 @@ def test_iteration_summary_window_and_error():
     assert s["spatial_share"] == pytest.approx(1 / 3)
     assert s["pred_err_median"] == pytest.approx(0.5)  # errors 0.5 and 0.5; None skipped
     assert s["s_decode_median"] == 16 and s["k_median"] == 6
+    assert s["spatial_measured_over_predicted"] == pytest.approx(2 / 3)
+    assert s["prefill_measured_over_predicted"] is None  # not logged by this (older) record
     assert sb.iteration_summary(recs, 20.0, 30.0) == {"iterations": 0, "spatial_iterations": 0,
                                                      "spatial_share": None, "pred_err_median": None}
+
+
+def test_iteration_summary_stream_times():
+    """Per-stream busy times against the plan's predictions (records as the server logs them)."""
+    rec = {"spatial": True, "s_decode": 8, "k": 8, "predicted_s": 0.2, "measured_s": 0.3,
+           "predicted_decode_s": 0.03, "predicted_prefill_s": 0.2}
+    recs = [{**rec, "t": 1.0, "steps": 7, "decode_stream_s": 0.28, "prefill_stream_s": 0.26},
+            {**rec, "t": 2.0, "steps": 5, "decode_stream_s": 0.15, "prefill_stream_s": 0.30},
+            {**rec, "t": 3.0, "steps": 0, "decode_stream_s": None, "prefill_stream_s": 0.24}]
+    s = sb.iteration_summary(recs, 0.0, 4.0)
+    assert s["prefill_measured_over_predicted"] == pytest.approx(1.3)  # 1.2, 1.3, 1.5
+    assert s["decode_step_measured_over_predicted"] == pytest.approx(4 / 3)  # 0.04/0.03 and 0.03/0.03
+    assert s["spatial_measured_over_predicted"] == pytest.approx(1.5)
 
 
 def _run(policy, trace, qps, p99, failed=0, req_s=None, status="ok", spatial=0.0):
