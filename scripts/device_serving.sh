@@ -29,7 +29,8 @@
 # chunked --max-num-batched-tokens 2048"; LABEL names it in the table, JSON, plots and logs),
 # SERVING_GPUS (lanes run in parallel, default: the GPUs `nvidia-smi -L` lists, 1 in CPU mode
 # or without any: configuration j (policies first, then variants) runs on GPU j % N, port
-# 8123 + j % N, the lane's configurations one after another).
+# 8123 + j % N, the lane's configurations one after another), SERVING_BENCH_ARGS (extra
+# serving_bench.py flags, e.g. "--request-timeout-s 120 --drain-estimate-s 40" for long windows).
 # SERVING_CPU=1: smoke run on the CPU (tiny Qwen3, --device cpu, duet+chunked, tiny windows;
 # with SERVING_GPUS=2 two servers run at once on the CPU).
 set -uo pipefail
@@ -87,7 +88,7 @@ work=$(mktemp -d /tmp/duetserve-serving.XXXX)
 # outer bound: the internal deadline plus the last run's drain and the plots
 timeout -k 10 $((budget + 50)) python3 scripts/serving_bench.py --out "$OUT" --work "$work" \
   --deadline-s "$budget" --gpus "$gpus" "${defaults[@]}" ${variants[@]+"${variants[@]}"} "${traces[@]}" \
-  ${SERVING_SERVE_ARGS:+--serve-args "$SERVING_SERVE_ARGS"}
+  ${SERVING_SERVE_ARGS:+--serve-args "$SERVING_SERVE_ARGS"} ${SERVING_BENCH_ARGS:-}
 rc=$?
 for f in "$work"/server_*.log; do  # server logs into the one log (uvicorn access lines dropped)
   [ -f "$f" ] || continue
