@@ -4,6 +4,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import queue
+import sys
 import threading
 import time
 from collections.abc import AsyncIterator
@@ -13,6 +14,9 @@ from duetserve.engine.engine import LLMEngine, RequestOutput, StepStats
 from duetserve.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
+
+SWITCH_INTERVAL_S = 5e-4
+"""GIL switch interval while serving (seconds; ``AsyncEngine.start``)."""
 
 
 class EngineError(RuntimeError):
@@ -31,6 +35,11 @@ class StepObserver(Protocol):
 
     def forget(self, request_id: str) -> None:
         """``request_id`` was aborted before it finished."""
+
+
+def _put_all(items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
+    for stream, item in items:
+        stream.put_nowait(item)
 
 
 class AsyncEngine:
@@ -52,6 +61,11 @@ class AsyncEngine:
         engine.set_interrupt(lambda: not self._commands.empty())  # new work ends a multi-step decode
 
     def start(self) -> None:
+        """Start the engine thread. Also lowers the interpreter's thread switch interval to
+        ``SWITCH_INTERVAL_S`` (process-wide): with Python's 5 ms default, the event loop
+        (streaming every request's tokens) could keep the GIL up to 5 ms after the device
+        finished a step, and the engine thread would launch the next step that much later."""
+        sys.setswitchinterval(min(sys.getswitchinterval(), SWITCH_INTERVAL_S))
         self._thread.start()
 
     def shutdown(self) -> None:
@@ -105,6 +119,21 @@ class AsyncEngine:
             except RuntimeError:  # the event loop is closed (shutting down)
                 self._streams.pop(request_id, None)
 
+    def _deliver_all(self, outputs: list[RequestOutput]) -> None:
+        """Hand one part's outputs to their streams with one wake-up per event loop (not one
+        per request: at 64 streams those wake-ups cost the engine thread milliseconds a step)."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, RequestOutput]]] = {}
+        for out in outputs:
+            target = self._streams.get(out.request_id)
+            if target is not None:
+                by_loop.setdefault(target[0], []).append((target[1], out))
+        for loop, items in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, items)
+            except RuntimeError:  # the event loop is closed (shutting down)
+                for stream, out in items:
+                    self._streams.pop(out.request_id, None)
+
     def _handle(self, command) -> None:
         """Apply an ``add`` or ``abort`` on the engine thread (the only thread touching the
         engine and the observer)."""
@@ -142,9 +171,8 @@ class AsyncEngine:
                 continue
             try:
                 for outputs in self.engine.step_parts():  # a look-ahead plan's steps, one by one
+                    self._deliver_all(outputs)
                     self._observe(self.engine.last_stats, outputs)  # stats with the last part only
-                    for out in outputs:
-                        self._deliver(out.request_id, out)
             except Exception as exc:
                 log.exception("engine step failed; failing the requests in flight")
                 self._fail_all(exc)

@@ -256,6 +256,8 @@ class Scheduler:
                        for d in decodes) <= free_blocks
 
         lo, hi = 1, min(k, MAX_LOOKAHEAD)
+        if hi == 1 or fits(hi):  # the common case (KV to spare) in one pass over the decodes
+            return hi
         while lo < hi:
             mid = (lo + hi + 1) // 2
             lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)

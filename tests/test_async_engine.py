@@ -1,0 +1,78 @@
+"""AsyncEngine: the engine thread hands each part's outputs to the event loop (CPU, fake engine)."""
+from __future__ import annotations
+
+import asyncio
+import sys
+
+from duetserve.engine.async_engine import SWITCH_INTERVAL_S, AsyncEngine
+from duetserve.engine.engine import RequestOutput
+from duetserve.sampling import SamplingParams
+
+
+class FakeEngine:
+    """Runs every added request for ``steps`` iterations of two parts each (a look-ahead step,
+    then the prefill part), one token per request per part."""
+
+    def __init__(self, steps: int):
+        self.steps, self.requests, self.last_stats = steps, {}, None
+
+    def set_interrupt(self, fn) -> None:
+        pass
+
+    def check_request(self, prompt, params) -> None:
+        pass
+
+    def add_request(self, request_id, prompt, params) -> None:
+        self.requests[request_id] = 0
+
+    def abort(self, request_id) -> None:
+        self.requests.pop(request_id, None)
+
+    def request_ids(self) -> list[str]:
+        return list(self.requests)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    def step_parts(self):
+        for part in range(2):
+            outs = []
+            for rid in list(self.requests):
+                n = self.requests[rid] = self.requests[rid] + 1
+                done = n == 2 * self.steps
+                outs.append(RequestOutput(rid, [n], f"{n} ", done, "length" if done else None, 1, n))
+                if done:
+                    del self.requests[rid]
+            yield outs
+
+
+def test_outputs_in_order_one_wakeup_per_part():
+    engine = FakeEngine(steps=3)
+    front = AsyncEngine(engine)
+    calls = []
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        original = loop.call_soon_threadsafe
+
+        def counting(cb, *args):
+            calls.append(cb)
+            return original(cb, *args)
+
+        loop.call_soon_threadsafe = counting
+
+        async def one(rid):
+            return [o.new_token_ids[0] async for o in front.generate(rid, [1, 2], SamplingParams(max_tokens=6))]
+
+        tasks = [asyncio.create_task(one(str(i))) for i in range(4)]
+        await asyncio.sleep(0.01)  # all four queued before the engine thread starts: one batch
+        front.start()
+        return await asyncio.gather(*tasks)
+
+    try:
+        results = asyncio.run(main())
+    finally:
+        front.shutdown()
+    assert results == [[1, 2, 3, 4, 5, 6]] * 4
+    assert sys.getswitchinterval() <= SWITCH_INTERVAL_S
+    assert len(calls) == 6  # 24 outputs in 6 parts: one wake-up of the loop per part, not per request
