@@ -121,10 +121,14 @@ def test_shipped_h200_carries_the_measured_kernel_overheads():
     from duetserve.planner.hardware import roofline_only
 
     h200 = load_profile("h200")
-    assert h200.kernel_gpu_s == pytest.approx(4.221e-6) and h200.launch_cpu_s == pytest.approx(38.689e-6)
-    assert h200.kernel_count("decode", 36) == 36 * 12 + 26 == 458  # counted by scripts/profile_decode.py on the H200
+    assert h200.kernel_gpu_s == pytest.approx(4.71e-6) and h200.launch_cpu_s == pytest.approx(43.03e-6)
+    assert h200.kernel_count("decode", 36) == 36 * 12 + 21 == 453  # counted by calibrate's profiled forward
+    assert h200.kernel_count("prefill", 36) == 36 * 10 + 22 == 382
+    # serving host time, fitted to the Azure code replay's iteration logs (duetserve.calibrate.host)
+    assert (h200.host_per_request_s, h200.host_eager_s) == (2.29e-4, 1.613e-2)
+    assert h200.provenance["host_eager_s"] == "measured"
     assert h200.provenance["kernel_gpu_s"] == "measured"
     assert h200.attention_efficiency == 0.4 and h200.provenance["attention_efficiency"] == "measured"
     bare = roofline_only(h200)
-    assert (bare.kernel_gpu_s, bare.launch_cpu_s, bare.kernels_per_layer, bare.attention_efficiency) == \
-        (0.0, 0.0, {}, 1.0)
+    assert (bare.kernel_gpu_s, bare.launch_cpu_s, bare.kernels_per_layer, bare.attention_efficiency,
+            bare.host_per_request_s, bare.host_eager_s) == (0.0, 0.0, {}, 1.0, 0.0, 0.0)

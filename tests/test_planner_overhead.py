@@ -73,6 +73,34 @@ def test_eager_is_the_slower_of_gpu_and_host(gpu):
     assert float(cm.predict_total(PREFILL, 100, graphs=True)) == pytest.approx(r + 2.64e-4)
 
 
+def test_host_time_per_request_and_eager_iteration(gpu):
+    """``R h_r + e h_e`` on top of the per-kernel model: h_r = 0.2 ms, h_e = 16 ms."""
+    base = CostModel(SHAPE, with_overheads(gpu))
+    cm = CostModel(SHAPE, with_overheads(gpu, host_per_request_s=2e-4, host_eager_s=0.016))
+    # decode-only, replayed from graphs: 4 requests x 0.2 ms
+    assert float(cm.predict_total(DECODE, 100)) == pytest.approx(float(base.predict_total(DECODE, 100)) + 8e-4)
+    assert cm.predict(DECODE, 100).overhead == pytest.approx(110 * 2e-6 + 8e-4)
+    # mixed (eager): 5 requests x 0.2 ms + 16 ms
+    mixed = DECODE + [(16, 0)]
+    assert float(cm.predict_total(mixed, 100)) == pytest.approx(float(base.predict_total(mixed, 100)) + 0.017)
+    # decode forced eager pays h_e too; host=False leaves the host out
+    assert float(cm.predict_total(DECODE, 100, graphs=False)) == \
+        pytest.approx(float(base.predict_total(DECODE, 100, graphs=False)) + 0.0168)
+    assert float(cm.predict_total(mixed, 100, host=False)) == pytest.approx(float(base.predict_total(mixed, 100)))
+    # spatial: decode steps carry no host time, the prefill side does (1 request, eager)
+    t_d, t_p = cm.predict_spatial(DECODE, PREFILL, [20, 50], 100)
+    b_d, b_p = base.predict_spatial(DECODE, PREFILL, [20, 50], 100)
+    assert np.allclose(t_d, b_d)
+    assert np.allclose(t_p, b_p + (2e-4 + 0.016) * gpu.prefill_interference)
+    # variants (the trimming fallback): request 2 sits out of variant 0
+    v = cm.predict_variants(DECODE, np.array([[0, 64]]), np.array([0]), 100)
+    vb = base.predict_variants(DECODE, np.array([[0, 64]]), np.array([0]), 100)
+    assert np.allclose(v, vb + [8e-4, 1e-3 + 0.016])
+    # an empty batch costs nothing; roofline_only drops the host terms
+    assert float(cm.predict_total(np.zeros((0, 2), dtype=int), 100)) == 0.0
+    assert roofline_only(cm.profile).host_per_request_s == roofline_only(cm.profile).host_eager_s == 0.0
+
+
 def test_spatial_and_variants_use_the_default_rule(gpu):
     cm, roof = CostModel(SHAPE, with_overheads(gpu)), CostModel(SHAPE, gpu)
     p = cm.profile
@@ -127,6 +155,8 @@ def test_profile_round_trip_with_overheads(tmp_path):
 
 @pytest.mark.parametrize("change, message", [
     ({"kernel_gpu_s": -1e-6}, ">= 0"),
+    ({"host_per_request_s": -1e-4}, "host_per_request_s and host_eager_s must be >= 0"),
+    ({"host_eager_s": -0.01}, "host_eager_s must be >= 0"),
     ({"kernels_per_layer": {"decode": 50}}, "need kernels_per_layer for"),
     ({"kernels_per_forward": {"decode": 1, "prefill": 2, "mixed": 3}}, "kernels_per_forward maps"),
     ({"kernels_per_layer": {"decode": 1.5, "prefill": 2}}, "kernel counts >= 0"),

@@ -1,6 +1,8 @@
 """The duet policy's decisions, the policy factory, and the engine's policy settings."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from duetserve.config import EngineConfig
@@ -106,11 +108,12 @@ def test_engine_policy_from_the_model_config():
     assert policy.config.shape == ModelShape.preset("qwen3-8b")
     assert not policy.plan(DECODE, PREFILL, 100).spatial
     assert isinstance(make_policy(EngineConfig(policy="chunked")), ChunkedPolicy)
-    # --trim-margin reaches the planner: the hand-checked split above (tau 50 ms) gives way
-    # to a temporal batch trimmed to fit 0.85 tau (tests/test_planner_optimizer.py)
-    trimmed = make_policy(EngineConfig(policy="duet", tbt_slo_s=0.05, partition_backend="greenctx",
-                                       trim_margin=0.85), hf).plan(DECODE, PREFILL, 100)
-    assert not trimmed.spatial and trimmed.predicted_s <= 0.85 * 0.05 and 0 < trimmed.prefill_token_limit < 4096
+    # --trim-margin reaches the planner: at tau 100 ms the split gives way to a temporal batch
+    # trimmed to fit 0.85 tau (tests/test_planner_optimizer.py); without it the split stays
+    config = EngineConfig(policy="duet", tbt_slo_s=0.1, partition_backend="greenctx")
+    assert make_policy(config, hf).plan(DECODE, PREFILL, 100).spatial
+    trimmed = make_policy(dataclasses.replace(config, trim_margin=0.85), hf).plan(DECODE, PREFILL, 100)
+    assert not trimmed.spatial and trimmed.predicted_s <= 0.85 * 0.1 and 0 < trimmed.prefill_token_limit < 4096
 
 
 def test_engine_refuses_pdmux_without_partition_backend():

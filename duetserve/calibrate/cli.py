@@ -8,17 +8,25 @@ measured iteration latencies, with the engine's kernel counts (``duetserve.calib
 Its ``"calibration"`` list keeps each measured iteration with its predictions. Prints the
 median and p90 relative error ``|pred - meas| / meas`` for prefill and decode: the roofline
 before the fit, the calibrated profile after it, the held-out shapes before and after a fit
-on the other shapes, and the base profile; ``--plot`` draws predicted against measured. Exit status: 0 on success (failed single measurements are listed), 1 on an
-error (no GPU, bad input: the message names the flag), 2 on bad usage.
+on the other shapes, and the base profile; ``--plot`` draws predicted against measured.
+
+``--iteration-log LOG`` instead fits the serving host time (``host_per_request_s``,
+``host_eager_s``; ``duetserve.calibrate.host``) to the iteration log of a server that planned
+with ``--base``, needs no GPU, and writes ``--base`` with those two terms replaced.
+
+Exit status: 0 on success (failed single measurements are listed), 1 on an error (no GPU, bad
+input: the message names the flag), 2 on bad usage.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import tempfile
 from pathlib import Path
 
+from duetserve.calibrate.host import fit_host_overheads, read_iteration_log
 from duetserve.calibrate.report import (
     format_curves,
     format_errors,
@@ -73,6 +81,9 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--plot", type=_writable_file, metavar="OUT.png", help="draw predicted against measured")
     p.add_argument("--quick", action="store_true",
                    help="8 timed repeats instead of 20, one decode batch on split SM levels")
+    p.add_argument("--iteration-log", metavar="LOG.jsonl",
+                   help="fit only the serving host time to this `serve --iteration-log` file of a server "
+                        "that planned with --base (no GPU needed)")
 
 
 def model_folder(args: argparse.Namespace, scratch: Path) -> tuple[Path, ModelShape]:
@@ -122,9 +133,29 @@ def report(result: Calibration, base: HardwareProfile) -> str:
     return "\n".join(parts)
 
 
+def fit_host(args: argparse.Namespace) -> int:
+    """``--iteration-log``: fit the host terms, write the profile; 0, or 1 on an error."""
+    try:
+        fit = fit_host_overheads(read_iteration_log(args.iteration_log), args.base)
+    except (ValueError, OSError) as exc:
+        print(f"duetserve calibrate: error: --iteration-log {args.iteration_log}: {exc}", file=sys.stderr)
+        return 1
+    fields = {"host_per_request_s": fit.host_per_request_s, "host_eager_s": fit.host_eager_s}
+    profile = dataclasses.replace(args.base, name=args.gpu_name, **fields,
+                                  provenance={**args.base.provenance, **dict.fromkeys(fields, "measured")})
+    args.out.write_text(json.dumps(dataclasses.asdict(profile), indent=1) + "\n")
+    print(f"host time fitted on {fit.rows} temporal iterations of {args.iteration_log}: "
+          f"host_per_request_s {fit.host_per_request_s * 1e3:.3f} ms, host_eager_s {fit.host_eager_s * 1e3:.2f} ms\n"
+          f"median |pred - meas| / meas: {100 * fit.median_error_before:.1f}% as logged, "
+          f"{100 * fit.median_error_after:.1f}% with the fitted terms\nprofile: {args.out}")
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
     """Run ``duetserve calibrate`` with parsed arguments; 0 on success, 1 on an error (printed
     to stderr)."""
+    if args.iteration_log:
+        return fit_host(args)
     try:
         with tempfile.TemporaryDirectory() as scratch:
             folder, shape = model_folder(args, Path(scratch))

@@ -69,6 +69,7 @@ class StepStats:
     num_preempted: int
     decode_steps: int = 1
     stream_s: dict[str, float] = field(default_factory=dict)
+    num_prefills: int = 0
 
 
 @dataclass
@@ -256,7 +257,7 @@ class LLMEngine:
                 self.last_stats = StepStats(out.plan, len(out.decodes), out.num_prefill_tokens,
                                             time.perf_counter() - start, len(out.preempted),
                                             steps or int(bool(out.decodes)),
-                                            dict(self.runner.last_stream_seconds))
+                                            dict(self.runner.last_stream_seconds), len(out.prefills))
             if outputs or part.final:
                 yield outputs
 

@@ -53,6 +53,15 @@ calibrated TP degree; all-reduce kernels added by other degrees are not counted.
 default profile (both constants 0) ``t`` is exactly the roofline. The overheads are the
 ``Breakdown.overhead`` field, and ``predict_spatial``'s interference factors scale them with
 the rest (conservative on both sides).
+
+Host time (beyond the paper, measured on the serving engine): an iteration of ``R`` requests
+also costs ``R h_r + e h_e`` seconds of host work that no GPU work hides (scheduling, inputs,
+the token read, detokenizing and streaming), with ``h_r = host_per_request_s``, ``h_e =
+host_eager_s`` and ``e = 1`` for an eager iteration. On the H200 serving Azure code through
+the HTTP server (docs/benchmarks.md, fourth H200 session) temporal iterations took 1.26-1.30x
+their prediction without it (median error 22.5%) and 5.3% with the fitted terms. The decode
+steps of a spatial plan leave it out: each step's host work runs while the next step is on
+the GPU (measured steps were 0.89x their prediction).
 """
 
 from __future__ import annotations
@@ -230,13 +239,15 @@ class CostModel:
         return Breakdown(*(float(x) for x in parts))
 
     def predict_total(self, reqs: Sequence[Request] | np.ndarray, sms: ArrayLike,
-                      lm_head_tokens: int | None = None, graphs: bool | None = None) -> np.ndarray:
+                      lm_head_tokens: int | None = None, graphs: bool | None = None,
+                      host: bool = True) -> np.ndarray:
         """Predicted iteration seconds of ``reqs`` for each SM count in ``sms`` (int or array).
 
-        Same arguments and errors as ``predict``; returns an array shaped like ``sms``.
+        Same arguments and errors as ``predict``; ``host=False`` leaves out the host time
+        (module docstring). Returns an array shaped like ``sms``.
         """
         s = np.asarray(sms)
-        parts = self._components([_columns(reqs)], s.reshape(-1), lm_head_tokens, graphs)
+        parts = self._components([_columns(reqs)], s.reshape(-1), lm_head_tokens, graphs, host)
         return parts.sum(axis=0).reshape(s.shape)
 
     def predict_variants(self, fixed_reqs: Sequence[Request] | np.ndarray, q: np.ndarray, c: np.ndarray,
@@ -263,22 +274,23 @@ class CostModel:
 
         Decode is scaled by the profile's ``decode_interference`` times ``decode_margin``,
         prefill by ``prefill_interference`` (DESIGN section 5); decode is replayed from graphs
-        when ``cuda_graphs`` (the engine records them per split level). Returns (t_decode,
+        when ``cuda_graphs`` (the engine records them per split level) and its steps carry no
+        host time (module docstring). Returns (t_decode,
         t_prefill), arrays shaped like ``s_decode``. Raises ValueError as ``predict``.
         """
         s_d = np.asarray(s_decode)
-        t_d = self.predict_total(decode_reqs, s_d) * (self.profile.decode_interference * self.decode_margin)
+        t_d = self.predict_total(decode_reqs, s_d, host=False) * (self.profile.decode_interference * self.decode_margin)
         t_p = self.predict_total(prefill_reqs, total_sms - s_d) * self.profile.prefill_interference
         return t_d, t_p
 
     def _components(self, groups: list[tuple[np.ndarray, np.ndarray]], sms: np.ndarray,
-                    lm_head_tokens: int | None, graphs: bool | None) -> np.ndarray:
+                    lm_head_tokens: int | None, graphs: bool | None, host: bool = True) -> np.ndarray:
         """Rows linear, attention, norm_act, communication, lm_head, overhead; one column per variant.
 
         ``groups`` hold the batch's requests as (q, c) with q (R, X) or (R, 1) and c (R, 1);
         ``sms`` is (X,) or (1,). The columns are one batch on X SM counts, or X variants of
         a batch on one SM count (a group with q (R, 1) takes part in every variant).
-        ``graphs`` as in ``predict``.
+        ``graphs`` as in ``predict``, ``host`` as in ``predict_total``.
         """
         if sms.dtype.kind not in "iu" or sms.min() < 1 or sms.max() > self.profile.num_sms:
             raise ValueError(f"SM counts must be integers in 1..{self.profile.num_sms}, got {sms}")
@@ -295,19 +307,23 @@ class CostModel:
         communication = self.shape.layers * self._allreduce_time(n, pi)
         roofline = np.vstack([linear, attention, norm_act, communication, lm_head])
         decode_only = sum(np.count_nonzero(q > 1, axis=0) for q, _ in groups) == 0
-        overhead = self._overhead(roofline.sum(axis=0), decode_only, n > 0, graphs)
+        requests = sum(np.count_nonzero(q, axis=0) for q, _ in groups) if host else 0
+        overhead = self._overhead(roofline.sum(axis=0), decode_only, n > 0, graphs, requests)
         return np.vstack([roofline, overhead])
 
     def _overhead(self, roofline: np.ndarray, decode_only: np.ndarray, nonempty: np.ndarray,
-                  graphs: bool | None) -> np.ndarray:
-        """Seconds the per-kernel model adds to each column's ``roofline`` seconds (module
-        docstring): ``n g`` replayed from graphs, ``max(roofline + n g, n h) - roofline`` eager;
-        an empty column launches nothing."""
+                  graphs: bool | None, requests: np.ndarray | int) -> np.ndarray:
+        """Seconds the per-kernel and host model adds to each column's ``roofline`` seconds
+        (module docstring): ``n g`` replayed from graphs, ``max(roofline + n g, n h) - roofline``
+        eager, plus the host time of ``requests`` requests (0: none); an empty column launches
+        nothing."""
         p = self.profile
         kernels = np.where(decode_only, self._kernels["decode"], self._kernels["prefill"]) * nonempty
         replayed = decode_only & self.cuda_graphs if graphs is None else np.full(decode_only.shape, graphs)
         gpu = roofline + kernels * p.kernel_gpu_s
-        return np.where(replayed, gpu, np.maximum(gpu, kernels * p.launch_cpu_s)) - roofline
+        launch = np.where(replayed, gpu, np.maximum(gpu, kernels * p.launch_cpu_s)) - roofline
+        host = (requests * p.host_per_request_s + ~replayed * p.host_eager_s) * (np.asarray(requests) > 0)
+        return launch + host
 
     def _attention_time(self, q: np.ndarray, c: np.ndarray, pi: np.ndarray, bw: np.ndarray) -> np.ndarray:
         """One layer: the sum over requests (rows) of max(F_r/Pi, B_r/BW), per column.

@@ -24,7 +24,12 @@ layer and per forward outside the layers (embedding, final norm, lm_head, sampli
 copies), for a decode-only iteration (``"decode"``) and for one with prefill tokens
 (``"prefill"``). The counts belong to the engine's implementation of the Llama/Qwen3 layer,
 not to the GPU; they sit in the profile because the constants were fitted with them (a
-profile carries one consistent set). All default to 0: a pure roofline.
+profile carries one consistent set). ``host_per_request_s`` and ``host_eager_s`` are the
+serving engine's host time per temporal iteration that overlaps no GPU work (scheduling,
+building inputs, reading the tokens, detokenizing and streaming them): seconds per request in
+the batch, and seconds more when the iteration runs eagerly (it has prefill tokens); fitted by
+``duetserve calibrate --iteration-log`` from a server's iteration log. All default to 0: a
+pure roofline.
 ``duetserve.planner.cost_model`` says how they enter a prediction.
 
 Between points both curves are interpolated linearly, starting from ``(0, 0)``: below the
@@ -72,6 +77,8 @@ class HardwareProfile:
     ``kernel_gpu_s`` and ``launch_cpu_s`` (seconds per kernel, >= 0) and ``kernels_per_layer``
     and ``kernels_per_forward`` (kernel counts by ``ITERATION_KINDS``) are the optional
     per-kernel overhead model (module docstring); nonzero constants need counts for both kinds.
+    ``host_per_request_s`` and ``host_eager_s`` (seconds, >= 0): the serving host time of a
+    temporal iteration (module docstring).
 
     ``attention_efficiency`` (in (0, 1], default 1): the share of ``Pi(S)`` that the engine's
     prefill attention kernel reaches on attention FLOPs (a GEMM-rate roofline is optimistic for
@@ -111,6 +118,8 @@ class HardwareProfile:
     kernels_per_layer: Mapping[str, int] = field(default_factory=dict)
     kernels_per_forward: Mapping[str, int] = field(default_factory=dict)
     attention_efficiency: float = 1.0
+    host_per_request_s: float = 0.0
+    host_eager_s: float = 0.0
 
     def __post_init__(self) -> None:
         self._check_points("compute_points", self.compute_points, self.peak_flops)
@@ -138,8 +147,9 @@ class HardwareProfile:
             raise ValueError(f"{self.name}: provenance values must be in {PROVENANCE_VALUES}: {bad}")
 
     def _check_overheads(self) -> None:
-        if min(self.kernel_gpu_s, self.launch_cpu_s) < 0:
-            raise ValueError(f"{self.name}: kernel_gpu_s and launch_cpu_s must be >= 0 seconds")
+        if min(self.kernel_gpu_s, self.launch_cpu_s, self.host_per_request_s, self.host_eager_s) < 0:
+            raise ValueError(f"{self.name}: kernel_gpu_s, launch_cpu_s, host_per_request_s and host_eager_s "
+                             f"must be >= 0 seconds")
         for label in ("kernels_per_layer", "kernels_per_forward"):
             counts = getattr(self, label)
             if not set(counts) <= set(ITERATION_KINDS) or any(int(n) != n or n < 0 for n in counts.values()):
@@ -205,7 +215,7 @@ class HardwareProfile:
 
 
 _OPTIONAL_PROVENANCE_FIELDS = ("kernel_gpu_s", "launch_cpu_s", "kernels_per_layer", "kernels_per_forward",
-                               "attention_efficiency")
+                               "attention_efficiency", "host_per_request_s", "host_eager_s")
 _PROVENANCE_FIELDS = tuple(
     f.name
     for f in fields(HardwareProfile)
@@ -270,12 +280,12 @@ def _profile_dir():  # a Traversable (importlib.resources)
     return resources.files("duetserve.planner") / "profiles"
 
 
-OVERHEAD_FIELDS = ("kernel_gpu_s", "launch_cpu_s", "kernels_per_layer", "kernels_per_forward", "attention_efficiency")
+OVERHEAD_FIELDS = _OPTIONAL_PROVENANCE_FIELDS
 
 
 def roofline_only(profile: HardwareProfile) -> HardwareProfile:
-    """``profile`` without the calibrated per-kernel overheads and attention efficiency: the
-    pure roofline of DESIGN section 3."""
+    """``profile`` without the calibrated per-kernel and host overheads and attention
+    efficiency: the pure roofline of DESIGN section 3."""
     provenance = {k: v for k, v in profile.provenance.items() if k not in OVERHEAD_FIELDS}
     return replace(profile, kernel_gpu_s=0.0, launch_cpu_s=0.0, kernels_per_layer={}, kernels_per_forward={},
-                   attention_efficiency=1.0, provenance=provenance)
+                   attention_efficiency=1.0, host_per_request_s=0.0, host_eager_s=0.0, provenance=provenance)

@@ -23,7 +23,8 @@ class ServerMetrics:
         # Optional JSONL, one line per iteration: {"t": unix seconds, "spatial", "s_decode",
         # "s_prefill", "k", "steps", "predicted_s", "measured_s", "predicted_decode_s" (one step),
         # "predicted_prefill_s", "decode_stream_s" / "prefill_stream_s" (each stream's busy time
-        # between CUDA events, spatial plans on the GPU; else null), "num_decodes", "num_prefill_tokens"}
+        # between CUDA events, spatial plans on the GPU; else null), "num_decodes", "num_prefills"
+        # (prefill chunks), "num_prefill_tokens"}
         # (`duetserve bench --iteration-log` marks spatial iterations with it).
         self._iteration_log = open(iteration_log, "a", buffering=1) if iteration_log else None  # noqa: SIM115
         self.registry = CollectorRegistry()
@@ -95,7 +96,8 @@ class ServerMetrics:
                     "measured_s": stats.duration_s, "predicted_decode_s": plan.predicted_decode_s,
                     "predicted_prefill_s": plan.predicted_prefill_s,
                     "decode_stream_s": stats.stream_s.get("decode"), "prefill_stream_s": stats.stream_s.get("prefill"),
-                    "num_decodes": stats.num_decodes, "num_prefill_tokens": stats.num_prefill_tokens}) + "\n")
+                    "num_decodes": stats.num_decodes, "num_prefills": stats.num_prefills,
+                    "num_prefill_tokens": stats.num_prefill_tokens}) + "\n")
         for out in outputs:
             rid = out.request_id
             if out.new_token_ids:

@@ -1,0 +1,89 @@
+"""Serving host-time fit (duetserve.calibrate.host) and `duetserve calibrate --iteration-log`."""
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import numpy as np
+import pytest
+
+from duetserve.calibrate.host import fit_host_overheads, read_iteration_log, temporal_rows
+from duetserve.cli import main
+from duetserve.planner.hardware import load_profile
+
+H200 = load_profile("h200")
+
+
+def log_records(h_r: float, h_e: float, h_r0: float = 0.0, h_e0: float = 0.0, noise: float = 0.0):
+    """Iterations whose measured time is a GPU time plus ``R h_r + e h_e``, logged with
+    predictions made with ``h_r0``, ``h_e0``; plus rows the fit must skip."""
+    rng = np.random.default_rng(0)
+    recs = []
+    for i in range(200):
+        decodes, prefills = int(rng.integers(1, 64)), int(i % 3 == 0)
+        gpu = 0.01 + 0.001 * decodes + 0.03 * prefills
+        requests = decodes + prefills
+        recs.append({"spatial": False, "k": 1, "num_decodes": decodes, "num_prefills": prefills,
+                     "num_prefill_tokens": 2048 * prefills,
+                     "predicted_s": gpu + requests * h_r0 + prefills * h_e0,
+                     "measured_s": gpu + requests * h_r + prefills * h_e + noise * rng.normal()})
+    recs += [{"spatial": True, "k": 8, "num_decodes": 9, "num_prefill_tokens": 8000, "predicted_s": 0.2,
+              "measured_s": 9.0},  # spatial: left out
+             {"spatial": False, "k": 4, "num_decodes": 9, "num_prefill_tokens": 0, "predicted_s": 0.04,
+              "measured_s": 9.0},  # multi-step decode: left out
+             {"spatial": False, "k": 1, "num_decodes": 9, "num_prefill_tokens": 0, "predicted_s": None,
+              "measured_s": 0.01}]  # no prediction (chunked): left out
+    return recs
+
+
+def test_fit_recovers_the_host_terms():
+    fit = fit_host_overheads(log_records(3e-4, 0.012), dataclasses.replace(H200, host_per_request_s=0.0,
+                                                                            host_eager_s=0.0))
+    assert fit.rows == 200
+    assert fit.host_per_request_s == pytest.approx(3e-4) and fit.host_eager_s == pytest.approx(0.012)
+    assert fit.median_error_before > 0.1 and fit.median_error_after == pytest.approx(0.0, abs=1e-9)
+
+
+def test_fit_adds_to_the_terms_the_log_was_predicted_with():
+    base = dataclasses.replace(H200, host_per_request_s=1e-4, host_eager_s=0.004)
+    fit = fit_host_overheads(log_records(3e-4, 0.012, 1e-4, 0.004, noise=2e-4), base)
+    assert fit.host_per_request_s == pytest.approx(3e-4, rel=0.05) and fit.host_eager_s == pytest.approx(0.012, rel=0.05)
+
+
+def test_a_negative_term_is_clamped_and_the_other_refitted():
+    # eager iterations ran 5 ms under their GPU estimate: the eager term would go negative
+    fit = fit_host_overheads(log_records(3e-4, -0.005), dataclasses.replace(H200, host_per_request_s=0.0,
+                                                                            host_eager_s=0.0))
+    assert fit.host_eager_s == 0.0 and 0.0 < fit.host_per_request_s < 3e-4  # refitted alone, pulled down
+
+
+def test_rows_of_an_older_log_count_one_prefill_chunk():
+    requests, eager, _, _ = temporal_rows([{"num_decodes": 5, "num_prefill_tokens": 300, "predicted_s": 0.1,
+                                            "measured_s": 0.12}, {"num_decodes": 5, "num_prefill_tokens": 0,
+                                                                  "predicted_s": 0.1, "measured_s": 0.12}])
+    assert requests.tolist() == [6, 5] and eager.tolist() == [1.0, 0.0]
+
+
+def test_logs_that_cannot_be_fitted_raise():
+    decode_only = [r for r in log_records(3e-4, 0.01) if r["num_prefill_tokens"] == 0]
+    with pytest.raises(ValueError, match="need both decode-only and eager"):
+        fit_host_overheads(decode_only, H200)
+    with pytest.raises(ValueError, match="0 temporal iterations"):
+        fit_host_overheads([], H200)
+
+
+def test_calibrate_iteration_log_writes_the_profile(tmp_path, capsys):
+    log = tmp_path / "it.jsonl"
+    log.write_text("\n".join(json.dumps(r) for r in log_records(3e-4, 0.012, H200.host_per_request_s,
+                                                                 H200.host_eager_s)) + "\n\n")
+    out = tmp_path / "p.json"
+    assert main(["calibrate", "--gpu-name", "lab", "--out", str(out), "--iteration-log", str(log)]) == 0
+    assert "host_per_request_s 0.300 ms, host_eager_s 12.00 ms" in capsys.readouterr().out
+    p = load_profile(out)
+    assert p.name == "lab" and p.host_per_request_s == pytest.approx(3e-4) and p.host_eager_s == pytest.approx(0.012)
+    assert p.compute_points == H200.compute_points and p.provenance["host_eager_s"] == "measured"
+    log.write_text('{"spatial": false}\nnot json\n')
+    assert main(["calibrate", "--gpu-name", "lab", "--out", str(out), "--iteration-log", str(log)]) == 1
+    assert "line 2 is not JSON" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="line 2"):
+        read_iteration_log(log)
