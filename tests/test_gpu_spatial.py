@@ -21,9 +21,13 @@ class ForcedSpatial:
 
     def __init__(self, s_decode: int, num_sms: int, k: int):
         self.spatial = Plan(spatial=True, s_prefill=num_sms - s_decode, s_decode=s_decode, k=k)
+        self.observed: list[float] = []  # measured seconds per decode step, one per spatial iteration
 
     def plan(self, decode_reqs, prefill_reqs, max_k):
         return self.spatial if decode_reqs else Plan()
+
+    def observe(self, plan, decode_step_s):
+        self.observed.append(decode_step_s)
 
 
 @pytest.mark.parametrize("backend_name", ["greenctx", "tpcmask"])
@@ -46,6 +50,9 @@ def test_spatial_tokens_equal_temporal(tiny_qwen3_folder, backend_name):
     assert set(engine.runner.last_stream_seconds) == {"decode", "prefill"}
     stats = engine.last_stats  # the iteration log's per-stream busy times
     assert stats.stream_s == engine.runner.last_stream_seconds and min(stats.stream_s.values()) > 0
+    policy = engine.scheduler.policy  # fed each spatial iteration's measured decode step
+    assert policy.observed and min(policy.observed) > 0
+    assert policy.observed[-1] == pytest.approx(stats.stream_s["decode"] / stats.decode_steps)
 
 
 @pytest.mark.parametrize("enforce_eager", [True, False])

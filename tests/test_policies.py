@@ -8,6 +8,7 @@ import pytest
 from duetserve.config import EngineConfig
 from duetserve.engine.kv_cache import BlockManager
 from duetserve.engine.policy import (
+    Plan,
     ChunkedPolicy,
     PrefillFirstPolicy,
     make_policy,
@@ -149,3 +150,29 @@ def test_serve_names_policy_for_pdmux_without_backend(capsys):
         main(["serve", "--policy", "pdmux", "--partition-backend", "none", "--device", "cpu"])
     assert exc.value.code == 2
     assert "--policy pdmux needs an SM partition backend" in capsys.readouterr().err
+
+
+def test_duet_learns_a_decode_correction_from_measured_steps():
+    """``observe``: the correction moves by ratio ** 0.3 per observation, within [1, 2], and
+    scales the decode side of later spatial predictions (the shared config is untouched)."""
+    config = planner(0.05)
+    policy = DuetPolicy(config)
+    plan = policy.plan(DECODE, PREFILL, max_k=100)
+    assert plan.spatial and policy.decode_correction == 1.0
+    before = policy.cost_model.predict_spatial(DECODE, PREFILL, [16, 32], 132)
+    policy.observe(plan, 1.5 * plan.predicted_decode_s)  # steps ran 1.5x their prediction
+    assert policy.decode_correction == pytest.approx(1.5 ** 0.3)  # 1.129
+    after = policy.cost_model.predict_spatial(DECODE, PREFILL, [16, 32], 132)
+    assert after[0] == pytest.approx(before[0] * 1.5 ** 0.3) and (after[1] == before[1]).all()
+    assert config.cost_model.decode_margin == 1.0  # the policy scales its own copy
+    replanned = policy.plan(DECODE, PREFILL, max_k=100)  # the new prediction includes the correction
+    assert replanned.predicted_decode_s == pytest.approx(
+        float(policy.cost_model.predict_spatial(DECODE, PREFILL, replanned.s_decode, 132)[0]))
+    policy.observe(replanned, 0.2 * replanned.predicted_decode_s)  # far faster: floor at 1
+    assert policy.decode_correction == 1.0
+    for _ in range(20):
+        policy.observe(plan, 100 * plan.predicted_decode_s)
+    assert policy.decode_correction == 2.0 and policy.cost_model.decode_margin == 2.0
+    policy.observe(Plan(), 1.0)  # a temporal plan, or no decode prediction: ignored
+    policy.observe(dataclasses.replace(plan, predicted_decode_s=None), 0.001)
+    assert policy.decode_correction == 2.0

@@ -132,6 +132,9 @@ class _Spatial:
         self.max_k_seen.append(max_k)
         return Plan(spatial=True, s_prefill=100, s_decode=32, k=self.k) if decodes else Plan()
 
+    def observe(self, plan, decode_step_s):
+        raise AssertionError("no CUDA events on the CPU: nothing to observe")
+
 
 def test_lookahead_reserves_slots_and_drops_tokens_after_finish():
     policy = _Spatial(k=5)

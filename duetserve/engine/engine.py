@@ -254,10 +254,13 @@ class LLMEngine:
                 if new_ids or seq.is_finished:
                     outputs.append(self._emit(req, new_ids))
             if part.final:
+                stream_s = self.runner.last_stream_seconds
+                if out.plan.spatial and steps and stream_s.get("decode"):  # the policy learns from it
+                    self.scheduler.policy.observe(out.plan, stream_s["decode"] / steps)
                 self.last_stats = StepStats(out.plan, len(out.decodes), out.num_prefill_tokens,
                                             time.perf_counter() - start, len(out.preempted),
                                             steps or int(bool(out.decodes)),
-                                            dict(self.runner.last_stream_seconds), len(out.prefills))
+                                            dict(stream_s), len(out.prefills))
             if outputs or part.final:
                 yield outputs
 

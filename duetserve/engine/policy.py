@@ -44,6 +44,10 @@ class Policy(Protocol):
         """
         ...
 
+    def observe(self, plan: Plan, decode_step_s: float) -> None:
+        """Measured seconds per decode step of a spatial ``plan`` that ran (GPU only)."""
+        ...
+
 
 @dataclass
 class ChunkedPolicy:
@@ -55,6 +59,9 @@ class ChunkedPolicy:
 
     def plan(self, decode_reqs: list[tuple[int, int]], prefill_reqs: list[tuple[int, int]], max_k: int) -> Plan:
         return TEMPORAL
+
+    def observe(self, plan: Plan, decode_step_s: float) -> None:
+        """No feedback: nothing is predicted."""
 
 
 @dataclass

@@ -23,6 +23,7 @@ the decode batch.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 from dataclasses import dataclass, field
@@ -100,6 +101,8 @@ class PlannerConfig:
 
 
 LOOKAHEAD_SLACK = 2  # KV slots reserved for up to this many times the optimizer's k
+DECODE_FEEDBACK_WEIGHT = 0.3  # DuetPolicy.observe: exponent of one observation's ratio
+MAX_DECODE_CORRECTION = 2.0  # DuetPolicy.observe: most the decode side is scaled by feedback
 
 
 class DuetPolicy:
@@ -115,6 +118,9 @@ class DuetPolicy:
     def __init__(self, config: PlannerConfig) -> None:
         self.config = config
         self.carry_s = 0.0  # predicted idle tail of the last plan's decode stream, seconds
+        self.cost_model = copy.copy(config.cost_model)  # its decode margin follows the feedback
+        self.decode_correction = 1.0  # measured / predicted decode step of spatial plans (observe)
+        self._base_margin = self.cost_model.decode_margin
 
     def plan(self, decode_reqs: list[Request], prefill_reqs: list[Request], max_k: int) -> Plan:
         """The optimizer's plan for the batch: ``(q, c)`` per decode and prefill request, at most
@@ -126,7 +132,7 @@ class DuetPolicy:
         the executor starts no decode step after the prefill has finished, so ``k`` is only the
         most steps reserved; the slack keeps decode busy when the prefill runs long."""
         c = self.config
-        plan = plan_iteration(c.cost_model, decode_reqs, prefill_reqs, c.tau_s, c.profile.num_sms,
+        plan = plan_iteration(self.cost_model, decode_reqs, prefill_reqs, c.tau_s, c.profile.num_sms,
                               c.granularity, c.min_sms, max_k, self.carry_s, c.trim_margin)
         if plan.spatial and prefill_reqs:  # room for a prefill slower than predicted (executor stops at its end)
             k = min(max_k, LOOKAHEAD_SLACK * plan.k)
@@ -135,6 +141,24 @@ class DuetPolicy:
             plan = dataclasses.replace(plan, k=k, predicted_s=max(steps * t_d, t_p))
         self.carry_s = max(0.0, plan.predicted_prefill_s - plan.k * plan.predicted_decode_s) if plan.spatial else 0.0
         return plan
+
+    def observe(self, plan: Plan, decode_step_s: float) -> None:
+        """Feedback from a spatial ``plan`` that ran: ``decode_step_s`` measured seconds per
+        decode step (the decode stream's busy time over the steps run).
+
+        The decode side of later spatial predictions is scaled by ``decode_correction``, which
+        moves geometrically toward measured / predicted (weight ``DECODE_FEEDBACK_WEIGHT`` per
+        observation) and stays within [1, ``MAX_DECODE_CORRECTION``]: it only ever adds margin.
+        Beyond the paper: on the H200 serving Mooncake, decode steps beside a prefill ran
+        0.97x their prediction on 8 SMs but 1.2-1.6x on 16-32 SMs with 14-37 long-context
+        decodes (docs/benchmarks.md, fourth H200 session), and each such step broke the SLO.
+        Plans without a decode prediction or a step are ignored."""
+        if not plan.spatial or not plan.predicted_decode_s or decode_step_s <= 0:
+            return
+        ratio = decode_step_s / plan.predicted_decode_s
+        self.decode_correction = min(MAX_DECODE_CORRECTION,
+                                     max(1.0, self.decode_correction * ratio ** DECODE_FEEDBACK_WEIGHT))
+        self.cost_model.decode_margin = self._base_margin * self.decode_correction
 
 
 class PdmuxPolicy:
@@ -164,6 +188,9 @@ class PdmuxPolicy:
                              "the partition backend is 'none'")
         self.config = config
         self.groups = stream_groups(config.profile.num_sms, config.profile.compute_capability_major, config.pdmux)
+
+    def observe(self, plan: Plan, decode_step_s: float) -> None:
+        """No feedback: SGLang's levels are fixed."""
 
     def decode_levels(self) -> list[int]:
         """Decode SM counts of the split groups (the engine records decode graphs for these)."""
