@@ -16,6 +16,11 @@ def test_upload_packs_segments_at_64_byte_offsets():
     assert y.storage_offset() == 32 and y.tolist() == [1] and x.dtype == torch.int32
     t, p = upload([[0.5], [0.25, 1.0]], torch.float32, cpu)
     assert p.storage_offset() == 16 and p.tolist() == [0.25, 1.0] and t.dtype == torch.float32
+    # numpy segments (block tables, slot mappings) go in by slice assignment, mixed with lists
+    import numpy as np
+    u, v, w = upload([np.arange(5, dtype=np.int32), [9, 8], np.array([], dtype=np.int64)], torch.int32, cpu)
+    assert (u.tolist(), v.tolist(), w.tolist()) == ([0, 1, 2, 3, 4], [9, 8], [])
+    assert (v.storage_offset(), w.storage_offset()) == (16, 32)
 
 
 class FakeStream:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -62,6 +63,22 @@ def test_block_slots_and_counts():
     assert bm.num_free_blocks == 10 and seq.block_table == []
     with pytest.raises(RuntimeError):
         bm.allocate(seq, 41)
+
+
+def test_block_array_mirrors_the_block_table():
+    """``Sequence.block_ids`` (int32, what the runner uploads) equals ``block_table`` through
+    growth (doubling), free and re-allocation with other blocks (preemption and recompute)."""
+    bm = BlockManager(num_blocks=12, block_size=4)
+    seq, other = make_seq(0, 9, 4), make_seq(1, 4, 4)
+    for tokens in (1, 5, 9, 13, 17):
+        bm.allocate(seq, tokens)
+        assert seq.block_ids.tolist() == seq.block_table and seq.block_ids.dtype == np.int32
+    assert seq.block_table == [0, 1, 2, 3, 4] and len(seq.block_array) == 8  # capacity 1, 2, 4, 8
+    bm.allocate(other, 8)  # blocks 5, 6
+    bm.free(seq)
+    assert seq.block_ids.tolist() == [] and other.block_ids.tolist() == [5, 6]
+    bm.allocate(seq, 12)  # recompute after preemption: the freed blocks come back in pool order
+    assert seq.block_table == [7, 8, 9] and seq.block_ids.tolist() == [7, 8, 9]
 
 
 def test_chunked_prefill_respects_budget_and_decode_first():

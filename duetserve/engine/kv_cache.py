@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from collections import deque
 
+import numpy as np
+
 from duetserve.engine.sequence import Sequence
 
 
@@ -11,7 +13,9 @@ class BlockManager:
 
     A sequence holding ``n`` tokens of KV owns ``ceil(n / block_size)`` blocks, in
     ``seq.block_table`` order; token ``i`` lives in slot
-    ``block_table[i // block_size] * block_size + i % block_size``.
+    ``block_table[i // block_size] * block_size + i % block_size``. ``seq.block_array``
+    mirrors ``block_table`` as int32 (``allocate`` writes both; after ``free`` its valid part
+    is empty).
     """
 
     def __init__(self, num_blocks: int, block_size: int):
@@ -48,7 +52,15 @@ class BlockManager:
         need = self.blocks_needed(seq, num_tokens)
         if need > len(self._free):
             raise RuntimeError(f"out of KV blocks: need {need}, free {len(self._free)}")
+        old = len(seq.block_table)
         seq.block_table.extend(self._free.popleft() for _ in range(need))
+        if need:  # the int32 mirror (Sequence.block_array), grown by doubling
+            n = old + need
+            if len(seq.block_array) < n:
+                grown = np.zeros(max(n, 2 * len(seq.block_array)), dtype=np.int32)
+                grown[:old] = seq.block_array[:old]
+                seq.block_array = grown
+            seq.block_array[old:n] = seq.block_table[old:n]
 
     def free(self, seq: Sequence) -> None:
         """Return all of ``seq``'s blocks to the pool."""

@@ -17,6 +17,7 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from duetserve.engine.cuda_graphs import DecodeGraphs
@@ -147,7 +148,7 @@ class _SpatialRun:
     launched: int = 0
     inflight: deque = field(default_factory=deque)  # _HostCopy of each launched step not yet read
     decode_ids: list[int] = field(default_factory=list)
-    tables: list[list[int]] = field(default_factory=list)  # the decodes' block tables as scheduled
+    tables: list[np.ndarray] = field(default_factory=list)  # the decodes' block tables as scheduled
     sampling: SamplingBatch | None = None  # the decodes' sampling parameters, uploaded with step 0
     prefill_ids: list[int] = field(default_factory=list)
     prefill_copy: _HostCopy | None = None
@@ -256,7 +257,7 @@ class ModelRunner:
         main = torch.cuda.current_stream() if self.device.type == "cuda" else None
         run = _SpatialRun(out, decode_stream, prefill_stream, main, _StreamTimers(main is not None),
                           self.split_graphs.get(out.plan.s_decode) if decode_stream is not None else self.graphs,
-                          tables=[list(s.seq.block_table) for s in out.decodes])
+                          tables=[s.seq.block_ids.copy() for s in out.decodes])
         for stream in (decode_stream, prefill_stream):
             if stream is not None:
                 stream.wait_stream(main)
@@ -348,16 +349,18 @@ class ModelRunner:
         return pair.decode, pair.prefill
 
     def _prepare(self, batch: list[ScheduledSeq], num_decodes: int, ahead: list[int | None],
-                 block_tables: list[list[int]] | None = None, sampling: SamplingBatch | None = None
+                 block_tables: list[np.ndarray] | None = None, sampling: SamplingBatch | None = None
                  ) -> StepInputs | None:
         """Inputs for ``batch``; ``ahead[i] = j`` makes decode ``i`` run its look-ahead step ``j``
         (position ``c + j``; its input token is filled in from step ``j - 1`` on the device).
-        ``block_tables``: the sequences' tables as scheduled (a look-ahead step is built after
-        earlier steps' tokens were applied, when a finished sequence has given its blocks back);
-        ``sampling``: the batch's sampling parameters if already uploaded."""
+        ``block_tables``: the sequences' tables (int32 arrays) as scheduled (a look-ahead step
+        is built after earlier steps' tokens were applied, when a finished sequence has given
+        its blocks back); ``sampling``: the batch's sampling parameters if already uploaded.
+        Block tables and slot mappings are built with numpy: a long sequence has thousands of
+        blocks, and walking them in Python cost milliseconds of host time per step."""
         if not batch:
             return None
-        block_tables = block_tables or [s.seq.block_table for s in batch]
+        block_tables = block_tables if block_tables is not None else [s.seq.block_ids for s in batch]
         bs = self.block_size
         ids, positions, slots, qlens, ctxs, sample_rows, sample_seqs = [], [], [], [], [], [], []
         for s, j, table in zip(batch, ahead, block_tables):
@@ -365,23 +368,24 @@ class ModelRunner:
             c = s.num_cached_tokens + (min(j, s.max_steps - 1) if j is not None else 0)
             q = s.num_new_tokens
             ids.extend(s.seq.token_ids[c:c + q] if j is None else s.seq.token_ids[-1:])
-            positions.extend(range(c, c + q))
-            slots.extend(self.scratch_slot if parked else table[p // bs] * bs + p % bs for p in range(c, c + q))
+            pos = np.arange(c, c + q)
+            positions.append(pos)
+            slots.append(np.full(q, self.scratch_slot) if parked else table[pos // bs].astype(np.int64) * bs + pos % bs)
             qlens.append(q)
             ctxs.append(c + q)
             if j is not None or s.samples:
                 sample_rows.append(len(ids) - 1)
                 sample_seqs.append(s.seq)
-        max_blocks = max(len(t) for t in block_tables)
-        tables = [t + [0] * (max_blocks - len(t)) for t in block_tables]
-        starts = [0]
-        for q in qlens:
-            starts.append(starts[-1] + q)
+        tables = np.zeros((len(batch), max(len(t) for t in block_tables)), dtype=np.int32)
+        for row, t in zip(tables, block_tables):
+            row[:len(t)] = t
+        starts = np.concatenate(([0], np.cumsum(qlens)))
         rows = None if len(sample_rows) == len(ids) else sample_rows
-        ids_t, pos_t, slots_t, rows_t = upload([ids, positions, slots, rows or []], torch.int64, self.device)
-        starts_t, ctxs_t, tables_t = upload([starts, ctxs, [b for t in tables for b in t]], torch.int32, self.device)
+        ids_t, pos_t, slots_t, rows_t = upload([ids, np.concatenate(positions), np.concatenate(slots), rows or []],
+                                               torch.int64, self.device)
+        starts_t, ctxs_t, tables_t = upload([starts, ctxs, tables.reshape(-1)], torch.int32, self.device)
         meta = AttentionMetadata(slot_mapping=slots_t, query_start_loc=starts_t, context_lens=ctxs_t,
-                                 block_tables=tables_t.view(len(batch), max_blocks), num_decodes=num_decodes,
+                                 block_tables=tables_t.view(tables.shape), num_decodes=num_decodes,
                                  query_lens_cpu=qlens, context_lens_cpu=ctxs)
         if sampling is None:
             sampling = self.sampler.prepare([s.seq_id for s in sample_seqs], [s.params for s in sample_seqs],

@@ -4,6 +4,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from duetserve.sampling import SamplingParams
 
 
@@ -29,6 +31,9 @@ class Sequence:
         arrival_time: seconds (engine clock) when the request arrived.
         eos_token_ids: token ids that end generation unless ``params.ignore_eos``.
         block_table: KV-cache block ids, in order.
+        block_array: ``block_table`` as int32, valid up to ``len(block_table)`` (the
+            ``BlockManager`` keeps both), so building a step's block tables copies arrays
+            instead of walking Python lists (thousands of ids per long sequence).
     """
 
     seq_id: int
@@ -39,9 +44,15 @@ class Sequence:
     eos_token_ids: frozenset[int] = frozenset()
     num_computed_tokens: int = 0
     block_table: list[int] = field(default_factory=list)
+    block_array: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int32), repr=False)
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: str | None = None
     num_preemptions: int = 0
+
+    @property
+    def block_ids(self) -> np.ndarray:
+        """The valid part of ``block_array``: ``block_table`` as an int32 array (a view)."""
+        return self.block_array[:len(self.block_table)]
 
     @property
     def num_tokens(self) -> int:

@@ -1,29 +1,36 @@
 """Host-to-device uploads of small per-step inputs without a host sync."""
 from __future__ import annotations
 
+from collections.abc import Sequence
+
+import numpy as np
 import torch
 
 
-def upload(segments: list[list[int | float]], dtype: torch.dtype, device: torch.device) -> list[torch.Tensor]:
-    """``segments`` as 1-D tensors of ``dtype`` on ``device`` through one copy.
+def upload(segments: list[Sequence[int | float] | np.ndarray], dtype: torch.dtype,
+           device: torch.device) -> list[torch.Tensor]:
+    """``segments`` (lists or 1-D numpy arrays) as 1-D tensors of ``dtype`` on ``device``
+    through one copy.
 
-    On CUDA the copy goes from pinned memory with ``non_blocking=True``: it is queued on the
-    current stream and the host does not wait (a pageable source would make PyTorch
-    synchronise the stream). Each segment starts 64-byte aligned, so Triton, which specialises
-    kernels on pointer alignment, never compiles a variant for an offset.
+    The segments are written into one host buffer (numpy slice assignment, no per-element
+    Python loop for arrays). On CUDA that buffer is pinned and copied with
+    ``non_blocking=True``: the copy is queued on the current stream and the host does not wait
+    (a pageable source would make PyTorch synchronise the stream). Each segment starts
+    64-byte aligned, so Triton, which specialises kernels on pointer alignment, never compiles
+    a variant for an offset. ``dtype`` must have a numpy equivalent (integers, float32).
 
     Returns:
         one tensor per segment, views of one buffer (empty segments give empty views).
     """
     align = 64 // torch.empty((), dtype=dtype).element_size()  # elements in 64 bytes
-    flat: list[int | float] = []
-    bounds = []
+    bounds, total = [], 0
     for seg in segments:
-        bounds.append((len(flat), len(flat) + len(seg)))
-        flat.extend(seg)
-        flat.extend([0] * (-len(flat) % align))
-    if device.type == "cuda":
-        packed = torch.tensor(flat, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
-    else:
-        packed = torch.tensor(flat, dtype=dtype)
+        bounds.append((total, total + len(seg)))
+        total += len(seg) + (-len(seg) % align)
+    host = torch.empty(total, dtype=dtype, pin_memory=device.type == "cuda")
+    view = host.numpy()
+    for (a, b), seg in zip(bounds, segments):
+        if b > a:
+            view[a:b] = seg
+    packed = host.to(device, non_blocking=True) if device.type == "cuda" else host
     return [packed[a:b] for a, b in bounds]
