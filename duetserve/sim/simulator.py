@@ -15,10 +15,12 @@ Iteration time, by plan:
   the iteration lasts ``max(n t_d, t_p)``; decode token ``i`` comes at ``i t_d``, the
   prefill's first tokens at the end;
 * layer-split prefill (pdmux): the prefill batch's time on its SMs is spread evenly over the
-  model's layers. Each round submits ``plan.prefill_layers`` more layers to the prefill
-  stream, which runs them back to back; the round itself lasts one decode step ``t_d(S_d)``
-  (SGLang syncs only the decode stream), or, with no decode, until the submitted layers are
-  done. The prefill completes at the end of the first round after its last layer finished.
+  model's layers. A round submits ``plan.prefill_layers`` more layers to the prefill stream
+  only if the layers submitted before have finished when it starts (the engine's rule: no
+  backlog on the prefill stream), else none; the round itself lasts one decode step
+  ``t_d(S_d)`` (SGLang syncs only the decode stream), or, with no decode, until the submitted
+  layers are done. The prefill completes at the end of the first round after its last layer
+  finished.
 
 A request's TTFT runs from its arrival to its first token, its TBT gaps between consecutive
 tokens (a preempted request's gap includes its recompute). KV capacity is the profile's HBM
@@ -248,9 +250,10 @@ class _Run:
                 t_p = float(self.cm.predict_total(prefill, self.total_sms))
             self.split = _LayerSplit(out.prefills, t_p / layers, layers, self.now)
         split = self.split
-        submitted = min(plan.prefill_layers, split.layers_left)
-        split.layers_left -= submitted
-        split.busy_until_s = max(split.busy_until_s, self.now) + submitted * split.layer_s
+        if split.busy_until_s <= self.now:  # the last round's layers are done: submit more
+            submitted = min(plan.prefill_layers, split.layers_left)
+            split.layers_left -= submitted
+            split.busy_until_s = self.now + submitted * split.layer_s
         end = self.now + t_d if decode else split.busy_until_s
         if split.layers_left or split.busy_until_s > end:
             return end - self.now, [end], None
