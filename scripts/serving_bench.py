@@ -559,11 +559,11 @@ class Bench:
     def plots(self) -> None:
         from duetserve.bench.plot import plot_results, read_iteration_log
 
-        spatial: list[float] = []
-        for path in self.iter_logs.values():
+        spatial: dict[str, list[float]] = {}  # per configuration: lanes run servers at the same time
+        for label, path in self.iter_logs.items():
             if path.is_file():
                 try:
-                    spatial += read_iteration_log(path)
+                    spatial[label] = read_iteration_log(path)
                 except ValueError:
                     pass
         for tr in self.args.trace:
@@ -577,7 +577,8 @@ class Bench:
             runs = list(top.values())
             try:
                 plot_results([r["result"] for r in runs], [f"{r['policy']} qps {r['qps']:g}" for r in runs],
-                             self.out / f"serving_{tr.name}.png", spatial)
+                             self.out / f"serving_{tr.name}.png",
+                             spatial_by_result=[spatial.get(r["policy"], []) for r in runs])
             except Exception as exc:  # noqa: BLE001 - a plot must not lose the numbers
                 self.log(f"plot {tr.name} failed: {type(exc).__name__}: {exc}")
 
