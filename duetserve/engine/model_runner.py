@@ -369,21 +369,19 @@ class ModelRunner:
         ``block_tables``: the sequences' tables (int32 arrays) as scheduled (a look-ahead step
         is built after earlier steps' tokens were applied, when a finished sequence has given
         its blocks back); ``sampling``: the batch's sampling parameters if already uploaded.
-        Block tables and slot mappings are built with numpy: a long sequence has thousands of
-        blocks, and walking them in Python cost milliseconds of host time per step."""
+        Block tables, positions and slot mappings are built with numpy, a fixed number of array
+        operations per batch: a long sequence has thousands of blocks, and walking them in
+        Python cost milliseconds of host time per step."""
         if not batch:
             return None
         block_tables = block_tables if block_tables is not None else [s.seq.block_ids for s in batch]
-        bs = self.block_size
-        ids, positions, slots, qlens, ctxs, sample_rows, sample_seqs = [], [], [], [], [], [], []
-        for s, j, table in zip(batch, ahead, block_tables):
-            parked = j is not None and j >= s.max_steps  # no token left to make: recompute the last step
+        ids, cached, parked, qlens, ctxs, sample_rows, sample_seqs = [], [], [], [], [], [], []
+        for s, j in zip(batch, ahead):
+            parked.append(j is not None and j >= s.max_steps)  # no token left to make: recompute the last step
             c = s.num_cached_tokens + (min(j, s.max_steps - 1) if j is not None else 0)
             q = s.num_new_tokens
             ids.extend(s.seq.token_ids[c:c + q] if j is None else s.seq.token_ids[-1:])
-            pos = np.arange(c, c + q)
-            positions.append(pos)
-            slots.append(np.full(q, self.scratch_slot) if parked else table[pos // bs].astype(np.int64) * bs + pos % bs)
+            cached.append(c)
             qlens.append(q)
             ctxs.append(c + q)
             if j is not None or s.samples:
@@ -393,9 +391,13 @@ class ModelRunner:
         for row, t in zip(tables, block_tables):
             row[:len(t)] = t
         starts = np.concatenate(([0], np.cumsum(qlens)))
+        owner = np.repeat(np.arange(len(batch)), qlens)  # the sequence of each query token
+        positions = np.arange(starts[-1]) - starts[owner] + np.asarray(cached)[owner]
+        slots = tables[owner, positions // self.block_size].astype(np.int64) * self.block_size \
+            + positions % self.block_size
+        slots[np.asarray(parked)[owner]] = self.scratch_slot
         rows = None if len(sample_rows) == len(ids) else sample_rows
-        ids_t, pos_t, slots_t, rows_t = upload([ids, np.concatenate(positions), np.concatenate(slots), rows or []],
-                                               torch.int64, self.device)
+        ids_t, pos_t, slots_t, rows_t = upload([ids, positions, slots, rows or []], torch.int64, self.device)
         starts_t, ctxs_t, tables_t = upload([starts, ctxs, tables.reshape(-1)], torch.int32, self.device)
         meta = AttentionMetadata(slot_mapping=slots_t, query_start_loc=starts_t, context_lens=ctxs_t,
                                  block_tables=tables_t.view(tables.shape), num_decodes=num_decodes,
