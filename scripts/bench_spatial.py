@@ -8,6 +8,7 @@ ratio (target <= 1.5), the prefill time, and the cost model's predictions beside
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import tempfile
@@ -53,7 +54,9 @@ def main() -> int:
     if backend.granularity == 0:
         print("no partition backend:", backend.reason)
         return 1
-    model = CostModel(ModelShape.preset("qwen3-8b"), load_profile("h200"))
+    # GPU time only: the streams' CUDA events see no serving host time
+    model = CostModel(ModelShape.preset("qwen3-8b"),
+                      dataclasses.replace(load_profile("h200"), host_per_request_s=0.0, host_eager_s=0.0))
     decodes = make_batch(engine, 32, 2048, 1, extra_tokens=args.k - 1)  # KV slots for the k look-ahead steps
     prefill = make_batch(engine, 1, 16384, 16384)
     rows = []

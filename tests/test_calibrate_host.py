@@ -58,10 +58,23 @@ def test_a_negative_term_is_clamped_and_the_other_refitted():
 
 
 def test_rows_of_an_older_log_count_one_prefill_chunk():
-    requests, eager, _, _ = temporal_rows([{"num_decodes": 5, "num_prefill_tokens": 300, "predicted_s": 0.1,
-                                            "measured_s": 0.12}, {"num_decodes": 5, "num_prefill_tokens": 0,
-                                                                  "predicted_s": 0.1, "measured_s": 0.12}])
-    assert requests.tolist() == [6, 5] and eager.tolist() == [1.0, 0.0]
+    rows = temporal_rows([{"num_decodes": 5, "num_prefill_tokens": 300, "predicted_s": 0.1, "measured_s": 0.12},
+                          {"num_decodes": 5, "num_prefill_tokens": 0, "predicted_s": 0.1, "measured_s": 0.12},
+                          {"num_decodes": 5, "num_prefill_tokens": 900, "prefill_layers": 4, "predicted_s": 0.1,
+                           "measured_s": 0.12}], H200)  # a pdmux round: left out
+    assert rows[:, 0].tolist() == [6, 5] and rows[:, 1].tolist() == [1.0, 0.0]
+    assert rows[0, 4:].tolist() == [H200.host_per_request_s, H200.host_eager_s]  # no logged terms: the profile's
+
+
+def test_the_terms_logged_with_each_record_are_the_baseline():
+    """A log whose records carry the host terms they were predicted with fits the same whatever
+    ``--base`` says (refitting an old log against a newer profile must not add the terms twice)."""
+    recs = log_records(3e-4, 0.012, 1e-4, 0.004)
+    for r in recs:
+        r.update(host_per_request_s=1e-4, host_eager_s=0.004)
+    for base in (H200, dataclasses.replace(H200, host_per_request_s=0.0, host_eager_s=0.0)):
+        fit = fit_host_overheads(recs, base)
+        assert fit.host_per_request_s == pytest.approx(3e-4) and fit.host_eager_s == pytest.approx(0.012)
 
 
 def test_logs_that_cannot_be_fitted_raise():

@@ -248,3 +248,27 @@ def test_iteration_log_records_every_iteration(server_proc):
     assert {"t", "spatial", "s_decode", "s_prefill", "k", "predicted_s", "measured_s"} <= set(rows[-1])
     assert all(r["measured_s"] > 0 and r["spatial"] is False for r in rows)  # no partition backend on the CPU
     assert all(r["decode_stream_s"] is None and r["prefill_stream_s"] is None for r in rows)  # no CUDA events
+    assert all(r["prefill_layers"] is None and "host_eager_s" not in r for r in rows)  # chunked predicts nothing
+
+
+def test_iteration_log_carries_the_planning_host_terms(tmp_path):
+    """A predicting policy's records carry the host terms of the profile it plans with
+    (`calibrate --iteration-log` fits against them)."""
+    from types import SimpleNamespace
+
+    from duetserve.engine.engine import StepStats
+    from duetserve.planner.hardware import load_profile
+    from duetserve.planner.optimizer import Plan
+    from duetserve.server.metrics import ServerMetrics
+
+    h200 = load_profile("h200")
+    log = tmp_path / "it.jsonl"
+    metrics = ServerMetrics("m", str(log))
+    engine = SimpleNamespace(scheduler=SimpleNamespace(policy=SimpleNamespace(config=SimpleNamespace(profile=h200)),
+                                                       running=[], waiting=[]),
+                             block_manager=SimpleNamespace(usage=0.0))
+    metrics.watch_engine(engine)
+    metrics.on_step(StepStats(Plan(predicted_s=0.05), 3, 100, 0.06, 0, num_prefills=1), [], 1.0)
+    rec = json.loads(log.read_text())
+    assert (rec["host_per_request_s"], rec["host_eager_s"]) == (h200.host_per_request_s, h200.host_eager_s)
+    assert (rec["num_decodes"], rec["num_prefills"], rec["num_prefill_tokens"], rec["prefill_layers"]) == (3, 1, 100, None)

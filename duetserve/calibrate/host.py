@@ -4,12 +4,13 @@ paper; ``duetserve.planner.cost_model``, "Host time").
 ``duetserve serve --iteration-log LOG`` writes one JSON line per iteration with the plan's
 ``predicted_s`` and the ``measured_s`` wall time of the whole engine step. For a temporal
 iteration of ``R`` requests the cost model adds ``R h_r + e h_e`` seconds of host time
-(``e = 1`` when the iteration has prefill tokens and runs eagerly). The log's predictions were
-made with the profile's terms ``h_r0``, ``h_e0``, so ``measured - predicted`` is
-``R (h_r - h_r0) + e (h_e - h_e0)`` plus noise: an ordinary least-squares fit of the two
-differences over the temporal iterations, each new term clamped at 0 (the other refitted
-alone when one is clamped). Spatial iterations and multi-step decodes (``k > 1``) are left out:
-their host work overlaps the GPU.
+(``e = 1`` when the iteration has prefill tokens and runs eagerly, as on a server with CUDA
+graphs). The log's predictions were made with terms ``h_r0``, ``h_e0`` (each record carries
+them; older logs: the profile's), so ``measured - predicted + R h_r0 + e h_e0`` is
+``R h_r + e h_e`` plus noise: an ordinary least-squares fit over the temporal iterations, each
+term clamped at 0 (the other refitted alone when one is clamped). Spatial iterations,
+multi-step decodes (``k > 1``) and pdmux rounds (``prefill_layers``) are left out: their host
+work overlaps the GPU.
 """
 from __future__ import annotations
 
@@ -50,45 +51,45 @@ def read_iteration_log(path: str | Path) -> list[dict[str, Any]]:
     return records
 
 
-def temporal_rows(records: Iterable[Mapping[str, Any]]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """``(R, e, predicted_s, measured_s)`` arrays of the temporal single-step iterations with
-    both times: requests in the batch (decodes plus prefill chunks; logs without
-    ``num_prefills`` count one chunk when there are prefill tokens) and 1.0 for an eager one."""
+def temporal_rows(records: Iterable[Mapping[str, Any]], profile: HardwareProfile) -> np.ndarray:
+    """``(N, 6)`` array of the temporal single-step iterations with both times, columns ``R``
+    (decodes plus prefill chunks; logs without ``num_prefills`` count one chunk when there are
+    prefill tokens), ``e`` (1.0 eager), ``predicted_s``, ``measured_s`` and the two host terms
+    the prediction used (the record's, else ``profile``'s)."""
     rows = []
     for r in records:
         pred, meas = r.get("predicted_s"), r.get("measured_s")
-        if r.get("spatial") or r.get("k", 1) != 1 or not pred or not meas:
+        if r.get("spatial") or r.get("k", 1) != 1 or r.get("prefill_layers") is not None or not pred or not meas:
             continue
         prefill = r.get("num_prefill_tokens", 0) > 0
         requests = r.get("num_decodes", 0) + r.get("num_prefills", int(prefill))
         if requests:
-            rows.append((requests, float(prefill), pred, meas))
-    arr = np.array(rows, dtype=float).reshape(-1, 4)
-    return arr[:, 0], arr[:, 1], arr[:, 2], arr[:, 3]
+            rows.append((requests, float(prefill), pred, meas, r.get("host_per_request_s", profile.host_per_request_s),
+                         r.get("host_eager_s", profile.host_eager_s)))
+    return np.array(rows, dtype=float).reshape(-1, 6)
 
 
 def fit_host_overheads(records: Iterable[Mapping[str, Any]], profile: HardwareProfile) -> HostFit:
     """Fit ``host_per_request_s`` and ``host_eager_s`` to ``records`` (an iteration log made
-    by a server planning with ``profile``); module docstring.
+    by a server planning with ``profile``, whose terms count for records that do not carry
+    their own); module docstring.
 
     Raises ValueError when fewer than 2 temporal iterations with predictions are logged (a
     policy that predicts nothing, such as chunked, logs none), or when they hold no decode-only
     or no eager iteration (the two terms cannot be told apart).
     """
-    requests, eager, pred, meas = temporal_rows(records)
-    if len(pred) < 2 or eager.all() or not eager.any():
-        raise ValueError(f"{len(pred)} temporal iterations with predictions ({int(eager.sum())} eager): "
+    rows = temporal_rows(records, profile)
+    x, pred, meas, used = rows[:, :2], rows[:, 2], rows[:, 3], rows[:, 4:]
+    if len(pred) < 2 or x[:, 1].all() or not x[:, 1].any():
+        raise ValueError(f"{len(pred)} temporal iterations with predictions ({int(x[:, 1].sum())} eager): "
                          "need both decode-only and eager ones (serve with a predicting policy, e.g. duet)")
-    x = np.column_stack([requests, eager])
-    old = np.array([profile.host_per_request_s, profile.host_eager_s])
-    delta = np.linalg.lstsq(x, meas - pred, rcond=None)[0]
-    new = old + delta
+    host = meas - pred + (x * used).sum(axis=1)  # the host time by the model: R h_r + e h_e
+    new = np.linalg.lstsq(x, host, rcond=None)[0]
     for i in (0, 1):  # a negative term: clamp it at 0 and refit the other alone
         if new[i] < 0:
             j = 1 - i
             new[i] = 0.0
-            rest = meas - pred + old[i] * x[:, i]
-            new[j] = max(0.0, old[j] + float(x[:, j] @ rest / (x[:, j] @ x[:, j])))
-    after = pred + x @ (new - old)
+            new[j] = max(0.0, float(x[:, j] @ host / (x[:, j] @ x[:, j])))
+    after = pred + (x * (new - used)).sum(axis=1)
     return HostFit(float(new[0]), float(new[1]), len(pred), float(np.median(np.abs(pred - meas) / meas)),
                    float(np.median(np.abs(after - meas) / meas)))

@@ -163,10 +163,11 @@ def prediction_row(shape: Shape, measured_s: float, graphs: bool, kernels: int |
                    base: CostModel) -> dict:
     """One ``"calibration"`` entry before the fit: the shape, whether it ran from CUDA graphs,
     its kernel count (None: not counted), measured seconds, the roofline of the measured
-    curves (no overheads) and the base profile's prediction (None beyond the base GPU's SMs).
+    curves (no overheads) and the base profile's prediction without serving host time (the
+    engine is timed alone; None beyond the base GPU's SMs).
     ``predicted_s`` is the roofline until ``apply_fit`` replaces it."""
     rooflined = float(roofline.predict_total(shape.reqs, shape.sms, graphs=graphs))
-    base_s = float(base.predict_total(shape.reqs, shape.sms, graphs=graphs)) \
+    base_s = float(base.predict_total(shape.reqs, shape.sms, graphs=graphs, host=False)) \
         if shape.sms <= base.profile.num_sms else None
     return {"kind": shape.kind, "batch": shape.batch, "q": shape.q, "c": shape.c, "sms": shape.sms, "k": shape.k,
             "graphs": graphs, "kernels": kernels, "measured_s": measured_s, "roofline_s": rooflined,

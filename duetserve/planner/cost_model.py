@@ -227,15 +227,16 @@ class CostModel:
         self._bw = np.concatenate(([np.nan], profile.bandwidth(grid)))
 
     def predict(self, reqs: Sequence[Request] | np.ndarray, sms: int, lm_head_tokens: int | None = None,
-                graphs: bool | None = None) -> Breakdown:
+                graphs: bool | None = None, host: bool = True) -> Breakdown:
         """Predicted seconds, by operator class, of one forward pass of ``reqs`` on ``sms`` SMs.
 
         ``reqs``: (q, c) per request (or an (R, 2) integer array); ``lm_head_tokens``
         overrides how many tokens go through lm_head; ``graphs`` says whether the iteration is
-        replayed from CUDA graphs (None: decode-only batches are when ``cuda_graphs``).
-        Raises ValueError for q < 1, c < 0, or ``sms`` outside 1..num_sms.
+        replayed from CUDA graphs (None: decode-only batches are when ``cuda_graphs``);
+        ``host=False`` leaves out the serving host time (module docstring), e.g. to compare
+        with GPU time alone. Raises ValueError for q < 1, c < 0, or ``sms`` outside 1..num_sms.
         """
-        parts = self._components([_columns(reqs)], np.asarray([sms]), lm_head_tokens, graphs)[:, 0]
+        parts = self._components([_columns(reqs)], np.asarray([sms]), lm_head_tokens, graphs, host)[:, 0]
         return Breakdown(*(float(x) for x in parts))
 
     def predict_total(self, reqs: Sequence[Request] | np.ndarray, sms: ArrayLike,
@@ -275,12 +276,15 @@ class CostModel:
         Decode is scaled by the profile's ``decode_interference`` times ``decode_margin``,
         prefill by ``prefill_interference`` (DESIGN section 5); decode is replayed from graphs
         when ``cuda_graphs`` (the engine records them per split level) and its steps carry no
-        host time (module docstring). Returns (t_decode,
+        host time (module docstring); the prefill carries its host time unscaled. Returns (t_decode,
         t_prefill), arrays shaped like ``s_decode``. Raises ValueError as ``predict``.
         """
         s_d = np.asarray(s_decode)
         t_d = self.predict_total(decode_reqs, s_d, host=False) * (self.profile.decode_interference * self.decode_margin)
-        t_p = self.predict_total(prefill_reqs, total_sms - s_d) * self.profile.prefill_interference
+        t_p = self.predict_total(prefill_reqs, total_sms - s_d, host=False) * self.profile.prefill_interference
+        prefill = _columns(prefill_reqs)[0]
+        if len(prefill):  # the prefill's host time (eager), not scaled by the GPU's interference
+            t_p = t_p + len(prefill) * self.profile.host_per_request_s + self.profile.host_eager_s
         return t_d, t_p
 
     def _components(self, groups: list[tuple[np.ndarray, np.ndarray]], sms: np.ndarray,

@@ -24,9 +24,12 @@ class ServerMetrics:
         # "s_prefill", "k", "steps", "predicted_s", "measured_s", "predicted_decode_s" (one step),
         # "predicted_prefill_s", "decode_stream_s" / "prefill_stream_s" (each stream's busy time
         # between CUDA events, spatial plans on the GPU; else null), "num_decodes", "num_prefills"
-        # (prefill chunks), "num_prefill_tokens"}
+        # (prefill chunks), "num_prefill_tokens", "prefill_layers" (pdmux rounds), and the planning
+        # profile's "host_per_request_s" / "host_eager_s" (policies that predict; calibrate
+        # --iteration-log fits new ones against them)}
         # (`duetserve bench --iteration-log` marks spatial iterations with it).
         self._iteration_log = open(iteration_log, "a", buffering=1) if iteration_log else None  # noqa: SIM115
+        self._host_terms: dict[str, float] = {}
         self.registry = CollectorRegistry()
         r, label = self.registry, {"model_name": model_name}
         self._label = label
@@ -63,7 +66,11 @@ class ServerMetrics:
         self._last: dict[str, float] = {}
 
     def watch_engine(self, engine: LLMEngine) -> None:
-        """Read running/waiting counts and KV usage from ``engine`` at every scrape."""
+        """Read running/waiting counts and KV usage from ``engine`` at every scrape, and the host
+        terms its policy predicts with (for the iteration log)."""
+        profile = getattr(getattr(engine.scheduler.policy, "config", None), "profile", None)
+        if profile is not None:
+            self._host_terms = {"host_per_request_s": profile.host_per_request_s, "host_eager_s": profile.host_eager_s}
         lab = self._label
         self.running.labels(**lab).set_function(lambda: len(engine.scheduler.running))
         self.waiting.labels(**lab).set_function(lambda: len(engine.scheduler.waiting))
@@ -97,7 +104,8 @@ class ServerMetrics:
                     "predicted_prefill_s": plan.predicted_prefill_s,
                     "decode_stream_s": stats.stream_s.get("decode"), "prefill_stream_s": stats.stream_s.get("prefill"),
                     "num_decodes": stats.num_decodes, "num_prefills": stats.num_prefills,
-                    "num_prefill_tokens": stats.num_prefill_tokens}) + "\n")
+                    "num_prefill_tokens": stats.num_prefill_tokens, "prefill_layers": plan.prefill_layers,
+                    **self._host_terms}) + "\n")
         for out in outputs:
             rid = out.request_id
             if out.new_token_ids:
