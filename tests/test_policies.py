@@ -176,3 +176,13 @@ def test_duet_learns_a_decode_correction_from_measured_steps():
     policy.observe(Plan(), 1.0)  # a temporal plan, or no decode prediction: ignored
     policy.observe(dataclasses.replace(plan, predicted_decode_s=None), 0.001)
     assert policy.decode_correction == 2.0
+    # a temporal plan for decodes beside a prefill relaxes it: excess x 0.99 each time
+    small = [(64, 0)]  # a prefill that fits tau beside the decodes: temporal
+    assert not policy.plan(DECODE, small, max_k=100).spatial
+    assert policy.decode_correction == pytest.approx(1.99)
+    for _ in range(99):
+        policy.plan(DECODE, small, max_k=100)
+    assert policy.decode_correction == pytest.approx(1 + 0.99 ** 100) and policy.cost_model.decode_margin == \
+        pytest.approx(1 + 0.99 ** 100)
+    policy.plan(DECODE, [], max_k=100)  # decode alone: nothing to split, nothing changes
+    assert policy.decode_correction == pytest.approx(1 + 0.99 ** 100)

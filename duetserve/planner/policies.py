@@ -103,6 +103,7 @@ class PlannerConfig:
 LOOKAHEAD_SLACK = 2  # KV slots reserved for up to this many times the optimizer's k
 DECODE_FEEDBACK_WEIGHT = 0.3  # DuetPolicy.observe: exponent of one observation's ratio
 MAX_DECODE_CORRECTION = 2.0  # DuetPolicy.observe: most the decode side is scaled by feedback
+DECODE_CORRECTION_DECAY = 0.99  # DuetPolicy.plan: share of the correction's excess over 1 kept per temporal plan
 
 
 class DuetPolicy:
@@ -140,6 +141,10 @@ class DuetPolicy:
             steps = min(k, max(1, math.ceil(t_p / t_d)))  # what the executor runs if the prediction holds
             plan = dataclasses.replace(plan, k=k, predicted_s=max(steps * t_d, t_p))
         self.carry_s = max(0.0, plan.predicted_prefill_s - plan.k * plan.predicted_decode_s) if plan.spatial else 0.0
+        if decode_reqs and prefill_reqs and not plan.spatial and self.decode_correction > 1.0:
+            # no spatial plan, so no new measurement: let the correction relax toward 1, so one
+            # that priced every split out does not keep them out for good
+            self._set_correction(1.0 + (self.decode_correction - 1.0) * DECODE_CORRECTION_DECAY)
         return plan
 
     def observe(self, plan: Plan, decode_step_s: float) -> None:
@@ -152,13 +157,17 @@ class DuetPolicy:
         Beyond the paper: on the H200 serving Mooncake, decode steps beside a prefill ran
         0.97x their prediction on 8 SMs but 1.2-1.6x on 16-32 SMs with 14-37 long-context
         decodes (docs/benchmarks.md, fourth H200 session), and each such step broke the SLO.
-        Plans without a decode prediction or a step are ignored."""
+        Plans without a decode prediction or a step are ignored. Each iteration with decodes and
+        prefill that ``plan`` keeps temporal moves the correction back toward 1 by the factor
+        ``DECODE_CORRECTION_DECAY`` (no split, no new measurement)."""
         if not plan.spatial or not plan.predicted_decode_s or decode_step_s <= 0:
             return
         ratio = decode_step_s / plan.predicted_decode_s
-        self.decode_correction = min(MAX_DECODE_CORRECTION,
-                                     max(1.0, self.decode_correction * ratio ** DECODE_FEEDBACK_WEIGHT))
-        self.cost_model.decode_margin = self._base_margin * self.decode_correction
+        self._set_correction(min(MAX_DECODE_CORRECTION, max(1.0, self.decode_correction * ratio ** DECODE_FEEDBACK_WEIGHT)))
+
+    def _set_correction(self, value: float) -> None:
+        self.decode_correction = value
+        self.cost_model.decode_margin = self._base_margin * value
 
 
 class PdmuxPolicy:
