@@ -63,19 +63,18 @@ def test_aborted_layer_split_batch_releases_its_state(tiny_qwen3_folder):
     assert engine.runner._split is None and engine.block_manager.num_free_blocks == 128
 
 
-class _Event:
-    """Stands in for the CUDA event recorded after a round's layers on the prefill stream."""
+def test_the_last_layers_are_delivered_when_their_tokens_land_not_waited_for(tiny_qwen3_folder, monkeypatch):
+    """No round joins the prefill stream: after the last layer is queued, rounds run their
+    decode step alone until the sampled tokens' copy has landed; then the batch is delivered."""
+    from duetserve.engine import model_runner
 
-    def __init__(self, done: bool):
-        self.done = done
+    class Pending(model_runner._HostCopy):
+        landed = True
 
-    def query(self) -> bool:
-        return self.done
+        def ready(self) -> bool:
+            return Pending.landed
 
-
-def test_a_round_adds_no_layers_while_the_last_rounds_still_run(tiny_qwen3_folder):
-    """No backlog on the prefill stream: while the previous round's layers are still running
-    (its event not complete), a round runs its decode step alone and the split keeps its place."""
+    monkeypatch.setattr(model_runner, "_HostCopy", Pending)
     config = EngineConfig(model=str(tiny_qwen3_folder), max_num_batched_tokens=32, num_kv_blocks=128, block_size=8,
                           partition_backend="none")
     prompts, params = [[5, 6], list(range(3, 40))], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
@@ -85,19 +84,24 @@ def test_a_round_adds_no_layers_while_the_last_rounds_still_run(tiny_qwen3_folde
     engine.scheduler.policy = PdmuxPolicy(PlannerConfig(shape, roofline_only(load_profile("h200")), 0.1, "greenctx",
                                                         PdmuxConfig(split_forward_token_budget=16)))
     out = {"0": [], "1": []}
-    engine.add_request("0", prompts[0], params)
-    for o in engine.step():                 # "0" prefilled: it decodes from now on
-        out[o.request_id] += o.new_token_ids
-    engine.add_request("1", prompts[1], params)
-    for o in engine.step():                 # layer 1 of 2 of "1" beside a decode step of "0"
-        out[o.request_id] += o.new_token_ids
-    assert engine.runner._split[3] == 1 and not engine.runner.prefill_done
-    engine.runner._split_busy = _Event(done=False)
-    for o in engine.step():                 # layer 1 still running: decode alone, no layer added
-        out[o.request_id] += o.new_token_ids
-    assert engine.runner._split[3] == 1 and not engine.runner.prefill_done and len(out["0"]) == 3
-    engine.runner._split_busy = _Event(done=True)
-    while engine.has_unfinished():
+
+    def step():
         for o in engine.step():
             out[o.request_id] += o.new_token_ids
+
+    engine.add_request("0", prompts[0], params)
+    step()                                  # "0" prefilled: it decodes from now on
+    engine.add_request("1", prompts[1], params)
+    step()                                  # layer 1 of 2 of "1" beside a decode step of "0"
+    Pending.landed = False
+    step()                                  # layer 2 and the sampling queued; the tokens not yet landed
+    assert engine.runner._split[3] == 2 and not engine.runner.prefill_done and out["1"] == []
+    step()                                  # still in flight: "0" decodes alone, nothing re-run
+    assert engine.runner._split[3] == 2 and not engine.runner.prefill_done and out["1"] == []
+    assert len(out["0"]) == 4
+    Pending.landed = True
+    step()                                  # landed: "1" gets its first token
+    assert engine.runner.prefill_done and engine.runner._split is None and len(out["1"]) == 1
+    while engine.has_unfinished():
+        step()
     assert [out["0"], out["1"]] == expected

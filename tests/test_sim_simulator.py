@@ -40,7 +40,9 @@ def test_low_load_gives_single_request_latencies(planner, policy):
     step_s = float(cm.predict_total([(1, 1032)], 132))  # about 3.8 ms, mid-way through the outputs
     ttft = np.array([r.ttft_s for r in result.records])
     assert np.median(ttft) == pytest.approx(prefill_s, rel=1e-9)
-    assert ttft.mean() == pytest.approx(prefill_s, rel=0.05)
+    # pdmux: a prompt arriving while another request decodes is delivered one round (a decode
+    # step) after its layers finish (the engine checks as a round starts)
+    assert prefill_s * 0.95 <= ttft.mean() <= prefill_s * 1.05 + (step_s if policy == "pdmux" else 0.0)
     assert np.median(gaps(result)) == pytest.approx(step_s, rel=0.01)
     assert all(r.output_tokens == 16 for r in result.records)
     assert result.duration_s == pytest.approx(trace[-1].arrival_s + prefill_s + 15 * step_s, rel=0.01)

@@ -96,6 +96,10 @@ class _HostCopy:
         else:
             self.host, self.event = values, None
 
+    def ready(self) -> bool:
+        """Whether the copy has landed (never waits)."""
+        return self.event is None or self.event.query()
+
     def tolist(self) -> list:
         if self.event is not None:
             self.event.synchronize()
@@ -182,7 +186,6 @@ class ModelRunner:
         self.prefill_done = True  # False after a layer-split prefill round that left layers to run
         self._split: tuple | None = None  # layer-split prefill in flight: (key, inputs, state, next layer)
         self._unjoined: torch.cuda.Stream | None = None  # prefill stream still running a split's layers
-        self._split_busy: torch.cuda.Event | None = None  # recorded after a split round's layers
         self.interrupt: Callable[[], bool] | None = None  # True: stop a multi-step decode early
 
     def execute(self, out: SchedulerOutput) -> Iterator[Sampled]:
@@ -194,7 +197,7 @@ class ModelRunner:
         self.prefill_done = True
         self.last_stream_seconds = {}
         if out.plan.prefill_layers is None:
-            self._split, self._split_busy = None, None  # no layer-split batch is pinned (finished, aborted, preempted)
+            self._split = None  # no layer-split batch is pinned any more (finished, aborted or preempted)
         if self._unjoined is not None and (self._split is None or self._split[0] != _split_key(out)):
             # A dropped or changed split's last layers may still run, writing KV blocks that the
             # scheduler has since freed and may have handed out: wait for them first.
@@ -243,7 +246,7 @@ class ModelRunner:
             yield Sampled(dict(zip(run.prefill_ids, tokens)), prefills=self.prefill_done)
         finally:
             if joined is None:  # abandoned (an error here or in the caller): nothing may outrun it
-                self._split, self._unjoined, self._split_busy = None, None, None
+                self._split, self._unjoined = None, None
                 try:
                     for stream in (run.decode_stream, run.prefill_stream) if run is not None else ():
                         if stream is not None:
@@ -269,11 +272,11 @@ class ModelRunner:
         with _on(prefill_stream):
             run.timers.mark("prefill")
             if out.plan.prefill_layers is not None and out.prefills:
-                prefill, prefill_tokens = self._prefill_layers(out)
+                prefill, run.prefill_copy = self._prefill_layers(out)
             else:
                 prefill = self._prepare(out.prefills, 0, [None] * len(out.prefills)) if out.prefills else None
                 prefill_tokens = self._sample(prefill, None) if prefill else None
-            run.prefill_copy = _HostCopy(prefill_tokens) if prefill_tokens is not None else None
+                run.prefill_copy = _HostCopy(prefill_tokens) if prefill_tokens is not None else None
             run.prefill_ids = prefill.sample_seq_ids if prefill else []
             run.timers.mark("prefill")
             if prefill_stream is not None and out.prefills:
@@ -320,39 +323,37 @@ class ModelRunner:
                 run.main.wait_stream(stream)
         return joined
 
-    def _prefill_layers(self, out: SchedulerOutput) -> tuple[StepInputs, torch.Tensor | None]:
+    def _prefill_layers(self, out: SchedulerOutput) -> tuple[StepInputs, _HostCopy | None]:
         """One round of a layer-split prefill (SGLang pdmux): the next ``plan.prefill_layers``
-        layers of the pinned batch (its inputs uploaded in its first round). Returns the batch's
-        inputs and its sampled tokens once the last layer has run (None before;
-        ``prefill_done`` says which).
+        layers of the pinned batch (its inputs uploaded in its first round) are queued on the
+        prefill stream; the round that queues the last layer also queues the sampling and a
+        copy of its tokens to the host. Returns the batch's inputs and, in the first later round
+        that finds that copy landed, the copy (None before; ``prefill_done`` says which); a
+        round without decodes delivers it at once (it joins the prefill stream, nothing waits).
 
-        On a partitioned stream a round adds layers only once the previous round's layers have
-        run; otherwise it adds none (its decode step runs alone). Without that, rounds queued
-        layers faster than the prefill SMs ran them (32k-token prompts on the H200: 4-5x), and
-        the split's last round waited 1.0-1.7 s for the backlog, stalling every decode."""
+        No round with decodes waits for the prefill stream: one that joined it when the last
+        layer was queued waited for every layer queued before (1.0-1.7 s with 32k-token
+        prompts on the H200, stalling every decode)."""
         key = _split_key(out)
         if self._split is None or self._split[0] != key:  # a new batch (or a preempted one, restarted)
-            self._split = (key, self._prepare(out.prefills, 0, [None] * len(out.prefills)), None, 0)
-            self._split_busy = None
-        _, inputs, state, start = self._split
-        if self._split_busy is not None and not self._split_busy.query():  # no backlog on the prefill stream
+            self._split = (key, self._prepare(out.prefills, 0, [None] * len(out.prefills)), None, 0, None)
+        _, inputs, state, start, sampled = self._split
+        layers = self.model.dims.num_layers
+        if start < layers:
+            end = min(layers, start + out.plan.prefill_layers)
+            state = self.model.run_layers(state, inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta,
+                                          start, end)
+            if end == layers:
+                hidden = self.model.final_norm(state)
+                if inputs.sample_rows is not None:
+                    hidden = hidden.index_select(0, inputs.sample_rows)
+                sampled, state = _HostCopy(self.sampler.sample(self.model.compute_logits(hidden), inputs.sampling)), None
+            self._split = (key, inputs, state, end, sampled)
+        if sampled is None or (out.decodes and not sampled.ready()):  # alone, a round may wait for it
             self.prefill_done = False
             return inputs, None
-        end = min(self.model.dims.num_layers, start + out.plan.prefill_layers)
-        state = self.model.run_layers(state, inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta,
-                                      start, end)
-        if end < self.model.dims.num_layers:
-            self._split = (key, inputs, state, end)
-            self.prefill_done = False
-            if self._streams(out.plan)[1] is not None:  # on the prefill stream, after this round's layers
-                self._split_busy = torch.cuda.Event()
-                self._split_busy.record()
-            return inputs, None
-        self._split, self._split_busy = None, None
-        hidden = self.model.final_norm(state)
-        if inputs.sample_rows is not None:
-            hidden = hidden.index_select(0, inputs.sample_rows)
-        return inputs, self.sampler.sample(self.model.compute_logits(hidden), inputs.sampling)
+        self._split = None
+        return inputs, sampled
 
     def _streams(self, plan) -> tuple[torch.cuda.Stream | None, torch.cuda.Stream | None]:
         """The plan's (decode, prefill) streams, or (None, None) to run both on the current one."""

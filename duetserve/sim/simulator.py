@@ -15,12 +15,12 @@ Iteration time, by plan:
   the iteration lasts ``max(n t_d, t_p)``; decode token ``i`` comes at ``i t_d``, the
   prefill's first tokens at the end;
 * layer-split prefill (pdmux): the prefill batch's time on its SMs is spread evenly over the
-  model's layers. A round submits ``plan.prefill_layers`` more layers to the prefill stream
-  only if the layers submitted before have finished when it starts (the engine's rule: no
-  backlog on the prefill stream), else none; the round itself lasts one decode step
-  ``t_d(S_d)`` (SGLang syncs only the decode stream), or, with no decode, until the submitted
-  layers are done. The prefill completes at the end of the first round after its last layer
-  finished.
+  model's layers. Each round submits ``plan.prefill_layers`` more layers to the prefill
+  stream, which runs them back to back; the round itself lasts one decode step ``t_d(S_d)``
+  (SGLang syncs only the decode stream), or, with no decode, until the submitted layers are
+  done. Beside decodes the prefill completes at the end of the first round that starts after
+  its last layer finished (the engine checks, without waiting, as a round starts); alone, at
+  the end of the round that ran its last layer.
 
 A request's TTFT runs from its arrival to its first token, its TBT gaps between consecutive
 tokens (a preempted request's gap includes its recompute). KV capacity is the profile's HBM
@@ -250,12 +250,14 @@ class _Run:
                 t_p = float(self.cm.predict_total(prefill, self.total_sms))
             self.split = _LayerSplit(out.prefills, t_p / layers, layers, self.now)
         split = self.split
-        if split.busy_until_s <= self.now:  # the last round's layers are done: submit more
-            submitted = min(plan.prefill_layers, split.layers_left)
-            split.layers_left -= submitted
-            split.busy_until_s = self.now + submitted * split.layer_s
+        submitted = min(plan.prefill_layers, split.layers_left)
+        split.layers_left -= submitted
+        split.busy_until_s = max(split.busy_until_s, self.now) + submitted * split.layer_s
         end = self.now + t_d if decode else split.busy_until_s
-        if split.layers_left or split.busy_until_s > end:
+        # beside decodes the engine delivers in the first round after the one that queued the
+        # last layer whose start finds them done; alone, a round waits for its layers
+        done = not split.layers_left and (not decode or (not submitted and split.busy_until_s <= self.now))
+        if not done:
             return end - self.now, [end], None
         self.split = None
         return end - self.now, [end], end
