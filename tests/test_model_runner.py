@@ -1,6 +1,7 @@
 """ModelRunner's host-side input packing (no model needed)."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 from duetserve.engine.model_runner import ModelRunner
@@ -48,3 +49,49 @@ def test_join_leaves_an_unfinished_layer_split_prefill_running():
         assert runner._join(run) == tuple(expected)
         assert main.waited_for == expected
         assert runner._unjoined is (None if done else run.prefill_stream)  # waited for once the split is dropped
+
+
+class _Forced:
+    """A spatial plan with predicted step and prefill times whenever decodes meet a prefill."""
+
+    name, chunked_prefill, prefill_excludes_decode = "forced", True, False
+
+    def __init__(self, t_d: float, t_p: float):
+        self.t_d, self.t_p = t_d, t_p
+
+    def plan(self, decodes, prefills, max_k):
+        from duetserve.engine.policy import Plan
+
+        if decodes and prefills:
+            return Plan(spatial=True, s_prefill=100, s_decode=32, k=4, predicted_decode_s=self.t_d,
+                        predicted_prefill_s=self.t_p, predicted_s=self.t_p)
+        return Plan()
+
+    def observe(self, plan, decode_step_s):
+        pass
+
+
+@pytest.mark.parametrize("t_p, upfront", [(0.2, 2), (0.01, 1)])
+def test_second_decode_step_is_queued_before_a_long_prefill(tiny_qwen3_folder, t_p, upfront):
+    """Decode steps queued before the prefill's launch: two when the prefill is predicted to
+    outlast a step (its launch takes the host a while), else one."""
+    from duetserve.config import EngineConfig
+    from duetserve.engine.engine import LLMEngine
+    from duetserve.sampling import SamplingParams
+
+    engine = LLMEngine(EngineConfig(model=str(tiny_qwen3_folder), max_num_batched_tokens=64, num_kv_blocks=64,
+                                    block_size=8, partition_backend="none"))
+    engine.scheduler.policy = _Forced(0.05, t_p)
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    engine.add_request("a", [5, 6, 7], params)
+    engine.step()  # "a" prefilled alone: temporal
+    engine.add_request("b", list(range(3, 30)), params)
+    order, prepare = [], engine.runner._prepare
+
+    def spy(batch, num_decodes, *args, **kwargs):
+        order.append("decode" if num_decodes else "prefill")
+        return prepare(batch, num_decodes, *args, **kwargs)
+
+    engine.runner._prepare = spy
+    engine.step()  # "a" decodes beside "b"'s prefill
+    assert order.index("prefill") == upfront

@@ -119,6 +119,12 @@ class _StreamTimers:
             event.record()
             self.events.setdefault(name, []).append(event)
 
+    def mark_end(self, name: str) -> None:
+        """Record (or move) the end mark of ``name``, whose start is marked."""
+        if self.enabled:
+            del self.events[name][1:]
+            self.mark(name)
+
     def elapsed(self, names: tuple[str, ...]) -> dict[str, float]:
         """Seconds between the two marks of each of the streams ``names`` that has them
         (empty on CPU); waits for those marks."""
@@ -218,7 +224,8 @@ class ModelRunner:
     def _execute_spatial(self, out: SchedulerOutput) -> Iterator[Sampled]:
         """Decode steps on the decode stream beside the prefill on the prefill stream.
 
-        Step 0 and the prefill are launched first; each later step takes the previous step's
+        Step 0 (and step 1, when the prefill is predicted to outlast a step) and the prefill
+        are launched first; each later step takes the previous step's
         tokens on the device, and each step's tokens are handed out when it completes. Beside a
         prefill on SM-partitioned streams the next step is launched as soon as the previous one
         has completed (before its tokens are handed out) and only while the prefill is still
@@ -256,7 +263,9 @@ class ModelRunner:
 
     @torch.inference_mode()
     def _launch_spatial(self, out: SchedulerOutput) -> _SpatialRun:
-        """Queue decode step 0 and the prefill; returns the run's state."""
+        """Queue decode step 0, step 1 too when the prefill is predicted to outlast a step (the
+        host launches an eager prefill for ~16 ms on the H200, and step 1 must not wait for
+        that), then the prefill; returns the run's state."""
         decode_stream, prefill_stream = self._streams(out.plan)
         main = torch.cuda.current_stream() if self.device.type == "cuda" else None
         run = _SpatialRun(out, decode_stream, prefill_stream, main, _StreamTimers(main is not None),
@@ -269,6 +278,9 @@ class ModelRunner:
             with _on(decode_stream):
                 run.timers.mark("decode")
             self._launch_next_step(run)
+            t_d, t_p = out.plan.predicted_decode_s, out.plan.predicted_prefill_s
+            if out.prefills and t_d is not None and t_p is not None and t_p > t_d:
+                self._launch_next_step(run)  # step 1 queued too: the prefill's launch takes the host a while
         with _on(prefill_stream):
             run.timers.mark("prefill")
             if out.plan.prefill_layers is not None and out.prefills:
@@ -305,17 +317,15 @@ class ModelRunner:
                 step.input_ids = run.ids  # the previous step's tokens, still on the device
             run.ids = self._sample(step, run.graphs)
             run.inflight.append(_HostCopy(run.ids))
+            run.timers.mark_end("decode")  # the decode stream's busy time ends with its last step
         run.decode_ids = step.sample_seq_ids
         run.launched += 1
 
     def _join(self, run: _SpatialRun) -> tuple[str, ...]:
-        """End the decode timer after the last step and make the main stream wait for the
-        streams whose work is complete; returns their names. A layer-split prefill with layers
-        left keeps running on its stream and nothing waits for it (SGLang's pdmux syncs only
-        the decode stream each round; later rounds queue behind it on the same stream)."""
-        if run.out.decodes:
-            with _on(run.decode_stream):
-                run.timers.mark("decode")
+        """Make the main stream wait for the streams whose work is complete; returns their
+        names. A layer-split prefill with layers left keeps running on its stream and nothing
+        waits for it (SGLang's pdmux syncs only the decode stream each round; later rounds
+        queue behind it on the same stream)."""
         joined = ("decode", "prefill") if self.prefill_done else ("decode",)
         self._unjoined = None if self.prefill_done else run.prefill_stream
         for name, stream in (("decode", run.decode_stream), ("prefill", run.prefill_stream)):
