@@ -22,6 +22,8 @@ def test_upload_packs_segments_at_64_byte_offsets():
     u, v, w = upload([np.arange(5, dtype=np.int32), [9, 8], np.array([], dtype=np.int64)], torch.int32, cpu)
     assert (u.tolist(), v.tolist(), w.tolist()) == ([0, 1, 2, 3, 4], [9, 8], [])
     assert (v.storage_offset(), w.storage_offset()) == (16, 32)
+    with pytest.raises(OverflowError, match="do not fit torch.int32"):
+        upload([np.array([1, 2**31 + 5], dtype=np.int64)], torch.int32, cpu)
 
 
 class FakeStream:

@@ -81,13 +81,14 @@ def plot_results(
 
     Raises:
         KeyError: a result without per-request records.
+        ValueError: ``labels`` or ``spatial_by_result`` do not match ``results`` in length.
         OSError: the image cannot be written.
     """
     fig = Figure(figsize=(16, 4.8), layout="constrained")
     ax_ttft, ax_tbt, ax_time = fig.subplots(1, 3)
     if spatial_by_result is None:
         spatial_by_result = [spatial_times_unix] * len(results)
-    for result, label, times in zip(results, labels, spatial_by_result):
+    for result, label, times in zip(results, labels, spatial_by_result, strict=True):
         spatial = np.asarray(times, dtype=float)
         ok = [r for r in result["requests"] if r["error"] is None]
         _cdf(ax_ttft, np.array([r["ttft_s"] for r in ok]) * 1000, label)

@@ -19,6 +19,9 @@ def upload(segments: list[Sequence[int | float] | np.ndarray], dtype: torch.dtyp
     64-byte aligned, so Triton, which specialises kernels on pointer alignment, never compiles
     a variant for an offset. ``dtype`` must have a numpy equivalent (integers, float32).
 
+    Raises:
+        OverflowError: a value does not fit ``dtype``.
+
     Returns:
         one tensor per segment, views of one buffer (empty segments give empty views).
     """
@@ -31,6 +34,10 @@ def upload(segments: list[Sequence[int | float] | np.ndarray], dtype: torch.dtyp
     view = host.numpy()
     for (a, b), seg in zip(bounds, segments):
         if b > a:
+            if isinstance(seg, np.ndarray) and seg.dtype.itemsize > view.itemsize and view.dtype.kind in "iu":
+                info = np.iinfo(view.dtype)  # numpy would wrap silently where a list raises
+                if seg.min() < info.min or seg.max() > info.max:
+                    raise OverflowError(f"segment values [{seg.min()}, {seg.max()}] do not fit {dtype}")
             view[a:b] = seg
     packed = host.to(device, non_blocking=True) if device.type == "cuda" else host
     return [packed[a:b] for a, b in bounds]
