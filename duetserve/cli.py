@@ -17,9 +17,10 @@ from duetserve.sim import cli as sim_cli
 
 
 def _duration(flag: str):
+    """Parser of a positive duration flag; a bare number is milliseconds (as in simulate and bench)."""
     def parse(text: str) -> float:
         try:
-            seconds = parse_duration(text)
+            seconds = parse_duration(text, "ms")
         except ValueError as exc:
             raise argparse.ArgumentTypeError(str(exc)) from exc
         if seconds <= 0:
@@ -87,7 +88,8 @@ def _add_serve(sub) -> None:
                    help="dummy: random weights with the config's shapes")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on")
     p.add_argument("--port", type=_port, default=8000, help="port to listen on")
-    p.add_argument("--tbt-slo", type=_duration("--tbt-slo"), default=0.1, help="TBT SLO, e.g. 100ms or 0.1s")
+    p.add_argument("--tbt-slo", type=_duration("--tbt-slo"), default="100ms",
+                   help="TBT SLO, e.g. 100ms or 0.1s (a bare number is milliseconds, as in simulate and bench)")
     p.add_argument("--policy", choices=POLICIES, default="duet", help="scheduling policy")
     p.add_argument("--max-num-seqs", type=int, default=64, help="most sequences per iteration")
     p.add_argument("--max-num-batched-tokens", type=int, default=None,

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 
 import numpy as np
 import pytest
@@ -100,3 +101,16 @@ def test_calibrate_iteration_log_writes_the_profile(tmp_path, capsys):
     assert "line 2 is not JSON" in capsys.readouterr().err
     with pytest.raises(ValueError, match="line 2"):
         read_iteration_log(log)
+    for text, message in (("[1, 2]\n", "line 1 is not a JSON object"),
+                          ('{"k": "x", "measured_s": 0.1}\n', "line 1: k must be numbers")):
+        log.write_text(text)
+        assert main(["calibrate", "--gpu-name", "lab", "--out", str(out), "--iteration-log", str(log)]) == 1
+        assert message in capsys.readouterr().err
+    log.write_text("\n".join(json.dumps(r) for r in log_records(3e-4, 0.012)) + "\n")
+    with pytest.raises(SystemExit) as exc:  # --out a folder: argparse names it, exit 2
+        main(["calibrate", "--gpu-name", "lab", "--out", str(tmp_path), "--iteration-log", str(log)])
+    assert exc.value.code == 2 and "is a folder" in capsys.readouterr().err
+    if os.path.isdir("/proc"):  # a folder where no file can be made, even by root
+        assert main(["calibrate", "--gpu-name", "lab", "--out", "/proc/duetserve.json", "--iteration-log",
+                     str(log)]) == 1
+        assert "error: --out /proc/duetserve.json" in capsys.readouterr().err

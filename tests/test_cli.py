@@ -74,3 +74,11 @@ def test_bench_help_is_for_users_and_lists_exit_codes(capsys):
     assert any(line.startswith("1  setup error") for line in lines)
     assert any(line.startswith("2  every request of a run failed") for line in lines)
     assert "2 is also argparse's status for a usage error" in " ".join(lines)
+
+
+def test_serve_tbt_slo_bare_number_is_milliseconds():
+    """As in simulate and bench: 100 is 100 ms, not 100 s; the default is 100 ms."""
+    from duetserve.cli import _duration
+
+    parse = _duration("--tbt-slo")
+    assert parse("100") == pytest.approx(0.1) and parse("100ms") == pytest.approx(0.1) and parse("0.25s") == 0.25

@@ -50,6 +50,8 @@ def _base_profile(text: str) -> HardwareProfile:
 
 def _writable_file(text: str) -> Path:
     path = Path(text)
+    if path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text} is a folder")
     if not path.parent.is_dir():
         raise argparse.ArgumentTypeError(f"no such folder: {path.parent}")
     return path
@@ -143,7 +145,11 @@ def fit_host(args: argparse.Namespace) -> int:
     fields = {"host_per_request_s": fit.host_per_request_s, "host_eager_s": fit.host_eager_s}
     profile = dataclasses.replace(args.base, name=args.gpu_name, **fields,
                                   provenance={**args.base.provenance, **dict.fromkeys(fields, "measured")})
-    args.out.write_text(json.dumps(dataclasses.asdict(profile), indent=1) + "\n")
+    try:
+        args.out.write_text(json.dumps(dataclasses.asdict(profile), indent=1) + "\n")
+    except OSError as exc:
+        print(f"duetserve calibrate: error: --out {args.out}: {exc.strerror or exc}", file=sys.stderr)
+        return 1
     print(f"host time fitted on {fit.rows} temporal iterations of {args.iteration_log}: "
           f"host_per_request_s {fit.host_per_request_s * 1e3:.3f} ms, host_eager_s {fit.host_eager_s * 1e3:.2f} ms\n"
           f"median |pred - meas| / meas: {100 * fit.median_error_before:.1f}% as logged, "

@@ -40,15 +40,27 @@ class HostFit:
 def read_iteration_log(path: str | Path) -> list[dict[str, Any]]:
     """The JSON records of an iteration log (blank lines skipped).
 
-    Raises OSError when unreadable, ValueError on a line that is not JSON (naming its number)."""
+    Raises OSError when unreadable, ValueError on a line that is not a JSON object or whose
+    numbers are not numbers (naming its number)."""
     records = []
     for i, line in enumerate(Path(path).read_text().splitlines(), 1):
         if line.strip():
             try:
-                records.append(json.loads(line))
+                record = json.loads(line)
             except json.JSONDecodeError as exc:
                 raise ValueError(f"{path}: line {i} is not JSON: {exc.msg}") from exc
+            if not isinstance(record, dict):
+                raise ValueError(f"{path}: line {i} is not a JSON object")
+            bad = [k for k in _NUMERIC if record.get(k) is not None and
+                   (isinstance(record[k], bool) or not isinstance(record[k], (int, float)))]
+            if bad:
+                raise ValueError(f"{path}: line {i}: {', '.join(bad)} must be numbers")
+            records.append(record)
     return records
+
+
+_NUMERIC = ("k", "predicted_s", "measured_s", "num_decodes", "num_prefills", "num_prefill_tokens",
+            "host_per_request_s", "host_eager_s")
 
 
 def temporal_rows(records: Iterable[Mapping[str, Any]], profile: HardwareProfile) -> np.ndarray:
