@@ -297,8 +297,11 @@ def resolve_format(path: str | Path | None, fmt: TraceFormat) -> TraceFormat:
     """The concrete format for ``path``: ``fmt`` itself unless it is ``auto``.
 
     Raises:
-        ValueError: ``auto`` with an unknown suffix, or a file format without a path.
+        ValueError: ``path`` is not a file, ``auto`` with an unknown suffix, or a file format
+            without a path.
     """
+    if path is not None and not Path(path).is_file():
+        raise ValueError(f"no such trace file: {path}")
     if fmt == "auto":
         if path is None:
             return "synthetic"

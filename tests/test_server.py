@@ -149,7 +149,6 @@ BAD = [
     ("/v1/completions", {"prompt": "hi", "max_tokens": 10**6}, "max_tokens"),
     ("/v1/completions", {"prompt": "hi", "temperature": 3.0}, "temperature"),
     ("/v1/completions", {"prompt": "hi", "top_p": 1.5}, "top_p"),
-    ("/v1/completions", {"prompt": "hi", "model": "gpt-17"}, "model"),
     ("/v1/completions", {"prompt": "hi", "max_tokens": "ten"}, "max_tokens"),
     ("/v1/completions", {"prompt": {"text": "hi"}}, "prompt"),
     ("/v1/completions", {"prompt": [1, 2, -5]}, "prompt"),
@@ -169,6 +168,15 @@ BAD = [
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi " * 9000}]}, "messages"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x" * 2_000_000}]}, "messages"),
 ]
+
+
+def test_unknown_model_gets_404_like_openai(server):
+    for path, body in (("/v1/completions", {"prompt": "hi", "model": "gpt-17"}),
+                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "model": "gpt-17"})):
+        r = httpx.post(f"{server}{path}", headers=AUTH, json=body, timeout=60)
+        err = r.json()["error"]
+        assert r.status_code == 404 and err["param"] == "model" and err["type"] == "NotFoundError"
+        assert "`gpt-17` does not exist" in err["message"]
 
 
 def test_bad_inputs_get_400_while_a_stream_completes(server):

@@ -188,3 +188,12 @@ def test_real_azure_window() -> None:
     reqs = load_trace(real_trace("AzureLLMInferenceTrace_code.csv"), spec)
     assert len(reqs) > 10
     assert all(0 <= r.arrival_s < 60 and r.input_len <= 256 and r.output_len <= 16 for r in reqs)
+
+
+def test_a_missing_trace_file_is_named(tmp_path):
+    from duetserve.traces import resolve_format
+
+    with pytest.raises(ValueError, match="no such trace file: .*nope.csv"):
+        resolve_format(tmp_path / "nope.csv", "auto")
+    with pytest.raises(ValueError, match="no such trace file"):
+        resolve_format(tmp_path, "azure")  # a folder

@@ -23,6 +23,10 @@ from duetserve.server.protocol import ChatCompletionRequest, CompletionRequest
 log = logging.getLogger(__name__)
 
 
+class ModelNotFound(ParamError):
+    """A request names a model this server does not serve: HTTP 404, as OpenAI and vLLM answer."""
+
+
 def error_response(status: int, message: str, param: str | None = None, err_type: str | None = None) -> JSONResponse:
     """An OpenAI-style error body ``{"error": {"message", "type", "param", "code"}}``."""
     kinds = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError", 405: "MethodNotAllowedError",
@@ -62,14 +66,14 @@ def create_app(engine: AsyncEngine, metrics: ServerMetrics, model_name: str, api
 
     @app.exception_handler(ParamError)
     async def _param(_: Request, exc: ParamError):
-        return error_response(400, str(exc), exc.param)
+        return error_response(404 if isinstance(exc, ModelNotFound) else 400, str(exc), exc.param)
 
     if api_key:
         app.add_middleware(BearerAuth, api_key=api_key)
 
     def check_model(name: str | None) -> None:
         if name is not None and name != model_name:
-            raise ParamError(f"the model `{name}` does not exist; this server serves `{model_name}`", "model")
+            raise ModelNotFound(f"the model `{name}` does not exist; this server serves `{model_name}`", "model")
 
     # A token is at most this many characters, so a longer text cannot fit the context.
     max_chars = engine.engine.max_model_len * max((len(t) for t in tokenizer.get_vocab()), default=1) \
