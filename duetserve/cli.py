@@ -6,6 +6,7 @@ import logging
 import math
 import os
 import re
+import socket
 import sys
 from pathlib import Path
 
@@ -148,6 +149,12 @@ def _serve(args, parser: argparse.ArgumentParser) -> int:
     budget = args.max_num_batched_tokens
     if budget is None:
         budget = 8192 if device.startswith("cuda") else 512
+    with socket.socket() as sock:  # fail now, not after loading the model for seconds
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn does
+        try:
+            sock.bind((args.host, args.port))
+        except OSError as exc:
+            parser.error(f"--port {args.port}: cannot listen on {args.host}: {exc.strerror or exc}")
     if args.policy == "pdmux" and device == "cpu":
         parser.error("--policy pdmux needs an SM partition backend (a CUDA GPU); use duet, chunked or prefill-first")
     try:

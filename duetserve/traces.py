@@ -355,7 +355,7 @@ def load_trace(path: str | Path | None, spec: TraceSpec | None = None) -> list[T
     fmt = resolve_format(path, spec.format)
     if fmt == "synthetic":
         if spec.num_requests is None or spec.qps is None:
-            raise ValueError("a synthetic trace needs num_requests and qps")
+            raise ValueError("a synthetic trace needs a number of requests and a QPS (--num-requests and --qps)")
         reqs = synthetic_trace(
             spec.num_requests, spec.qps, spec.cv, spec.input_len, spec.output_len, spec.seed
         )

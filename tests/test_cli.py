@@ -82,3 +82,15 @@ def test_serve_tbt_slo_bare_number_is_milliseconds():
 
     parse = _duration("--tbt-slo")
     assert parse("100") == pytest.approx(0.1) and parse("100ms") == pytest.approx(0.1) and parse("0.25s") == 0.25
+
+
+def test_serve_refuses_a_busy_port_before_loading(capsys):
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        with pytest.raises(SystemExit) as exc:
+            main(["serve", "--device", "cpu", "--host", "127.0.0.1", "--port", str(port)])
+    assert exc.value.code == 2 and f"--port {port}: cannot listen on 127.0.0.1" in capsys.readouterr().err

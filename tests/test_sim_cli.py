@@ -26,7 +26,7 @@ def test_end_to_end_writes_table_json_and_plot(tmp_path, capsys):
         assert 0 <= row["tbt_slo_attainment"] <= 1 and 0 <= row["spatial_fraction"] <= 1
     assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     printed = capsys.readouterr().out
-    assert "TBT mean" in printed and "chunked" in printed and "req/s" in printed
+    assert "TBT ms mean" in printed and "TTFT ms mean" in printed and "chunked" in printed and "req/s" in printed
 
 
 def test_model_config_file_and_single_policy(tmp_path, capsys):
@@ -102,3 +102,15 @@ def test_unwritable_outputs_fail_before_simulating(flag, tmp_path, monkeypatch, 
         main([*SMALL, "--qps", "2", flag, str(tmp_path / "out")])
     assert f"argument {flag}: folder {tmp_path} is not writable" in capsys.readouterr().err
     assert simulated == []
+
+
+def test_policy_takes_a_comma_separated_list(capsys):
+    from duetserve.cli import main
+
+    assert main(["simulate", "--format", "synthetic", "--num-requests", "10", "--qps", "4", "--policy",
+                 "duet, chunked", "--no-progress"]) == 0
+    printed = capsys.readouterr().out
+    assert "duet " in printed and "chunked " in printed and "prefill-first" not in printed
+    with pytest.raises(SystemExit) as exc:
+        main(["simulate", "--format", "synthetic", "--num-requests", "10", "--qps", "4", "--policy", "duet,fast"])
+    assert exc.value.code == 2 and "argument --policy: unknown policy 'fast'" in capsys.readouterr().err

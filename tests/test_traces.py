@@ -148,7 +148,7 @@ def test_synthetic_trace() -> None:
     faster = load_trace(None, replace(spec, qps=20.0))
     assert [r.input_len for r in faster] == [r.input_len for r in reqs]  # lengths kept
     assert faster[-1].arrival_s < reqs[-1].arrival_s
-    with pytest.raises(ValueError, match="num_requests and qps"):
+    with pytest.raises(ValueError, match="--num-requests and --qps"):
         load_trace(None, TraceSpec(qps=1.0))
 
 

@@ -262,7 +262,10 @@ def load_profile(name_or_path: str | Path) -> HardwareProfile:
         text = Path(name_or_path).read_text()
     else:
         raise ValueError(f"no profile {name_or_path!r}: not one of {available_profiles()} and not a file")
-    raw = json.loads(text)
+    try:
+        raw = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"profile {name_or_path!r} is not JSON: {exc}") from exc
     raw.pop("calibration", None)
     known = {f.name for f in fields(HardwareProfile)}
     if set(raw) - known:

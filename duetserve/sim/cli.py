@@ -148,7 +148,8 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
                    help="KV capacity (default: from the profile's HBM minus the weights)")
 
     s = p.add_argument_group("scheduling")
-    s.add_argument("--policy", choices=[*POLICIES, "all"], default="all", help="policy to simulate, or all")
+    s.add_argument("--policy", type=_argtype(_policies, "--policy"), default="all", metavar="POLICY[,POLICY...]",
+                   help=f"policies to simulate, comma-separated, from {', '.join(POLICIES)}; or all")
     s.add_argument("--tbt-slo", type=_argtype(_positive(lambda x: parse_duration(x, "ms")), "--tbt-slo"),
                    default=0.1, metavar="DURATION", help="TBT SLO, e.g. 100ms (bare numbers: ms)")
     s.add_argument("--trim-margin", type=_argtype(_fraction, "--trim-margin"), default=None, metavar="FRACTION",
@@ -201,9 +202,18 @@ def _check_trace_fits(args: argparse.Namespace, config: SimConfig, trace: Sequen
                          f"of the trace: the shortest needs {shortest} tokens of prompt and output")
 
 
+def _policies(text: str) -> str:
+    """``all`` or a comma-separated list of known policies (returned as given, spaces dropped)."""
+    names = [n.strip() for n in text.split(",")]
+    bad = [n for n in names if n not in POLICIES]
+    if text.strip() != "all" and bad:
+        raise ValueError(f"unknown policy {', '.join(map(repr, bad))}: use {', '.join(POLICIES)} or all")
+    return ",".join(names)
+
+
 def _simulate(args: argparse.Namespace) -> int:
     _check_trace_flags(args)
-    names = [args.policy] if args.policy != "all" else list(POLICIES)
+    names = args.policy.split(",") if args.policy != "all" else list(POLICIES)
     if args.policy == "all" and args.partition_backend == "none":
         names.remove("pdmux")
         print("duetserve simulate: pdmux left out: --partition-backend none", file=sys.stderr)
