@@ -146,6 +146,8 @@ def test_non_streaming_completion(server):
 BAD = [
     ("/v1/completions", {"prompt": "hi " * 9000, "max_tokens": 5}, "prompt"),
     ("/v1/completions", {"prompt": "hi", "max_tokens": 0}, "max_tokens"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": -5},
+     "max_completion_tokens"),
     ("/v1/completions", {"prompt": "hi", "max_tokens": 10**6}, "max_tokens"),
     ("/v1/completions", {"prompt": "hi", "temperature": 3.0}, "temperature"),
     ("/v1/completions", {"prompt": "hi", "top_p": 1.5}, "top_p"),
@@ -177,6 +179,13 @@ def test_unknown_model_gets_404_like_openai(server):
         err = r.json()["error"]
         assert r.status_code == 404 and err["param"] == "model" and err["type"] == "NotFoundError"
         assert "`gpt-17` does not exist" in err["message"]
+
+
+def test_body_must_be_a_json_object(server):
+    for content, ctype in ((b'"hello"', "application/json"), (b"hello", "text/plain"), (b"[1, 2]", "application/json")):
+        r = httpx.post(f"{server}/v1/completions", headers={**AUTH, "Content-Type": ctype}, content=content, timeout=60)
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["message"] == "the request body must be a JSON object", r.text
 
 
 def test_bad_inputs_get_400_while_a_stream_completes(server):

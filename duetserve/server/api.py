@@ -57,6 +57,8 @@ def create_app(engine: AsyncEngine, metrics: ServerMetrics, model_name: str, api
         message = first.get("msg", "invalid request")
         if first.get("type") == "json_invalid":
             return error_response(400, f"request body is not valid JSON: {message}")
+        if not loc and first.get("type") in ("model_attributes_type", "dict_type"):  # e.g. a text/plain body
+            return error_response(400, "the request body must be a JSON object")
         return error_response(400, f"{message}{' (' + '.'.join(loc) + ')' if loc else ''}",
                               loc[0] if loc else None)
 
@@ -148,7 +150,13 @@ def create_app(engine: AsyncEngine, metrics: ServerMetrics, model_name: str, api
         check_model(body.model)
         if body.max_completion_tokens is not None:
             body.max_tokens = body.max_completion_tokens
-        params = body.sampling_params(default_max_tokens=_room(engine, 0))
+        try:
+            params = body.sampling_params(default_max_tokens=_room(engine, 0))
+        except ParamError as exc:  # name the field the client sent
+            if exc.param == "max_tokens" and body.max_completion_tokens is not None:
+                raise ParamError(str(exc).replace("max_tokens", "max_completion_tokens"),
+                                 "max_completion_tokens") from exc
+            raise
         need_tokenizer("messages")
         messages = body.chat_messages()
         for m in messages:
