@@ -114,3 +114,11 @@ def test_calibrate_iteration_log_writes_the_profile(tmp_path, capsys):
         assert main(["calibrate", "--gpu-name", "lab", "--out", "/proc/duetserve.json", "--iteration-log",
                      str(log)]) == 1
         assert "error: --out /proc/duetserve.json" in capsys.readouterr().err
+
+
+def test_one_stray_slow_iteration_does_not_move_the_fit():
+    """L1: a 1.4 s iteration (a kernel compile) among hundreds leaves the terms in place."""
+    recs = log_records(3e-4, 0.012, 0.0, 0.0)
+    recs[0] = {**recs[0], "measured_s": 1.4}
+    fit = fit_host_overheads(recs, dataclasses.replace(H200, host_per_request_s=0.0, host_eager_s=0.0))
+    assert fit.host_per_request_s == pytest.approx(3e-4, rel=1e-3) and fit.host_eager_s == pytest.approx(0.012, rel=1e-3)

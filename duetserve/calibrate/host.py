@@ -7,8 +7,10 @@ iteration of ``R`` requests the cost model adds ``R h_r + e h_e`` seconds of hos
 (``e = 1`` when the iteration has prefill tokens and runs eagerly, as on a server with CUDA
 graphs). The log's predictions were made with terms ``h_r0``, ``h_e0`` (each record carries
 them; older logs: the profile's), so ``measured - predicted + R h_r0 + e h_e0`` is
-``R h_r + e h_e`` plus noise: an ordinary least-squares fit over the temporal iterations, each
-term clamped at 0 (the other refitted alone when one is clamped). Spatial iterations,
+``R h_r + e h_e`` plus noise. The fit minimises the sum of relative errors ``|pred - meas| /
+meas`` (L1, by iteratively reweighted least squares: robust to a stray slow iteration such as
+a kernel compile, and aimed at the median error it reports), each term clamped at 0 (the other
+refitted alone when one is clamped). Spatial iterations,
 multi-step decodes (``k > 1``) and pdmux rounds (``prefill_layers``) are left out: their host
 work overlaps the GPU.
 """
@@ -96,12 +98,26 @@ def fit_host_overheads(records: Iterable[Mapping[str, Any]], profile: HardwarePr
         raise ValueError(f"{len(pred)} temporal iterations with predictions ({int(x[:, 1].sum())} eager): "
                          "need both decode-only and eager ones (serve with a predicting policy, e.g. duet)")
     host = meas - pred + (x * used).sum(axis=1)  # the host time by the model: R h_r + e h_e
-    new = np.linalg.lstsq(x, host, rcond=None)[0]
+    new = _l1_fit(x, host, 1.0 / meas)
     for i in (0, 1):  # a negative term: clamp it at 0 and refit the other alone
         if new[i] < 0:
             j = 1 - i
             new[i] = 0.0
-            new[j] = max(0.0, float(x[:, j] @ host / (x[:, j] @ x[:, j])))
+            new[j] = max(0.0, float(_l1_fit(x[:, j:j + 1], host, 1.0 / meas)[0]))
     after = pred + (x * (new - used)).sum(axis=1)
     return HostFit(float(new[0]), float(new[1]), len(pred), float(np.median(np.abs(pred - meas) / meas)),
                    float(np.median(np.abs(after - meas) / meas)))
+
+
+def _l1_fit(x: np.ndarray, y: np.ndarray, scale: np.ndarray, rounds: int = 50) -> np.ndarray:
+    """Coefficients ``c`` minimising ``sum(scale * |x @ c - y|)`` by iteratively reweighted
+    least squares (each round weights a row by ``scale / max(|residual|, floor)``), starting
+    from the weighted least-squares fit. ``x`` ``(N, K)``, ``y`` and ``scale`` ``(N,)``."""
+    weights = scale
+    floor = 1e-9 * max(float(np.abs(y).max()), 1e-12)
+    coef = np.zeros(x.shape[1])
+    for _ in range(rounds):
+        w = np.sqrt(weights)
+        coef = np.linalg.lstsq(x * w[:, None], y * w, rcond=None)[0]
+        weights = scale / np.maximum(np.abs(x @ coef - y), floor)
+    return coef
