@@ -65,6 +65,9 @@ def test_rows_of_an_older_log_count_one_prefill_chunk():
                            "measured_s": 0.12}], H200)  # a pdmux round: left out
     assert rows[:, 0].tolist() == [6, 5] and rows[:, 1].tolist() == [1.0, 0.0]
     assert rows[0, 4:].tolist() == [H200.host_per_request_s, H200.host_eager_s]  # no logged terms: the profile's
+    eager = temporal_rows([{"num_decodes": 5, "num_prefill_tokens": 0, "predicted_s": 0.1, "measured_s": 0.12,
+                            "cuda_graphs": False}], H200)
+    assert eager[0, 1] == 1.0  # decode-only on a server without CUDA graphs runs eagerly
 
 
 def test_the_terms_logged_with_each_record_are_the_baseline():

@@ -283,9 +283,10 @@ def test_iteration_log_carries_the_planning_host_terms(tmp_path):
     metrics = ServerMetrics("m", str(log))
     engine = SimpleNamespace(scheduler=SimpleNamespace(policy=SimpleNamespace(config=SimpleNamespace(profile=h200)),
                                                        running=[], waiting=[]),
-                             block_manager=SimpleNamespace(usage=0.0))
+                             block_manager=SimpleNamespace(usage=0.0), graphs=None)
     metrics.watch_engine(engine)
     metrics.on_step(StepStats(Plan(predicted_s=0.05), 3, 100, 0.06, 0, num_prefills=1), [], 1.0)
     rec = json.loads(log.read_text())
     assert (rec["host_per_request_s"], rec["host_eager_s"]) == (h200.host_per_request_s, h200.host_eager_s)
+    assert rec["cuda_graphs"] is False  # an engine without recorded graphs (eager)
     assert (rec["num_decodes"], rec["num_prefills"], rec["num_prefill_tokens"], rec["prefill_layers"]) == (3, 1, 100, None)

@@ -4,8 +4,8 @@ paper; ``duetserve.planner.cost_model``, "Host time").
 ``duetserve serve --iteration-log LOG`` writes one JSON line per iteration with the plan's
 ``predicted_s`` and the ``measured_s`` wall time of the whole engine step. For a temporal
 iteration of ``R`` requests the cost model adds ``R h_r + e h_e`` seconds of host time
-(``e = 1`` when the iteration has prefill tokens and runs eagerly, as on a server with CUDA
-graphs). The log's predictions were made with terms ``h_r0``, ``h_e0`` (each record carries
+(``e = 1`` when the iteration runs eagerly: it has prefill tokens, or the server records no
+CUDA graphs, ``cuda_graphs`` false in the log). The log's predictions were made with terms ``h_r0``, ``h_e0`` (each record carries
 them; older logs: the profile's), so ``measured - predicted + R h_r0 + e h_e0`` is
 ``R h_r + e h_e`` plus noise. The fit minimises the sum of relative errors ``|pred - meas| /
 meas`` (L1, by iteratively reweighted least squares: robust to a stray slow iteration such as
@@ -68,7 +68,8 @@ _NUMERIC = ("k", "predicted_s", "measured_s", "num_decodes", "num_prefills", "nu
 def temporal_rows(records: Iterable[Mapping[str, Any]], profile: HardwareProfile) -> np.ndarray:
     """``(N, 6)`` array of the temporal single-step iterations with both times, columns ``R``
     (decodes plus prefill chunks; logs without ``num_prefills`` count one chunk when there are
-    prefill tokens), ``e`` (1.0 eager), ``predicted_s``, ``measured_s`` and the two host terms
+    prefill tokens), ``e`` (1.0 eager: prefill tokens, or a server without CUDA graphs),
+    ``predicted_s``, ``measured_s`` and the two host terms
     the prediction used (the record's, else ``profile``'s)."""
     rows = []
     for r in records:
@@ -77,8 +78,9 @@ def temporal_rows(records: Iterable[Mapping[str, Any]], profile: HardwareProfile
             continue
         prefill = r.get("num_prefill_tokens", 0) > 0
         requests = r.get("num_decodes", 0) + r.get("num_prefills", int(prefill))
+        eager = prefill or not r.get("cuda_graphs", True)  # without graphs every iteration is eager
         if requests:
-            rows.append((requests, float(prefill), pred, meas, r.get("host_per_request_s", profile.host_per_request_s),
+            rows.append((requests, float(eager), pred, meas, r.get("host_per_request_s", profile.host_per_request_s),
                          r.get("host_eager_s", profile.host_eager_s)))
     return np.array(rows, dtype=float).reshape(-1, 6)
 

@@ -24,9 +24,9 @@ class ServerMetrics:
         # "s_prefill", "k", "steps", "predicted_s", "measured_s", "predicted_decode_s" (one step),
         # "predicted_prefill_s", "decode_stream_s" / "prefill_stream_s" (each stream's busy time
         # between CUDA events, spatial plans on the GPU; else null), "num_decodes", "num_prefills"
-        # (prefill chunks), "num_prefill_tokens", "prefill_layers" (pdmux rounds), and the planning
-        # profile's "host_per_request_s" / "host_eager_s" (policies that predict; calibrate
-        # --iteration-log fits new ones against them)}
+        # (prefill chunks), "num_prefill_tokens", "prefill_layers" (pdmux rounds), and for policies
+        # that predict the planning profile's "host_per_request_s" / "host_eager_s" and whether
+        # decode-only batches replay CUDA graphs, "cuda_graphs" (calibrate --iteration-log)}
         # (`duetserve bench --iteration-log` marks spatial iterations with it).
         self._iteration_log = open(iteration_log, "a", buffering=1) if iteration_log else None  # noqa: SIM115
         self._host_terms: dict[str, float] = {}
@@ -70,7 +70,8 @@ class ServerMetrics:
         terms its policy predicts with (for the iteration log)."""
         profile = getattr(getattr(engine.scheduler.policy, "config", None), "profile", None)
         if profile is not None:
-            self._host_terms = {"host_per_request_s": profile.host_per_request_s, "host_eager_s": profile.host_eager_s}
+            self._host_terms = {"host_per_request_s": profile.host_per_request_s, "host_eager_s": profile.host_eager_s,
+                                "cuda_graphs": getattr(engine, "graphs", None) is not None}
         lab = self._label
         self.running.labels(**lab).set_function(lambda: len(engine.scheduler.running))
         self.waiting.labels(**lab).set_function(lambda: len(engine.scheduler.waiting))
