@@ -190,7 +190,8 @@ class ModelRunner:
         self.partition = partition
         self.last_stream_seconds: dict[str, float] = {}  # spatial plans: busy time of each joined stream
         self.prefill_done = True  # False after a layer-split prefill round that left layers to run
-        self._split: tuple | None = None  # layer-split prefill in flight: (key, inputs, state, next layer)
+        # layer-split prefill in flight: (key, inputs, state, next layer, host copy of its tokens or None)
+        self._split: tuple | None = None
         self._unjoined: torch.cuda.Stream | None = None  # prefill stream still running a split's layers
         self.interrupt: Callable[[], bool] | None = None  # True: stop a multi-step decode early
 
@@ -232,10 +233,10 @@ class ModelRunner:
         running (at most ``plan.k``, the steps whose KV slots the scheduler reserved): decode
         neither idles behind a prefill that runs longer than predicted nor holds up the next
         iteration when it runs shorter, at the cost of a short host gap between steps; a step
-        may still start just after the prefill ended (the check and the launch are not atomic). A decode-only plan (multi-step decode) keeps
-        the next step queued behind the running one (its inputs built while the GPU works) and
-        stops starting steps once ``interrupt()`` says new work waits; otherwise all ``plan.k``
-        steps run.
+        may still start just after the prefill ended (the check and the launch are not atomic).
+        A decode-only plan (multi-step decode) keeps the next step queued behind the running one
+        (its inputs built while the GPU works) and stops starting steps once ``interrupt()``
+        says new work waits; otherwise all ``plan.k`` steps run.
         """
         run, joined = None, None
         try:

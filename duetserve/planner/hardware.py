@@ -283,12 +283,9 @@ def _profile_dir():  # a Traversable (importlib.resources)
     return resources.files("duetserve.planner") / "profiles"
 
 
-OVERHEAD_FIELDS = _OPTIONAL_PROVENANCE_FIELDS
-
-
 def roofline_only(profile: HardwareProfile) -> HardwareProfile:
     """``profile`` without the calibrated per-kernel and host overheads and attention
     efficiency: the pure roofline of DESIGN section 3."""
-    provenance = {k: v for k, v in profile.provenance.items() if k not in OVERHEAD_FIELDS}
+    provenance = {k: v for k, v in profile.provenance.items() if k not in _OPTIONAL_PROVENANCE_FIELDS}
     return replace(profile, kernel_gpu_s=0.0, launch_cpu_s=0.0, kernels_per_layer={}, kernels_per_forward={},
                    attention_efficiency=1.0, host_per_request_s=0.0, host_eager_s=0.0, provenance=provenance)

@@ -29,7 +29,7 @@ class ServerMetrics:
         # decode-only batches replay CUDA graphs, "cuda_graphs" (calibrate --iteration-log)}
         # (`duetserve bench --iteration-log` marks spatial iterations with it).
         self._iteration_log = open(iteration_log, "a", buffering=1) if iteration_log else None  # noqa: SIM115
-        self._host_terms: dict[str, float] = {}
+        self._planning: dict[str, float | bool] = {}  # host terms and CUDA graphs the predictions assume
         self.registry = CollectorRegistry()
         r, label = self.registry, {"model_name": model_name}
         self._label = label
@@ -70,7 +70,7 @@ class ServerMetrics:
         terms its policy predicts with (for the iteration log)."""
         profile = getattr(getattr(engine.scheduler.policy, "config", None), "profile", None)
         if profile is not None:
-            self._host_terms = {"host_per_request_s": profile.host_per_request_s, "host_eager_s": profile.host_eager_s,
+            self._planning = {"host_per_request_s": profile.host_per_request_s, "host_eager_s": profile.host_eager_s,
                                 "cuda_graphs": getattr(engine, "graphs", None) is not None}
         lab = self._label
         self.running.labels(**lab).set_function(lambda: len(engine.scheduler.running))
@@ -106,7 +106,7 @@ class ServerMetrics:
                     "decode_stream_s": stats.stream_s.get("decode"), "prefill_stream_s": stats.stream_s.get("prefill"),
                     "num_decodes": stats.num_decodes, "num_prefills": stats.num_prefills,
                     "num_prefill_tokens": stats.num_prefill_tokens, "prefill_layers": plan.prefill_layers,
-                    **self._host_terms}) + "\n")
+                    **self._planning}) + "\n")
         for out in outputs:
             rid = out.request_id
             if out.new_token_ids:
