@@ -24,9 +24,9 @@ step() {  # name, timeout seconds, command...
   python3 -c 'import torch, triton, transformers; print("torch", torch.__version__, "triton", triton.__version__, "transformers", transformers.__version__)'
   git log -1 --format='commit %H %cd' 2>/dev/null || true; } | tee "$OUT/env.txt"
 step tests 420 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu_engine.py tests/test_gpu_spatial.py \
-  tests/test_partition.py tests/test_triton_attention.py tests/test_fused_ops.py tests/test_triton_gemm.py
+  tests/test_partition.py tests/test_triton_attention.py tests/test_fused_ops.py
 step core-tests 300 python3 -m pytest -q -rP -m gpu -p no:cacheprovider tests/test_gpu_engine.py tests/test_gpu_spatial.py \
-  tests/test_partition.py tests/test_fused_ops.py tests/test_triton_gemm.py
+  tests/test_partition.py tests/test_fused_ops.py
 step attention 240 python3 scripts/bench_attention.py --out "$OUT/attention.json"
 step gemm 300 python3 scripts/bench_decode_gemm.py --out "$OUT/gemm.json"
 step engine 420 python3 scripts/bench_engine.py --iters 10 --variants ${ENGINE_VARIANTS:-graphs,eager} --out "$OUT/engine.json"
