@@ -22,7 +22,7 @@ step() {  # name, timeout seconds, command...
 }
 { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
   python3 -c 'import torch, triton, transformers; print("torch", torch.__version__, "triton", triton.__version__, "transformers", transformers.__version__)'
-  git log -1 --format='commit %H %cd' 2>/dev/null || true; } | tee "$OUT/env.txt"
+  bash scripts/tree_id.sh; } | tee "$OUT/env.txt"
 step tests 420 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu_engine.py tests/test_gpu_spatial.py \
   tests/test_partition.py tests/test_triton_attention.py tests/test_fused_ops.py
 step core-tests 300 python3 -m pytest -q -rP -m gpu -p no:cacheprovider tests/test_gpu_engine.py tests/test_gpu_spatial.py \

@@ -295,11 +295,11 @@ def _environment() -> dict[str, Any]:
             env[mod] = __import__(mod).__version__
         except Exception:  # noqa: BLE001
             env[mod] = None
-    try:
-        env["commit"] = subprocess.run(["git", "-C", str(ROOT), "log", "-1", "--format=%H %cd"],
-                                       capture_output=True, text=True, timeout=10).stdout.strip() or None
+    try:  # the working tree's git tree hash: right even where the copy's .git is stale
+        env["tree"] = subprocess.run(["bash", str(ROOT / "scripts" / "tree_id.sh")],
+                                     capture_output=True, text=True, timeout=60).stdout.strip() or None
     except (OSError, subprocess.TimeoutExpired):
-        env["commit"] = None
+        env["tree"] = None
     return env
 
 

@@ -1,0 +1,54 @@
+"""scripts/tree_id.sh names the code that ran, even where the copy's .git is stale."""
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "tree_id.sh"
+
+pytestmark = pytest.mark.skipif(shutil.which("git") is None, reason="needs git")
+
+
+def _git(repo: Path, *args: str) -> str:
+    return subprocess.run(["git", "-C", str(repo), *args], check=True, capture_output=True, text=True).stdout.strip()
+
+
+def _tree_id(repo: Path) -> str:
+    return subprocess.run(["bash", str(repo / "scripts" / "tree_id.sh")], check=True, capture_output=True,
+                          text=True).stdout.strip()
+
+
+def test_tree_id_is_the_working_tree_not_the_last_commit(tmp_path: Path) -> None:
+    repo = tmp_path / "repo"
+    (repo / "scripts").mkdir(parents=True)
+    shutil.copy(SCRIPT, repo / "scripts" / "tree_id.sh")
+    (repo / "a.py").write_text("x = 1\n")
+    (repo / ".gitignore").write_text("out/\n")
+    _git(repo, "init", "-q")
+    _git(repo, "add", "-A")
+    _git(repo, "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "one")
+    assert _tree_id(repo) == f"tree {_git(repo, 'rev-parse', 'HEAD^{tree}')}"
+
+    # the copy changed after its .git was made: an edit and a new file count, ignored files do not
+    (repo / "a.py").write_text("x = 2\n")
+    (repo / "b.py").write_text("y = 3\n")
+    (repo / "out").mkdir()
+    (repo / "out" / "result.json").write_text("{}")
+    changed = _tree_id(repo)
+    assert changed != f"tree {_git(repo, 'rev-parse', 'HEAD^{tree}')}"
+    assert _git(repo, "diff", "--cached", "--name-only") == ""  # nothing staged: the real index was left alone
+    _git(repo, "add", "-A")
+    _git(repo, "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "two")
+    assert changed == f"tree {_git(repo, 'rev-parse', 'HEAD^{tree}')}"
+
+
+def test_tree_id_without_a_repository(tmp_path: Path) -> None:
+    (tmp_path / "scripts").mkdir()
+    shutil.copy(SCRIPT, tmp_path / "scripts" / "tree_id.sh")
+    env = {"PATH": "/usr/bin:/bin", "GIT_CEILING_DIRECTORIES": str(tmp_path.parent)}
+    out = subprocess.run(["bash", str(tmp_path / "scripts" / "tree_id.sh")], capture_output=True, text=True,
+                         env=env, check=True).stdout.strip()
+    assert out == "tree unknown (no git repository)"
