@@ -265,28 +265,59 @@ def test_iteration_log_records_every_iteration(server_proc):
     assert {"t", "spatial", "s_decode", "s_prefill", "k", "predicted_s", "measured_s"} <= set(rows[-1])
     assert all(r["measured_s"] > 0 and r["spatial"] is False for r in rows)  # no partition backend on the CPU
     assert all(r["decode_stream_s"] is None and r["prefill_stream_s"] is None for r in rows)  # no CUDA events
-    assert all(r["prefill_layers"] is None and "host_eager_s" not in r for r in rows)  # chunked predicts nothing
+    # chunked plans without predicting: the log carries the engine cost model's (h200 profile, no graphs on the CPU)
+    assert all(r["prefill_layers"] is None and r["predicted_s"] > 0 and r["cuda_graphs"] is False for r in rows)
+
+
+def _logging_metrics(tmp_path, cuda_graphs: bool = False):
+    """ServerMetrics writing an iteration log, watching a stand-in engine whose cost model is
+    Qwen3-8B on the h200 profile; returns (metrics, log path, cost model)."""
+    from types import SimpleNamespace
+
+    from duetserve.planner.cost_model import CostModel, ModelShape
+    from duetserve.planner.hardware import load_profile
+    from duetserve.server.metrics import ServerMetrics
+
+    cost_model = CostModel(ModelShape.preset("qwen3-8b"), load_profile("h200"), cuda_graphs=cuda_graphs)
+    log = tmp_path / "it.jsonl"
+    metrics = ServerMetrics("m", str(log))
+    metrics.watch_engine(SimpleNamespace(scheduler=SimpleNamespace(running=[], waiting=[]),
+                                         block_manager=SimpleNamespace(usage=0.0), cost_model=cost_model))
+    return metrics, log, cost_model
 
 
 def test_iteration_log_carries_the_planning_host_terms(tmp_path):
-    """A predicting policy's records carry the host terms of the profile it plans with
-    (`calibrate --iteration-log` fits against them)."""
-    from types import SimpleNamespace
-
+    """Records carry the host terms of the profile the predictions use (`calibrate
+    --iteration-log` fits against them); a plan's own prediction is kept."""
     from duetserve.engine.engine import StepStats
-    from duetserve.planner.hardware import load_profile
     from duetserve.planner.optimizer import Plan
-    from duetserve.server.metrics import ServerMetrics
 
-    h200 = load_profile("h200")
-    log = tmp_path / "it.jsonl"
-    metrics = ServerMetrics("m", str(log))
-    engine = SimpleNamespace(scheduler=SimpleNamespace(policy=SimpleNamespace(config=SimpleNamespace(profile=h200)),
-                                                       running=[], waiting=[]),
-                             block_manager=SimpleNamespace(usage=0.0), graphs=None)
-    metrics.watch_engine(engine)
+    metrics, log, cost_model = _logging_metrics(tmp_path)
     metrics.on_step(StepStats(Plan(predicted_s=0.05), 3, 100, 0.06, 0, num_prefills=1), [], 1.0)
     rec = json.loads(log.read_text())
+    h200 = cost_model.profile
     assert (rec["host_per_request_s"], rec["host_eager_s"]) == (h200.host_per_request_s, h200.host_eager_s)
     assert rec["cuda_graphs"] is False  # an engine without recorded graphs (eager)
     assert (rec["num_decodes"], rec["num_prefills"], rec["num_prefill_tokens"], rec["prefill_layers"]) == (3, 1, 100, None)
+    assert rec["predicted_s"] == 0.05
+
+
+def test_iteration_log_predicts_plans_without_a_prediction(tmp_path):
+    """chunked and prefill-first plan nothing: their records get the engine cost model's
+    prediction of the batch as scheduled, (q, c) per sequence on all SMs; a multi-step decode
+    of k steps k times one step."""
+    from duetserve.engine.engine import StepStats
+    from duetserve.engine.scheduler import ScheduledSeq
+    from duetserve.planner.optimizer import Plan
+
+    metrics, log, cost_model = _logging_metrics(tmp_path, cuda_graphs=True)
+    mixed = [ScheduledSeq(None, 1, 700), ScheduledSeq(None, 1, 3000), ScheduledSeq(None, 2048, 1024)]
+    metrics.on_step(StepStats(Plan(), 2, 2048, 0.07, 0, num_prefills=1, scheduled=mixed), [], 1.0)
+    decodes = [ScheduledSeq(None, 1, 700), ScheduledSeq(None, 1, 3000)]
+    metrics.on_step(StepStats(Plan(k=4), 2, 0, 0.03, 0, decode_steps=4, scheduled=decodes), [], 2.0)
+    first, multi = (json.loads(line) for line in log.read_text().splitlines())
+    one_step = float(cost_model.predict_total([(1, 700), (1, 3000)], 132))
+    assert first["predicted_s"] == pytest.approx(float(cost_model.predict_total([(1, 700), (1, 3000), (2048, 1024)], 132)))
+    assert first["predicted_s"] > 0.05  # a 2k-token chunk of Qwen3-8B: tens of ms, eager
+    assert multi["predicted_s"] == pytest.approx(4 * one_step) and 0.004 < one_step < 0.01  # graph-replayed steps
+    assert multi["cuda_graphs"] is True

@@ -21,11 +21,13 @@ from duetserve.engine.model_runner import (
 )
 from duetserve.engine.policy import Plan, make_policy
 from duetserve.engine.sampler import Sampler
-from duetserve.engine.scheduler import Scheduler
+from duetserve.engine.scheduler import ScheduledSeq, Scheduler
 from duetserve.engine.sequence import Sequence
 from duetserve.model.backends import make_attention_backend
 from duetserve.model.loader import load_model
 from duetserve.partition import make_partition_backend
+from duetserve.planner.cost_model import CostModel, ModelShape
+from duetserve.planner.hardware import load_profile
 from duetserve.sampling import ParamError, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -58,9 +60,11 @@ class RequestOutput:
 @dataclass
 class StepStats:
     """One iteration, for metrics: plan, sizes, wall time (seconds), the decode steps that
-    ran (at most ``plan.k``: a spatial plan stops at its prefill's end) and, for plans on
-    CUDA streams, each stream's busy seconds between CUDA events (``{"decode": s,
-    "prefill": s}``; empty on the CPU and for temporal plans)."""
+    ran (at most ``plan.k``: a spatial plan stops at its prefill's end), for plans on
+    CUDA streams each stream's busy seconds between CUDA events (``{"decode": s,
+    "prefill": s}``; empty on the CPU and for temporal plans), and the ``scheduled``
+    sequences (decodes first), whose ``num_new_tokens`` / ``num_cached_tokens`` are the
+    ``(q, c)`` they were scheduled with."""
 
     plan: Plan
     num_decodes: int
@@ -70,6 +74,7 @@ class StepStats:
     decode_steps: int = 1
     stream_s: dict[str, float] = field(default_factory=dict)
     num_prefills: int = 0
+    scheduled: list[ScheduledSeq] = field(default_factory=list)
 
 
 @dataclass
@@ -115,6 +120,10 @@ class LLMEngine:
                         config.partition_backend, self.partition.reason)
         policy = make_policy(dataclasses.replace(config, partition_backend=self.partition.name), loaded.config.to_dict())
         self.graphs, split_graphs = self._capture_graphs(kv, num_blocks, policy)
+        # The served model's cost model on the configured profile, whatever the policy: the
+        # iteration log's predictions for policies that do not plan with one (chunked).
+        self.cost_model = CostModel(ModelShape.from_hf_config(loaded.config.to_dict()),
+                                    load_profile(config.hardware_profile), cuda_graphs=self.graphs is not None)
         self.runner = ModelRunner(self.model, kv, config.block_size, self.device, self.sampler, self.graphs,
                                   self.partition, split_graphs, scratch_slot=num_blocks * config.block_size)
         self.scheduler = Scheduler(policy, self.block_manager, config.max_num_seqs,
@@ -260,7 +269,7 @@ class LLMEngine:
                 self.last_stats = StepStats(out.plan, len(out.decodes), out.num_prefill_tokens,
                                             time.perf_counter() - start, len(out.preempted),
                                             steps or int(bool(out.decodes)),
-                                            dict(stream_s), len(out.prefills))
+                                            dict(stream_s), len(out.prefills), out.scheduled)
             if outputs or part.final:
                 yield outputs
 

@@ -7,6 +7,7 @@ import time
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from duetserve.engine.engine import LLMEngine, RequestOutput, StepStats
+from duetserve.planner.cost_model import CostModel
 
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0,
                     2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
@@ -24,12 +25,14 @@ class ServerMetrics:
         # "s_prefill", "k", "steps", "predicted_s", "measured_s", "predicted_decode_s" (one step),
         # "predicted_prefill_s", "decode_stream_s" / "prefill_stream_s" (each stream's busy time
         # between CUDA events, spatial plans on the GPU; else null), "num_decodes", "num_prefills"
-        # (prefill chunks), "num_prefill_tokens", "prefill_layers" (pdmux rounds), and for policies
-        # that predict the planning profile's "host_per_request_s" / "host_eager_s" and whether
-        # decode-only batches replay CUDA graphs, "cuda_graphs" (calibrate --iteration-log)}
-        # (`duetserve bench --iteration-log` marks spatial iterations with it).
+        # (prefill chunks), "num_prefill_tokens", "prefill_layers" (pdmux rounds), the profile's
+        # "host_per_request_s" / "host_eager_s" the predictions include and whether decode-only
+        # batches replay CUDA graphs, "cuda_graphs" (calibrate --iteration-log)}
+        # (`duetserve bench --iteration-log` marks spatial iterations with it). Policies that
+        # plan without a prediction (chunked, prefill-first) get the engine's cost model's.
         self._iteration_log = open(iteration_log, "a", buffering=1) if iteration_log else None  # noqa: SIM115
         self._planning: dict[str, float | bool] = {}  # host terms and CUDA graphs the predictions assume
+        self._cost_model: CostModel | None = None  # predicts iterations whose plan has no prediction
         self.registry = CollectorRegistry()
         r, label = self.registry, {"model_name": model_name}
         self._label = label
@@ -66,12 +69,12 @@ class ServerMetrics:
         self._last: dict[str, float] = {}
 
     def watch_engine(self, engine: LLMEngine) -> None:
-        """Read running/waiting counts and KV usage from ``engine`` at every scrape, and the host
-        terms its policy predicts with (for the iteration log)."""
-        profile = getattr(getattr(engine.scheduler.policy, "config", None), "profile", None)
-        if profile is not None:
-            self._planning = {"host_per_request_s": profile.host_per_request_s, "host_eager_s": profile.host_eager_s,
-                                "cuda_graphs": getattr(engine, "graphs", None) is not None}
+        """Read running/waiting counts and KV usage from ``engine`` at every scrape; take its cost
+        model (``LLMEngine.cost_model``) and the host terms it predicts with for the iteration log."""
+        self._cost_model = engine.cost_model
+        profile = self._cost_model.profile
+        self._planning = {"host_per_request_s": profile.host_per_request_s, "host_eager_s": profile.host_eager_s,
+                          "cuda_graphs": self._cost_model.cuda_graphs}
         lab = self._label
         self.running.labels(**lab).set_function(lambda: len(engine.scheduler.running))
         self.waiting.labels(**lab).set_function(lambda: len(engine.scheduler.waiting))
@@ -100,7 +103,7 @@ class ServerMetrics:
             if self._iteration_log is not None:
                 self._iteration_log.write(json.dumps({
                     "t": time.time(), "spatial": plan.spatial, "s_decode": plan.s_decode, "s_prefill": plan.s_prefill,
-                    "k": plan.k, "steps": stats.decode_steps, "predicted_s": plan.predicted_s,
+                    "k": plan.k, "steps": stats.decode_steps, "predicted_s": self._predicted(stats),
                     "measured_s": stats.duration_s, "predicted_decode_s": plan.predicted_decode_s,
                     "predicted_prefill_s": plan.predicted_prefill_s,
                     "decode_stream_s": stats.stream_s.get("decode"), "prefill_stream_s": stats.stream_s.get("prefill"),
@@ -122,6 +125,16 @@ class ServerMetrics:
                 if rid in self._arrival:
                     self.e2e.labels(**lab).observe(now - self._arrival[rid])
                 self._drop(rid)
+
+    def _predicted(self, stats: StepStats) -> float | None:
+        """The plan's predicted seconds; for a plan without one, the engine cost model's for the
+        batch on all SMs (``k`` times one step for a multi-step decode), None without a model."""
+        plan = stats.plan
+        if plan.predicted_s is not None or self._cost_model is None or not stats.scheduled:
+            return plan.predicted_s
+        reqs = [(s.num_new_tokens, s.num_cached_tokens) for s in stats.scheduled]
+        one = float(self._cost_model.predict_total(reqs, self._cost_model.profile.num_sms))
+        return one * plan.k if not stats.num_prefill_tokens else one
 
     def forget(self, request_id: str) -> None:
         """A request was aborted (e.g. its client went away): counted as finished with reason
