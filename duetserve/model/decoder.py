@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from duetserve.model.attention import AttentionBackend, AttentionMetadata
-from duetserve.model.layers import MergedLinear, RMSNorm, RotaryEmbedding, SwiGLU
+from duetserve.model.layers import Linear, MergedLinear, RMSNorm, RotaryEmbedding, SwiGLU
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen3", "mistral")
 
@@ -72,7 +72,7 @@ class Attention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = h, hkv, hd
         self.qkv_proj = MergedLinear(d, {"q_proj": h * hd, "k_proj": hkv * hd, "v_proj": hkv * hd},
                                      bias=dims.attention_bias)
-        self.o_proj = nn.Linear(h * hd, d, bias=dims.attention_bias)
+        self.o_proj = Linear(h * hd, d, bias=dims.attention_bias)
         if dims.qk_norm:
             self.q_norm = RMSNorm(hd, dims.rms_norm_eps)
             self.k_norm = RMSNorm(hd, dims.rms_norm_eps)
@@ -133,7 +133,7 @@ class CausalLM(nn.Module):
         self.dims = ModelDims.from_config(config)
         self.rotary = RotaryEmbedding(config, self.dims.head_dim, max_positions)
         self.model = _Body(self.dims, self.rotary, backend)
-        self.lm_head = nn.Linear(self.dims.hidden_size, self.dims.vocab_size, bias=False)
+        self.lm_head = Linear(self.dims.hidden_size, self.dims.vocab_size, bias=False)
         if self.dims.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 

@@ -1,14 +1,29 @@
-"""Building blocks of the decoder: RMSNorm, rotary position embedding, merged linear layers, SwiGLU MLP.
+"""Building blocks of the decoder: RMSNorm, rotary position embedding, linear layers, SwiGLU MLP.
 
 The arithmetic lives in ``duetserve.model.fused_ops`` (fused Triton kernels on CUDA, torch
 elsewhere); these modules hold the weights and tables.
+
+Linear layers run cuBLAS (``torch.nn.functional.linear``) unless ``DUETSERVE_DECODE_GEMM`` is
+``triton``: then a decode-sized input (at most ``triton_gemm.MAX_M`` rows, bfloat16/float16, on
+CUDA, or on a CPU under ``TRITON_INTERPRET=1`` for tests) runs the skinny Triton GEMM of
+``duetserve.model.triton_gemm``, the SwiGLU down projection with its activation fused in, and
+the fused ops' Triton kernels are launched with programmatic dependent launch on Hopper.
+The default, ``cublas``, keeps cuBLAS and the separate activation kernel.
 """
 from __future__ import annotations
 
+import functools
+import importlib
+import os
+from types import ModuleType
+
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from duetserve.model.fused_ops import apply_rope_and_cache, rms_norm, silu_and_mul
+
+DECODE_GEMM_ENV = "DUETSERVE_DECODE_GEMM"
 
 
 class RMSNorm(nn.Module):
@@ -61,7 +76,69 @@ class RotaryEmbedding(nn.Module):
         return apply_rope_and_cache(positions, q, k, v, self.cos, self.sin, *kv_cache, slot_mapping, *weights)
 
 
-class MergedLinear(nn.Linear):
+def decode_gemm_mode() -> str:
+    """``DUETSERVE_DECODE_GEMM``: ``cublas`` (the default) or ``triton`` (see the module docstring).
+
+    Raises:
+        ValueError: any other value.
+    """
+    mode = os.environ.get(DECODE_GEMM_ENV, "cublas")
+    if mode not in ("cublas", "triton"):
+        raise ValueError(f"{DECODE_GEMM_ENV} must be cublas or triton, got {mode!r}")
+    return mode
+
+
+@functools.cache
+def _gemm_kernels() -> ModuleType:
+    """``duetserve.model.triton_gemm`` (imported on first use: it needs triton).
+
+    Raises:
+        RuntimeError: triton does not import.
+    """
+    try:
+        return importlib.import_module("duetserve.model.triton_gemm")
+    except ImportError as exc:
+        raise RuntimeError(f"{DECODE_GEMM_ENV}=triton but triton does not import ({exc})") from exc
+
+
+def use_decode_gemm(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether ``linear(x, weight, ...)`` runs the Triton decode GEMM (see the module docstring).
+
+    Raises:
+        ValueError, RuntimeError: as ``decode_gemm_mode`` and ``_gemm_kernels``.
+    """
+    if decode_gemm_mode() != "triton" or not (x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"):
+        return False
+    gemm = _gemm_kernels()
+    return (x.dim() == 2 and 1 <= x.shape[0] <= gemm.MAX_M and x.dtype in gemm.DTYPES and weight.dtype == x.dtype
+            and x.stride(-1) == 1 and weight.stride(-1) == 1)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           swiglu: bool = False) -> torch.Tensor:
+    """``x @ weight^T + bias``; with ``swiglu``, of ``silu_and_mul(x)`` (the input ``[T, 2K]``, gate then up).
+
+    Args:
+        x: ``[..., K]`` (``[..., 2K]`` with ``swiglu``) float tensor.
+        weight: ``[N, K]``; bias: ``[N]`` or None; both in x's dtype.
+
+    Returns:
+        ``[..., N]`` in x's dtype: the Triton decode GEMM's where ``use_decode_gemm`` says so, else
+        cuBLAS's (after ``fused_ops.silu_and_mul`` with ``swiglu``).
+    """
+    if use_decode_gemm(x, weight):
+        return _gemm_kernels().decode_gemm(x, weight, bias, swiglu)
+    return F.linear(silu_and_mul(x) if swiglu else x, weight, bias)
+
+
+class Linear(nn.Linear):
+    """``nn.Linear`` computed by ``linear``: cuBLAS, or the Triton decode GEMM (``DUETSERVE_DECODE_GEMM``)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias)
+
+
+class MergedLinear(Linear):
     """Linear layers over the same input run as one GEMM: their weight rows concatenated in order.
 
     Checkpoints keep the parts' Hugging Face names (``q_proj``/``k_proj``/``v_proj``,
@@ -95,7 +172,8 @@ class SwiGLU(nn.Module):
     def __init__(self, hidden: int, intermediate: int, bias: bool = False):
         super().__init__()
         self.gate_up_proj = MergedLinear(hidden, {"gate_proj": intermediate, "up_proj": intermediate}, bias)
-        self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
+        self.down_proj = Linear(intermediate, hidden, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        """``[T, hidden]``; the activation runs inside the down projection's GEMM (``linear(..., swiglu=True)``)."""
+        return linear(self.gate_up_proj(x), self.down_proj.weight, self.down_proj.bias, swiglu=True)

@@ -10,6 +10,11 @@ so bf16 results stay within one rounding of transformers' at each step.
 No kernel takes the number of tokens as an argument (it is only the grid), so one compiled
 kernel serves every batch size, and all of them can be captured in a CUDA graph once warm.
 
+With ``DUETSERVE_DECODE_GEMM=triton`` (``layers.decode_gemm_mode``) on Hopper, the kernels are
+launched with programmatic dependent launch, like ``triton_gemm``'s: each may start while the
+previous kernel drains, waits for it (``griddepcontrol.wait``) before any global memory access,
+then lets the next kernel launch.
+
 On a machine without a GPU the kernels run under Triton's interpreter (``TRITON_INTERPRET=1``
 set before this module is imported).
 """
@@ -18,6 +23,10 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+from duetserve.model.layers import decode_gemm_mode
+from duetserve.model.triton_gemm import pdl_supported
 
 _SILU_BLOCK = 1024  # intermediate columns per SiLU-and-mul program
 _ROPE_TILE = 512  # elements (heads x half head size) per RoPE program and half
@@ -28,10 +37,24 @@ def _warps(elements: int) -> int:
     return max(1, min(8, elements // 256))
 
 
+def _pdl(x: torch.Tensor) -> bool:
+    """Whether kernels on ``x`` are launched with programmatic dependent launch (module docstring)."""
+    return decode_gemm_mode() == "triton" and pdl_supported(x)
+
+
+@triton.jit
+def _pdl_wait(PDL: tl.constexpr):
+    """With ``PDL``: wait for the previous kernel to finish, then let the next one launch."""
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
+
+
 @triton.jit
 def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, stride_x, stride_r, stride_o, stride_ro, n, eps,
-                     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+                     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
     """One row: ``s = x (+ residual)`` in the input dtype, then ``w * (s * rsqrt(mean(s^2) + eps))``."""
+    _pdl_wait(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < n
@@ -65,9 +88,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     res_out = torch.empty_like(x) if residual is not None else x
     res = residual if residual is not None else x
     block = triton.next_power_of_2(n)
+    pdl = _pdl(x)
     _rms_norm_kernel[(x.shape[0],)](x, res, weight, out, res_out, x.stride(0), res.stride(0), out.stride(0),
                                     res_out.stride(0), n, eps, HAS_RESIDUAL=residual is not None, BLOCK=block,
-                                    num_warps=_warps(block))
+                                    PDL=pdl, num_warps=_warps(block), launch_pdl=pdl)
     return out, res_out
 
 
@@ -113,13 +137,14 @@ def _copy_heads(src, stride_h, dst, dst_stride_h, heads, h0, offs_d, d_ok, HALF:
 def _rope_kernel(q_ptr, k_ptr, v_ptr, q_out, k_out, v_out, slot_ptr, pos_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr,
                  stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, stride_cos,
                  num_q_heads, num_kv_heads, eps, HALF: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr,
-                 NORM: tl.constexpr, CACHE: tl.constexpr):
+                 NORM: tl.constexpr, CACHE: tl.constexpr, PDL: tl.constexpr):
     """Program ``(t, tile)``: a tile of ``BLOCK_H`` query heads, or (tiles past the queries') key heads.
 
     Rotated keys go to row ``t`` of ``k_out``, or with ``CACHE`` to row ``slot_mapping[t]`` of the
     paged cache ``k_out``, where the same program also copies the token's values into ``v_out``
     (both caches ``stride_ot``/``stride_oh`` per slot/head).
     """
+    _pdl_wait(PDL)
     t = tl.program_id(0).to(tl.int64)
     tile = tl.program_id(1)
     offs_d = tl.arange(0, BLOCK_D)
@@ -155,11 +180,12 @@ def _launch_rope(positions, q, k, cos, sin, q_weight, k_weight, eps, k_out, v=No
     grid = (t, triton.cdiv(hq, block_h) + triton.cdiv(hkv, block_h))
     norm, cache = q_weight is not None, v is not None
     v, v_out, slot_mapping = (v, v_out, slot_mapping) if cache else (k, k_out, positions)
+    pdl = _pdl(q)
     _rope_kernel[grid](q, k, v, q_out, k_out, v_out, slot_mapping, positions, cos, sin,
                        q_weight if norm else q, k_weight if norm else k, q.stride(0), q.stride(1), k.stride(0),
                        k.stride(1), v.stride(0), v.stride(1), k_out.stride(0), k_out.stride(1), cos.stride(0), hq,
-                       hkv, eps, HALF=half, BLOCK_D=block_d, BLOCK_H=block_h, NORM=norm, CACHE=cache,
-                       num_warps=_warps(block_h * block_d))
+                       hkv, eps, HALF=half, BLOCK_D=block_d, BLOCK_H=block_h, NORM=norm, CACHE=cache, PDL=pdl,
+                       num_warps=_warps(block_h * block_d), launch_pdl=pdl)
     return q_out
 
 
@@ -212,8 +238,9 @@ def apply_rope_and_cache(positions: torch.Tensor, q: torch.Tensor, k: torch.Tens
 
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, n, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, n, BLOCK: tl.constexpr, PDL: tl.constexpr):
     """Program ``(t, j)``: ``silu(gate) * up`` for columns ``j*BLOCK..`` of token ``t``, silu rounded first."""
+    _pdl_wait(PDL)
     t = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
@@ -229,5 +256,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     n = x.shape[-1] // 2
     out = torch.empty((x.shape[0], n), dtype=x.dtype, device=x.device)
     grid = (x.shape[0], triton.cdiv(n, _SILU_BLOCK))
-    _silu_and_mul_kernel[grid](x, out, x.stride(0), out.stride(0), n, BLOCK=_SILU_BLOCK, num_warps=4)
+    pdl = _pdl(x)
+    _silu_and_mul_kernel[grid](x, out, x.stride(0), out.stride(0), n, BLOCK=_SILU_BLOCK, PDL=pdl, num_warps=4,
+                               launch_pdl=pdl)
     return out
