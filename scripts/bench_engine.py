@@ -3,13 +3,15 @@
 Decode: batch 1/8/32/64/128 x context 512/2048/8192, with CUDA graphs and eagerly, against
 the floor ``bytes(weights + KV read) / 4.19 TB/s`` (DESIGN section 5's measured copy rate).
 Prefill: 8192 tokens as 1 x 8192 and 8 x 1024, TFLOP/s over useful (causal) FLOPs against
-797 TFLOP/s. Writes JSON to ``--out`` and prints a table.
+797 TFLOP/s. Variant ``graphs-tgemm``: graphs with ``DUETSERVE_DECODE_GEMM=triton`` (the Triton
+decode GEMM and programmatic dependent launch). Writes JSON to ``--out`` and prints a table.
 """
 from __future__ import annotations
 
 import argparse
-import subprocess
 import json
+import os
+import subprocess
 import sys
 import tempfile
 import time
@@ -26,6 +28,7 @@ from duetserve.engine.scheduler import SchedulerOutput
 COPY_BW = 4.19e12
 MULTI_STEP = 8  # steps of the multi-step decode variant
 GEMM_RATE = 797e12
+VARIANT_ENV = {"graphs": {}, "eager": {}, "graphs-tgemm": {"DUETSERVE_DECODE_GEMM": "triton"}}  # child env
 
 
 def time_step(engine: LLMEngine, out: SchedulerOutput, iters: int) -> float:
@@ -100,7 +103,7 @@ def main() -> int:
     ap.add_argument("--out", type=Path, default=Path("bench_engine.json"))
     ap.add_argument("--attention-backend", default="auto")
     ap.add_argument("--iters", type=int, default=20)
-    ap.add_argument("--variant", choices=("graphs", "eager"), help="run one variant (used internally)")
+    ap.add_argument("--variant", choices=tuple(VARIANT_ENV), help="run one variant (used internally)")
     ap.add_argument("--variants", default="graphs,eager", help="variants to run, each in its own process")
     args = ap.parse_args()
     if args.variant:
@@ -110,22 +113,28 @@ def main() -> int:
     for variant in args.variants.split(","):  # one process each: a fresh GPU memory pool per engine
         path = args.out.with_suffix(f".{variant}.json")
         subprocess.run([sys.executable, __file__, "--variant", variant, "--out", str(path), "--attention-backend",
-                        args.attention_backend, "--iters", str(args.iters)], check=True)
+                        args.attention_backend, "--iters", str(args.iters)], check=True,
+                       env={**os.environ, **VARIANT_ENV[variant]})
         runs[variant] = json.loads(path.read_text())
     args.out.write_text(json.dumps(runs, indent=1))
     eager = {(r["batch"], r["ctx"]): r for r in runs.get("eager", {}).get("decode", [])}
-    print(f"\ndecode step, ms (graphs recorded: {runs['graphs']['graphs']}); floor = bytes(weights+KV)/4.19 TB/s")
+    tgemm = {(r["batch"], r["ctx"]): r for r in runs.get("graphs-tgemm", {}).get("decode", [])}
+    nan = {"ms": float("nan"), "ratio": float("nan"), "multi_step_ratio": float("nan")}
+    base = runs.get("graphs") or next(iter(runs.values()))
+    print(f"\ndecode step, ms (graphs recorded: {base['graphs']}); floor = bytes(weights+KV)/4.19 TB/s; "
+          f"tgemm: graphs with DUETSERVE_DECODE_GEMM=triton")
     print(f"{'batch':>5} {'ctx':>5} {'graphs':>8} {'eager':>8} {'floor':>7} {'ratio':>6} {'speedup':>7} "
-          f"{'8-step/step':>11} {'ratio':>6}")
-    for r in runs["graphs"]["decode"]:
-        e = eager.get((r["batch"], r["ctx"]), {"ms": float("nan")})
-        if "error" in r or "error" in e:
-            print(f"{r['batch']:>5} {r['ctx']:>5} ERROR {(r.get('error') or e.get('error'))[:70]}")
+          f"{'8-step/step':>11} {'ratio':>6} {'tgemm':>8} {'ratio':>6} {'8-step':>6}")
+    for r in base["decode"]:
+        e, t = (d.get((r["batch"], r["ctx"]), nan) for d in (eager, tgemm))
+        if "error" in r or "error" in e or "error" in t:
+            print(f"{r['batch']:>5} {r['ctx']:>5} ERROR {(r.get('error') or e.get('error') or t.get('error'))[:70]}")
             continue
         print(f"{r['batch']:>5} {r['ctx']:>5} {r['ms']:8.2f} {e['ms']:8.2f} {r['floor_ms']:7.2f} {r['ratio']:6.2f} "
-              f"{e['ms'] / r['ms']:7.2f} {r['multi_step_ms']:11.2f} {r['multi_step_ratio']:6.2f}")
+              f"{e['ms'] / r['ms']:7.2f} {r['multi_step_ms']:11.2f} {r['multi_step_ratio']:6.2f} {t['ms']:8.2f} "
+              f"{t['ratio']:6.2f} {t['multi_step_ratio']:6.2f}")
     print("\nprefill (graphs build)")
-    for r in runs["graphs"]["prefill"]:
+    for r in base["prefill"]:
         print(f"{r['shape']:>8} {r['ms']:8.1f} ms {r['tflops']:6.0f} TFLOP/s  {100 * r['frac_of_797']:5.1f}% of 797")
     return 0
 

@@ -28,6 +28,7 @@ step tests 420 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu_en
 step core-tests 300 python3 -m pytest -q -rP -m gpu -p no:cacheprovider tests/test_gpu_engine.py tests/test_gpu_spatial.py \
   tests/test_partition.py tests/test_fused_ops.py tests/test_triton_gemm.py
 step attention 240 python3 scripts/bench_attention.py --out "$OUT/attention.json"
+step gemm 300 python3 scripts/bench_decode_gemm.py --out "$OUT/gemm.json"
 step engine 420 python3 scripts/bench_engine.py --iters 10 --variants ${ENGINE_VARIANTS:-graphs,eager} --out "$OUT/engine.json"
 step profile 240 python3 scripts/profile_decode.py --out "$OUT/profile.json"
 step spatial 300 python3 scripts/bench_spatial.py --out "$OUT/spatial.json"
