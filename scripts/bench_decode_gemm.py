@@ -161,10 +161,31 @@ def layer_chain(best: dict) -> list[dict]:
             finally:
                 tg.default_config, tg.pdl_supported, tf.pdl_supported = default_config, pdl, pdl
         ref = outputs.get("cublas")
-        for name, out in outputs.items():  # the last replay's output of each variant
+        for name, out in outputs.items() if ref is not None else ():  # the last replay's output of each variant
             err = ((out.double() - ref.double()).norm() / ref.double().norm()).item()
             next(r for r in rows if r["m"] == m and r["variant"] == name)["rel_err_vs_cublas"] = err
     return rows
+
+
+def pdl_ptx() -> dict:
+    """Whether the default kernel is launched with PDL and its PTX reads weights before ``griddepcontrol.wait``."""
+    kernel, seen = tg._gemm_kernel, {}
+
+    class Spy:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                seen.update(launch_pdl=kwargs["launch_pdl"], ptx=kernel[grid](*args, **kwargs).asm["ptx"])
+            return launch
+
+    tg._gemm_kernel = Spy()
+    try:
+        x = torch.randn(8, HIDDEN, device="cuda", dtype=torch.bfloat16)
+        tg.decode_gemm(x, torch.randn(HIDDEN, HIDDEN, device="cuda", dtype=torch.bfloat16))
+    finally:
+        tg._gemm_kernel = kernel
+    ptx = seen["ptx"]
+    return {"launch_pdl": seen["launch_pdl"], "wait_in_ptx": "griddepcontrol.wait" in ptx,
+            "load_before_wait": -1 < ptx.find("ld.global") < ptx.find("griddepcontrol.wait")}
 
 
 def main() -> int:
@@ -174,11 +195,18 @@ def main() -> int:
     args = ap.parse_args()
     torch.manual_seed(0)
     t0 = time.monotonic()
+    try:
+        pdl = pdl_ptx()
+    except Exception as exc:  # report, and still time the kernels
+        pdl = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
+    print(f"PDL: {pdl}", flush=True)
     gemms = sweep(args.budget_s)
     best = {(r["n"], r["k"], r["m"]): tg.GemmConfig(**r["best"]["config"]) for r in gemms if r["best"]}
     chains = layer_chain(best)
-    args.out.write_text(json.dumps({"gemm": gemms, "chain": chains, "seconds": time.monotonic() - t0}, indent=1))
-    print(f"\nweight GEMMs, us per call in a graph (floor = bytes / {COPY_BW / 1e12:.2f} TB/s)")
+    args.out.write_text(json.dumps({"pdl": pdl, "gemm": gemms, "chain": chains, "seconds": time.monotonic() - t0},
+                                   indent=1))
+    print(f"\nPDL: {pdl}")
+    print(f"weight GEMMs, us per call in a graph (floor = bytes / {COPY_BW / 1e12:.2f} TB/s)")
     print(f"{'shape':>7} {'M':>3} {'floor':>7} {'cublas':>7} {'%':>4} {'default':>7} {'best':>7} {'%':>4}  "
           "best tiles (n, k, head, warps, stages)")
     for r in gemms:
