@@ -1,13 +1,17 @@
-"""The Triton decode GEMM (``triton_gemm.decode_gemm``) against torch, and its dispatch (``layers.linear``).
+"""The Triton decode GEMM (``triton_gemm.decode_gemm``) against torch, and its dispatch
+(``layers.linear``, ``layers.swiglu_mlp``).
 
 Without CUDA the kernel runs under Triton's interpreter (``TRITON_INTERPRET=1``, set for this
 module's tests only) on small shapes and tiles, in float16 and bfloat16: the interpreter's
 ``tl.dot`` multiplies bfloat16 bit patterns as integers (numpy has no bfloat16), so on a CPU the
 ``bf16_dot`` fixture upcasts its bfloat16 operands to float32 first, as the GPU's MMA does in
-effect (products of bf16 values are exact in float32). Outputs are compared in float64 by relative
-error against ``F.linear`` of the same rounded operands, and allocated outputs start as NaN, so an
-element left unwritten shows up. The ``gpu`` tests use Qwen3-8B's shapes in bfloat16, check the
-programmatic-dependent-launch path and replay a captured CUDA graph against cuBLAS.
+effect (products of bf16 values are exact in float32), and makes the interpreter's float32 to
+bfloat16 casts round to nearest (it truncates, which SwiGLU's three roundings pile up to ~1%). Outputs are compared in float64 by relative
+error against ``F.linear`` of the same rounded operands (with SwiGLU's epilogue, against torch's
+``silu_and_mul`` of the rounded ``F.linear``), and allocated outputs start as NaN, so an element
+left unwritten shows up. A tiny Qwen3 engine's logits with the switch on match those with it off.
+The ``gpu`` tests use Qwen3-8B's shapes in bfloat16, check the programmatic-dependent-launch path
+and replay a captured CUDA graph against cuBLAS.
 """
 from __future__ import annotations
 
@@ -31,19 +35,40 @@ SMALL = tg.GemmConfig(block_n=16, block_k=64, head_k=128, num_warps=4, num_stage
 
 @pytest.fixture
 def bf16_dot(monkeypatch):
-    """On a CPU: the interpreter's ``tl.dot`` on bfloat16 operands computes in float32 instead."""
+    """On a CPU: the interpreter's ``tl.dot`` on bfloat16 operands computes in float32 instead, and its
+    float32 -> bfloat16 casts round to nearest even (as the GPU and torch do) instead of truncating."""
     if CUDA:
         return
+    import numpy as np
     import triton.language as tl
-    from triton.runtime.interpreter import InterpreterBuilder
+    from triton.runtime.interpreter import InterpreterBuilder, TensorHandle
 
-    create_dot = InterpreterBuilder.create_dot
+    create_dot, cast_impl = InterpreterBuilder.create_dot, InterpreterBuilder.cast_impl
 
     def dot(self, a, b, *rest):
         a, b = (self.cast_impl(h, tl.float32) if h.dtype.scalar == tl.bfloat16 else h for h in (a, b))
         return create_dot(self, a, b, *rest)
 
+    def cast(self, src, dst_type):
+        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
+            bits = torch.from_numpy(np.ascontiguousarray(src.data, np.float32)).bfloat16().view(torch.int16)
+            return TensorHandle(bits.numpy().view(np.uint16), dst_type.scalar)
+        return cast_impl(self, src, dst_type)
+
     monkeypatch.setattr(InterpreterBuilder, "create_dot", dot)
+    monkeypatch.setattr(InterpreterBuilder, "cast_impl", cast)
+
+
+@pytest.fixture
+def gemm_mode(monkeypatch):
+    """A setter of ``DUETSERVE_DECODE_GEMM`` (``layers.decode_gemm_mode`` reads it again); unset after the test."""
+    def set_mode(mode: str):
+        monkeypatch.setenv(layers.DECODE_GEMM_ENV, mode)
+        layers.decode_gemm_mode.cache_clear()
+
+    yield set_mode
+    monkeypatch.delenv(layers.DECODE_GEMM_ENV, raising=False)
+    layers.decode_gemm_mode.cache_clear()
 
 
 def nan_empty(monkeypatch):
@@ -57,25 +82,25 @@ def nan_empty(monkeypatch):
     monkeypatch.setattr(torch, "empty", alloc)
 
 
-def operands(m, n, k, dtype, bias: bool, swiglu: bool, seed=0):
-    """``x`` ``[m, k or 2k]`` (rows ``pad`` apart, gaps NaN), ``w`` ``[n, k]``, ``b`` ``[n]`` or None."""
+def operands(m, n, k, dtype, bias: bool, seed=0):
+    """``x`` ``[m, k]`` (rows ``k + 8`` apart, gaps NaN), ``w`` ``[n, k]``, ``b`` ``[n]`` or None."""
     gen = torch.Generator().manual_seed(seed)
-    width = 2 * k if swiglu else k
-    buf = torch.full((m, width + 8), math.nan)
-    buf[:, :width] = torch.randn(m, width, generator=gen)
-    x = buf.to(DEVICE, dtype)[:, :width]
+    buf = torch.full((m, k + 8), math.nan)
+    buf[:, :k] = torch.randn(m, k, generator=gen)
+    x = buf.to(DEVICE, dtype)[:, :k]
     w = (torch.randn(n, k, generator=gen) / math.sqrt(k)).to(DEVICE, dtype)
     b = torch.randn(n, generator=gen).to(DEVICE, dtype) if bias else None
     return x, w, b
 
 
 def reference(x, w, b, swiglu: bool) -> torch.Tensor:
-    """float64 ``F.linear`` of the operands as the kernel rounds them (the activation via torch's silu_and_mul)."""
-    if swiglu:
-        with pytest.MonkeyPatch.context() as mp:
-            mp.setenv(fused_ops.FUSED_ENV, "0")
-            x = fused_ops.silu_and_mul(x)
-    return F.linear(x.double(), w.double(), None if b is None else b.double())
+    """float64 ``F.linear`` of the operands; with ``swiglu``, torch's ``silu_and_mul`` of it rounded to x's dtype."""
+    y = F.linear(x.double(), w.double(), None if b is None else b.double())
+    if not swiglu:
+        return y
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(fused_ops.FUSED_ENV, "0")
+        return fused_ops.silu_and_mul(y.to(x.dtype)).double()
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -85,60 +110,101 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("m,n,k,bias,swiglu", [
-    (1, 40, 200, False, False), (3, 64, 256, True, False), (17, 50, 300, False, True),
-    (33, 16, 96, True, True), (64, 70, 130, False, False), (8, 100, 384, False, True),
+    (1, 40, 200, False, False), (3, 64, 256, True, False), (16, 70, 130, False, False), (11, 50, 300, True, False),
+    (1, 36, 200, False, True), (5, 100, 384, True, True), (13, 64, 96, False, True), (16, 34, 300, True, True),
 ])
 def test_decode_gemm_matches_torch(monkeypatch, m, n, k, bias, swiglu, dtype):
-    """Shapes off the tiles (N, K not multiples of 16/64, K under and over the head), M 1..64."""
-    x, w, b = operands(m, n, k, dtype, bias, swiglu, seed=m)
+    """Shapes off the tiles (N, K not multiples of 16/64, K under and over the head), M 1..16; with
+    ``swiglu`` the output is ``[m, n / 2]`` (intermediate columns not a multiple of the tile either)."""
+    x, w, b = operands(m, n, k, dtype, bias, seed=m)
     nan_empty(monkeypatch)
     y = tg.decode_gemm(x, w, b, swiglu, SMALL)
-    assert y.shape == (m, n) and y.dtype == dtype
+    assert y.shape == (m, n // 2 if swiglu else n) and y.dtype == dtype
     assert rel_err(y, reference(x, w, b, swiglu)) < TOL
 
 
-def test_decode_gemm_default_config(monkeypatch):
-    x, w, b = operands(5, 48, 320, torch.float16, True, True)
+@pytest.mark.parametrize("swiglu", [False, True])
+def test_decode_gemm_default_config(monkeypatch, swiglu):
+    x, w, b = operands(5, 48, 320, torch.float16, True)
     nan_empty(monkeypatch)
-    assert rel_err(tg.decode_gemm(x, w, b, swiglu=True), reference(x, w, b, True)) < TOL
+    assert rel_err(tg.decode_gemm(x, w, b, swiglu), reference(x, w, b, swiglu)) < TOL
+
+
+def test_default_config_fits_the_rows():
+    """A SwiGLU program reads as many weight rows (gate plus up) as a plain one of the same weight."""
+    for n in (6144, 24576, 151936):
+        plain, fused = tg.default_config(n, 4096, False), tg.default_config(n, 4096, True)
+        assert fused.block_n * 2 == plain.block_n == (64 if n > 16384 else 32)
+        assert 2 <= plain.num_stages == fused.num_stages <= 4
 
 
 def test_decode_gemm_rejects_bad_inputs():
-    x, w, b = operands(4, 32, 64, torch.float16, True, False)
-    bad = [((x[:0], w), "1 to"), ((torch.zeros(65, 64, dtype=x.dtype, device=DEVICE), w), "1 to"),
+    x, w, b = operands(4, 32, 64, torch.float16, True)
+    bad = [((x[:0], w), "1 to"), ((torch.zeros(tg.MAX_M + 1, 64, dtype=x.dtype, device=DEVICE), w), "1 to"),
            ((x.float(), w.float()), "dtype"), ((x, w.bfloat16()), "dtype"), ((x, w, b.float()), "dtype"),
            ((x, w[:, :32]), "does not fit"), ((x, w, b[:8]), "bias must be"), ((x[None], w), "2-D"),
-           ((x.t().contiguous().t(), w), "contiguous"), ((x, w, None, True), "does not fit")]
+           ((x.t().contiguous().t(), w), "contiguous"), ((x, w[:31], None, True), "gate and up")]
     for args, match in bad:
         with pytest.raises(ValueError, match=match):
             tg.decode_gemm(*args)
 
 
-def test_dispatch_follows_the_switch(monkeypatch):
-    """``layers.linear`` runs the Triton GEMM only with ``DUETSERVE_DECODE_GEMM=triton`` and a decode-sized
-    bf16/fp16 input; the modules' outputs agree either way (down_proj with the SiLU fused in)."""
+def test_dispatch_follows_the_switch_and_the_rows(monkeypatch, gemm_mode):
+    """``layers.linear`` and ``SwiGLU`` run the Triton GEMM only with ``DUETSERVE_DECODE_GEMM=triton`` and a
+    bf16/fp16 input of at most ``MAX_M`` rows (the MLP's gate/up with the SwiGLU epilogue, then a plain
+    down projection); the modules' outputs agree either way."""
     calls = []
     gemm = tg.decode_gemm
-    monkeypatch.setattr(tg, "decode_gemm", lambda *a: calls.append(a[3]) or gemm(*a))
+    monkeypatch.setattr(tg, "decode_gemm", lambda *a, **kw: calls.append(kw.get("swiglu", False)) or gemm(*a, **kw))
     torch.manual_seed(0)
-    mlp = layers.SwiGLU(32, 48).to(DEVICE, torch.float16)
+    mlp = layers.SwiGLU(32, 48, bias=True).to(DEVICE, torch.float16)
     proj = layers.Linear(32, 40, bias=True).to(DEVICE, torch.float16)
     x = torch.randn(6, 32, device=DEVICE, dtype=torch.float16)
     outputs = {}
     for mode in ("cublas", "triton"):
-        monkeypatch.setenv(layers.DECODE_GEMM_ENV, mode)
+        gemm_mode(mode)
         calls.clear()
         outputs[mode] = mlp(x), proj(x)
-        assert calls == ([False, True, False] if mode == "triton" else [])  # gate_up, down (+SiLU), proj
+        assert calls == ([True, False, False] if mode == "triton" else [])  # gate_up + SwiGLU, down, proj
     for out, ref in zip(outputs["triton"], outputs["cublas"], strict=True):
         assert rel_err(out, ref.double()) < TOL
     calls.clear()
-    proj(torch.randn(65, 32, device=DEVICE, dtype=torch.float16))  # above MAX_M
+    big = torch.randn(tg.MAX_M + 1, 32, device=DEVICE, dtype=torch.float16)  # 17 rows: cuBLAS
+    proj(big), mlp(big)
     proj.float()(x.float())  # float32
     assert calls == []
-    monkeypatch.setenv(layers.DECODE_GEMM_ENV, "cutlass")
+    gemm_mode("cutlass")
     with pytest.raises(ValueError, match=layers.DECODE_GEMM_ENV):
         proj(x.float())
+
+
+def test_tiny_qwen3_logits_with_the_switch(monkeypatch, gemm_mode, tiny_qwen3_folder):
+    """A tiny Qwen3 engine in bfloat16: greedy tokens and every step's logits (prefills of up to 16
+    rows and decodes through the Triton GEMMs, the 20-token prefill chunk through cuBLAS) equal the
+    cuBLAS run's within bf16 rounding."""
+    from duetserve.config import EngineConfig
+    from duetserve.engine.engine import LLMEngine
+    from duetserve.sampling import SamplingParams
+
+    calls = []
+    gemm = tg.decode_gemm
+    monkeypatch.setattr(tg, "decode_gemm", lambda *a, **kw: calls.append(a[0].shape[0]) or gemm(*a, **kw))
+    gen = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, 320, (n,), generator=gen).tolist() for n in (5, 9, 20)]
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    runs = {}
+    for mode in ("cublas", "triton"):
+        gemm_mode(mode)
+        engine = LLMEngine(EngineConfig(model=str(tiny_qwen3_folder), dtype="bfloat16", max_num_batched_tokens=16,
+                                        num_kv_blocks=32, block_size=8))
+        logits = []
+        engine.model.compute_logits = lambda h, log=logits, compute=engine.model.compute_logits: \
+            log.append(compute(h)) or log[-1]
+        runs[mode] = engine.generate(prompts, params), logits
+    assert calls and max(calls) == tg.MAX_M  # 5 + 9 prompt rows and 2 of the third in one step
+    assert runs["triton"][0] == runs["cublas"][0]
+    for out, ref in zip(runs["triton"][1], runs["cublas"][1], strict=True):
+        assert rel_err(out, ref.double()) < TOL
 
 
 # --- GPU: bf16, Qwen3-8B shapes -------------------------------------------------------------------
@@ -148,11 +214,11 @@ QWEN3_8B = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096), "d
 
 @pytest.mark.gpu
 @needs_cuda
-@pytest.mark.parametrize("m", [1, 7, 32, 64])
+@pytest.mark.parametrize("m", [1, 7, 16])
 def test_decode_gemm_bf16_gpu(monkeypatch, m):
     for name, (n, k) in QWEN3_8B.items():
-        swiglu = name == "down"
-        x, w, b = operands(m, n, k, torch.bfloat16, name == "o", swiglu, seed=m)
+        swiglu = name == "gate_up"
+        x, w, b = operands(m, n, k, torch.bfloat16, name == "o", seed=m)
         nan_empty(monkeypatch)
         assert rel_err(tg.decode_gemm(x, w, b, swiglu), reference(x, w, b, swiglu)) < TOL, name
         monkeypatch.undo()
@@ -160,10 +226,10 @@ def test_decode_gemm_bf16_gpu(monkeypatch, m):
 
 @pytest.mark.gpu
 @needs_cuda
-def test_pdl_chain_in_cuda_graph_matches_cublas(monkeypatch):
-    """With the switch on, a Hopper GPU launches the GEMM with PDL (its PTX loads weights, then waits
-    on the grid dependency) and a captured norm -> qkv -> norm -> gate_up -> down chain replays to
-    cuBLAS's result."""
+def test_pdl_chain_in_cuda_graph_matches_cublas(monkeypatch, gemm_mode):
+    """With the switch on, a Hopper GPU launches the GEMMs with PDL (each one's PTX loads weights, then
+    waits on the grid dependency) and a captured norm -> qkv -> norm -> gate_up + SwiGLU -> down chain
+    replays to cuBLAS's result."""
     if torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("programmatic dependent launch needs compute capability >= 9")
     launches = []
@@ -190,19 +256,20 @@ def test_pdl_chain_in_cuda_graph_matches_cublas(monkeypatch):
         return mlp(h)
 
     x = torch.randn(8, hidden, device="cuda", dtype=torch.bfloat16)
-    monkeypatch.setenv(layers.DECODE_GEMM_ENV, "cublas")
+    gemm_mode("cublas")
     expected = chain(x)
     assert not launches
-    monkeypatch.setenv(layers.DECODE_GEMM_ENV, "triton")
+    gemm_mode("triton")
     static = torch.zeros_like(x)
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
         chain(static)  # compile
     torch.cuda.current_stream().wait_stream(side)
-    assert launches and all(pdl for pdl, _ in launches)
-    ptx = launches[0][1].asm["ptx"]
-    assert -1 < ptx.find("ld.global") < ptx.find("griddepcontrol.wait")  # the weight head is read before the wait
+    assert len(launches) == 3 and all(pdl for pdl, _ in launches)  # qkv, gate_up + SwiGLU, down
+    for _, compiled in launches:
+        ptx = compiled.asm["ptx"]
+        assert -1 < ptx.find("ld.global") < ptx.find("griddepcontrol.wait")  # the weight head is read before the wait
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = chain(static)

@@ -6,9 +6,10 @@ elsewhere); these modules hold the weights and tables.
 Linear layers run cuBLAS (``torch.nn.functional.linear``) unless ``DUETSERVE_DECODE_GEMM`` is
 ``triton``: then a decode-sized input (at most ``triton_gemm.MAX_M`` rows, bfloat16/float16, on
 CUDA, or on a CPU under ``TRITON_INTERPRET=1`` for tests) runs the skinny Triton GEMM of
-``duetserve.model.triton_gemm``, the SwiGLU down projection with its activation fused in, and
-the fused ops' Triton kernels are launched with programmatic dependent launch on Hopper.
-The default, ``cublas``, keeps cuBLAS and the separate activation kernel.
+``duetserve.model.triton_gemm``, the SwiGLU MLP's gate/up projection with the activation fused
+into its epilogue (the down projection a plain Triton GEMM), and the fused ops' Triton kernels
+are launched with programmatic dependent launch on Hopper. The default, ``cublas``, keeps
+cuBLAS and the separate activation kernel at every size, as do larger batches under ``triton``.
 """
 from __future__ import annotations
 
@@ -76,8 +77,12 @@ class RotaryEmbedding(nn.Module):
         return apply_rope_and_cache(positions, q, k, v, self.cos, self.sin, *kv_cache, slot_mapping, *weights)
 
 
+@functools.cache
 def decode_gemm_mode() -> str:
     """``DUETSERVE_DECODE_GEMM``: ``cublas`` (the default) or ``triton`` (see the module docstring).
+
+    Read once per process, on first use (every linear layer asks); ``decode_gemm_mode.cache_clear()``
+    makes the next call read the environment again.
 
     Raises:
         ValueError: any other value.
@@ -102,7 +107,9 @@ def _gemm_kernels() -> ModuleType:
 
 
 def use_decode_gemm(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether ``linear(x, weight, ...)`` runs the Triton decode GEMM (see the module docstring).
+    """Whether ``x @ weight^T`` runs the Triton decode GEMM: the switch is ``triton`` and ``x`` is a
+    decode batch (2-D, 1 to ``triton_gemm.MAX_M`` rows, bfloat16/float16 like ``weight``, both with a
+    contiguous last dim) on CUDA, or on a CPU under ``TRITON_INTERPRET=1``.
 
     Raises:
         ValueError, RuntimeError: as ``decode_gemm_mode`` and ``_gemm_kernels``.
@@ -114,21 +121,42 @@ def use_decode_gemm(x: torch.Tensor, weight: torch.Tensor) -> bool:
             and x.stride(-1) == 1 and weight.stride(-1) == 1)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           swiglu: bool = False) -> torch.Tensor:
-    """``x @ weight^T + bias``; with ``swiglu``, of ``silu_and_mul(x)`` (the input ``[T, 2K]``, gate then up).
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ weight^T + bias``: the Triton decode GEMM where ``use_decode_gemm`` says so, else cuBLAS.
 
     Args:
-        x: ``[..., K]`` (``[..., 2K]`` with ``swiglu``) float tensor.
+        x: ``[..., K]`` float tensor.
         weight: ``[N, K]``; bias: ``[N]`` or None; both in x's dtype.
 
     Returns:
-        ``[..., N]`` in x's dtype: the Triton decode GEMM's where ``use_decode_gemm`` says so, else
-        cuBLAS's (after ``fused_ops.silu_and_mul`` with ``swiglu``).
+        ``[..., N]`` in x's dtype.
     """
     if use_decode_gemm(x, weight):
-        return _gemm_kernels().decode_gemm(x, weight, bias, swiglu)
-    return F.linear(silu_and_mul(x) if swiglu else x, weight, bias)
+        return _gemm_kernels().decode_gemm(x, weight, bias)
+    return F.linear(x, weight, bias)
+
+
+def swiglu_mlp(x: torch.Tensor, gate_up_weight: torch.Tensor, down_weight: torch.Tensor,
+               gate_up_bias: torch.Tensor | None = None, down_bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``down(silu(gate(x)) * up(x))`` with gate and up merged (see ``SwiGLU``).
+
+    A decode batch under ``DUETSERVE_DECODE_GEMM=triton`` (``use_decode_gemm``) runs two Triton
+    GEMMs, the activation in the first one's epilogue; anything else runs cuBLAS, the
+    ``fused_ops.silu_and_mul`` kernel, cuBLAS.
+
+    Args:
+        x: ``[T, hidden]`` float tensor.
+        gate_up_weight: ``[2I, hidden]``, gate rows then up rows; gate_up_bias ``[2I]`` or None.
+        down_weight: ``[hidden_out, I]``; down_bias ``[hidden_out]`` or None; all in x's dtype.
+
+    Returns:
+        ``[T, hidden_out]`` in x's dtype.
+    """
+    if use_decode_gemm(x, gate_up_weight):
+        h = _gemm_kernels().decode_gemm(x, gate_up_weight, gate_up_bias, swiglu=True)
+    else:
+        h = silu_and_mul(F.linear(x, gate_up_weight, gate_up_bias))
+    return linear(h, down_weight, down_bias)
 
 
 class Linear(nn.Linear):
@@ -175,5 +203,6 @@ class SwiGLU(nn.Module):
         self.down_proj = Linear(intermediate, hidden, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """``[T, hidden]``; the activation runs inside the down projection's GEMM (``linear(..., swiglu=True)``)."""
-        return linear(self.gate_up_proj(x), self.down_proj.weight, self.down_proj.bias, swiglu=True)
+        """``[T, hidden]`` -> ``[T, hidden]``, by ``swiglu_mlp`` (decode batches may fuse the activation)."""
+        return swiglu_mlp(x, self.gate_up_proj.weight, self.down_proj.weight, self.gate_up_proj.bias,
+                          self.down_proj.bias)
