@@ -1,20 +1,24 @@
 """GPU microbenchmark of the Triton decode GEMM (``duetserve.model.triton_gemm``) against cuBLAS, Qwen3-8B shapes.
 
-1. Each weight GEMM (qkv 4096->6144, o 4096->4096, gate_up 4096->24576, down 12288->4096 with
-   SwiGLU's activation: cuBLAS after the SiLU-and-mul kernel, Triton with it fused) at M = 1, 8, 32,
-   64 rows, timed inside a CUDA graph of back-to-back launches over enough weight copies that L2
-   (50 MB) holds none of them; cuBLAS once, Triton over a small sweep of tile configs (one that
-   fails to compile or launch is skipped with its error printed; the sweep stops at ``--budget-s``).
+1. Each weight GEMM at M = 1, 8, 16 rows (the Triton GEMM's range, ``triton_gemm.MAX_M``): qkv
+   4096->6144, o 4096->4096, gate_up 4096->2x12288 with SwiGLU's activation (cuBLAS then the
+   SiLU-and-mul kernel, against Triton with the activation in its epilogue, writing [M, 12288]),
+   down 12288->4096 and lm_head 4096->151936 (plain GEMMs), timed inside a CUDA graph of
+   back-to-back launches over enough weight copies that L2 (50 MB) holds none of them; cuBLAS
+   once, Triton over a small sweep of tile configs (one that fails to compile or launch is
+   skipped with its error printed; the sweep stops at ``--budget-s``).
 2. A layer chain: one decoder layer's kernels (add+RMSNorm, qkv, q/k-norm+RoPE+KV write, o,
-   add+RMSNorm, gate_up, down; no attention) for 36 layers of distinct weights, in one graph:
-   cuBLAS, Triton + PDL with the default tiles, the same without PDL, and Triton + PDL with the
-   sweep's best tiles per shape; ms per 36 layers and % of the weight-read floor (bytes / 4.19 TB/s).
+   add+RMSNorm, the SwiGLU MLP as ``layers.swiglu_mlp`` runs it; no attention) for 36 layers of
+   distinct weights, in one graph: cuBLAS, Triton + PDL with the default tiles, the same without
+   PDL, and Triton + PDL with the sweep's best tiles per shape and M; ms per 36 layers and % of
+   the weight-read floor (bytes / 4.19 TB/s).
 
 Writes JSON to ``--out``; prints a short table last.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -31,9 +35,12 @@ from duetserve.model import triton_gemm as tg
 COPY_BW = 4.19e12
 L2_BYTES = 50 << 20
 LAYERS = 36
-ROWS = (1, 8, 32, 64)
-HIDDEN, INTER, HEADS, KV_HEADS, HEAD_DIM = 4096, 12288, 32, 8, 128
-SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (2 * INTER, 4096), "down": (4096, INTER)}
+ROWS = (1, 8, 16)
+HIDDEN, INTER, HEADS, KV_HEADS, HEAD_DIM, VOCAB = 4096, 12288, 32, 8, 128, 151936
+# name: (weight rows, K, SwiGLU epilogue)
+SHAPES = {"qkv": (6144, HIDDEN, False), "o": (HIDDEN, HIDDEN, False), "gate_up+swiglu": (2 * INTER, HIDDEN, True),
+          "down": (HIDDEN, INTER, False), "lm_head": (VOCAB, HIDDEN, False)}
+# block_n counts weight rows a program reads here; with SwiGLU it is halved into gate and up rows
 SWEEP = [tg.GemmConfig(bn, bk, hk, w, s) for bn, bk, hk, w, s in (
     (32, 256, 256, 4, 4), (16, 256, 256, 4, 4), (32, 128, 256, 4, 6), (32, 256, 512, 4, 3),
     (32, 512, 512, 8, 3), (32, 128, 128, 8, 3), (64, 256, 256, 4, 4), (64, 128, 128, 4, 6), (64, 256, 256, 8, 4))]
@@ -64,24 +71,32 @@ def graph_us(fn, reps: int, replays: int = 10) -> float:
 
 
 def cublas(x, w, swiglu: bool):
-    return F.linear(fused_ops.silu_and_mul(x) if swiglu else x, w)
+    """Today's path: cuBLAS, then with ``swiglu`` the fused SiLU-and-mul kernel."""
+    y = F.linear(x, w)
+    return fused_ops.silu_and_mul(y) if swiglu else y
+
+
+def sweep_configs(swiglu: bool) -> list[tg.GemmConfig]:
+    """``SWEEP`` with ``block_n`` as output columns (halved with ``swiglu``, at least the MMA's 16),
+    duplicates dropped."""
+    configs = [dataclasses.replace(c, block_n=c.block_n // 2) if swiglu else c for c in SWEEP]
+    return list(dict.fromkeys(c for c in configs if c.block_n >= 16))
 
 
 def sweep(budget_s: float) -> list[dict]:
     """Section 1: one row per (shape, M): cuBLAS and every config's microseconds."""
     rows, t0, skipped = [], time.monotonic(), 0
-    for name, (n, k) in SHAPES.items():
-        swiglu = name == "down"
+    for name, (n, k, swiglu) in SHAPES.items():
         copies = max(2, -(-3 * L2_BYTES // (2 * n * k)))
         ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * k ** -0.5 for _ in range(copies)]
         for m in ROWS:
-            x = torch.randn(m, 2 * k if swiglu else k, device="cuda", dtype=torch.bfloat16)
-            floor_us = (2 * n * k + x.numel() * 2 + 2 * m * n) / COPY_BW * 1e6
-            row = {"shape": name, "n": n, "k": k, "m": m, "floor_us": floor_us,
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            floor_us = (2 * n * k + 2 * m * k + 2 * m * (n // 2 if swiglu else n)) / COPY_BW * 1e6
+            row = {"shape": name, "n": n, "k": k, "swiglu": swiglu, "m": m, "floor_us": floor_us,
                    "cublas_us": graph_us(lambda i: cublas(x, ws[i % copies], swiglu), 4 * copies), "triton": []}
             ref = cublas(x, ws[0], swiglu).double()
-            default = tg.default_config(n, k, m, swiglu)
-            for cfg in [default, *(c for c in SWEEP if c != default)]:
+            default = tg.default_config(n, k, swiglu)
+            for cfg in [default, *(c for c in sweep_configs(swiglu) if c != default)]:
                 if cfg != default and time.monotonic() - t0 > budget_s:
                     skipped += 1
                     continue
@@ -89,14 +104,14 @@ def sweep(budget_s: float) -> list[dict]:
                     y = tg.decode_gemm(x, ws[0], None, swiglu, cfg).double()
                     err = ((y - ref).norm() / ref.norm()).item()
                     us = graph_us(lambda i: tg.decode_gemm(x, ws[i % copies], None, swiglu, cfg), 4 * copies)
-                    row["triton"].append({"config": cfg.__dict__, "us": us, "rel_err": err})
+                    row["triton"].append({"config": dataclasses.asdict(cfg), "us": us, "rel_err": err})
                     if cfg == default:
                         row["default_us"] = us
                 except Exception as exc:  # a config that does not compile or fit: report, go on
                     print(f"{name} m={m} {cfg}: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
             best = min(row["triton"], key=lambda r: r["us"], default=None)
             row["best"] = best
-            print(f"{name:>7} m={m:<3} floor {floor_us:7.1f} us  cublas {row['cublas_us']:7.1f}  "
+            print(f"{name:>14} m={m:<3} floor {floor_us:7.1f} us  cublas {row['cublas_us']:7.1f}  "
                   f"triton best {best['us'] if best else float('nan'):7.1f} {best['config'] if best else ''}",
                   flush=True)
             rows.append(row)
@@ -107,10 +122,11 @@ def sweep(budget_s: float) -> list[dict]:
 
 def chain_weights() -> list[dict]:
     """Distinct bf16 weights of ``LAYERS`` Qwen3-8B decoder layers."""
-    def rand(*shape):
-        return torch.randn(*shape, device="cuda", dtype=torch.bfloat16) * shape[-1] ** -0.5
-    return [{"qkv": rand(*SHAPES["qkv"]), "o": rand(*SHAPES["o"]), "gate_up": rand(*SHAPES["gate_up"]),
-             "down": rand(*SHAPES["down"]), "norm1": torch.rand(HIDDEN, device="cuda", dtype=torch.bfloat16) + 0.5,
+    def rand(shape: str):
+        n, k, _ = SHAPES[shape]
+        return torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * k ** -0.5
+    return [{"qkv": rand("qkv"), "o": rand("o"), "gate_up": rand("gate_up+swiglu"), "down": rand("down"),
+             "norm1": torch.rand(HIDDEN, device="cuda", dtype=torch.bfloat16) + 0.5,
              "norm2": torch.rand(HIDDEN, device="cuda", dtype=torch.bfloat16) + 0.5,
              "qn": torch.ones(HEAD_DIM, device="cuda", dtype=torch.bfloat16),
              "kn": torch.ones(HEAD_DIM, device="cuda", dtype=torch.bfloat16)} for _ in range(LAYERS)]
@@ -127,39 +143,49 @@ def chain(x, weights, rope) -> torch.Tensor:
                                            v.view(m, KV_HEADS, HEAD_DIM), cos, sin, k_cache, v_cache, slots,
                                            w["qn"], w["kn"], 1e-6)
         h, residual = fused_ops.rms_norm(layers.linear(q.view(m, -1), w["o"]), w["norm2"], 1e-6, residual)
-        x = layers.linear(layers.linear(h, w["gate_up"]), w["down"], swiglu=True)
+        x = layers.swiglu_mlp(h, w["gate_up"], w["down"])
     return x
 
 
+def set_mode(mode: str) -> None:
+    """``DUETSERVE_DECODE_GEMM=mode`` for what runs next in this process."""
+    os.environ[layers.DECODE_GEMM_ENV] = mode
+    layers.decode_gemm_mode.cache_clear()
+
+
 def layer_chain(best: dict) -> list[dict]:
-    """Section 2: ms per ``LAYERS`` layers for each variant and M."""
+    """Section 2: ms per ``LAYERS`` layers for each variant and M; ``best`` maps (rows, K, SwiGLU, M) to tiles."""
     weights = chain_weights()
     floor_ms = sum(t.numel() * 2 for w in weights for t in w.values()) / COPY_BW * 1e3
     freqs = torch.outer(torch.arange(4096.0), 1e6 ** (-torch.arange(0, HEAD_DIM, 2) / HEAD_DIM)).cuda()
     cache = [torch.zeros(8, 16, KV_HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16) for _ in range(2)]
-    default_config, pdl = tg.default_config, tg.pdl_supported
-    variants = {"cublas": ("cublas", None, True), "triton+pdl": ("triton", None, True),
-                "triton, no pdl": ("triton", None, False), "triton+pdl, tuned": ("triton", best, True)}
+    gemm, pdl = tg.decode_gemm, tg.pdl_supported
+
+    def tuned(x, w, bias=None, swiglu=False, config=None):
+        return gemm(x, w, bias, swiglu, config or best.get((w.shape[0], w.shape[1], swiglu, x.shape[0])))
+
+    variants = {"cublas": ("cublas", gemm, pdl), "triton+pdl": ("triton", gemm, pdl),
+                "triton, no pdl": ("triton", gemm, lambda x: False), "triton+pdl, tuned": ("triton", tuned, pdl)}
     rows = []
     for m in ROWS:
         x = torch.randn(m, HIDDEN, device="cuda", dtype=torch.bfloat16)
         positions = torch.arange(m, device="cuda") + 100
         rope = (positions, freqs.cos(), freqs.sin(), *cache, torch.arange(m, device="cuda"))
         outputs = {}
-        for name, (mode, tuned, use_pdl) in variants.items():
-            os.environ[layers.DECODE_GEMM_ENV] = mode
-            tg.default_config = (lambda n, k, m, swiglu: tuned.get((n, k, m), default_config(n, k, m, swiglu))
-                                 if tuned else default_config)
-            tg.pdl_supported = tf.pdl_supported = pdl if use_pdl else (lambda x: False)
+        for name, (mode, variant_gemm, variant_pdl) in variants.items():
+            set_mode(mode)
+            tg.decode_gemm, tg.pdl_supported, tf.pdl_supported = variant_gemm, variant_pdl, variant_pdl
             try:
                 ms = graph_us(lambda i: outputs.__setitem__(name, chain(x, weights, rope)), 1) / 1e3
                 pct = 100 * floor_ms / ms
                 rows.append({"m": m, "variant": name, "ms": ms, "floor_ms": floor_ms, "pct_of_floor": pct})
                 print(f"chain m={m:<3} {name:<18} {ms:6.3f} ms  {pct:5.1f}% of the {floor_ms:.3f} ms floor", flush=True)
             except Exception as exc:
+                outputs.pop(name, None)
                 print(f"chain m={m} {name}: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
             finally:
-                tg.default_config, tg.pdl_supported, tf.pdl_supported = default_config, pdl, pdl
+                tg.decode_gemm, tg.pdl_supported, tf.pdl_supported = gemm, pdl, pdl
+                set_mode("cublas")
         ref = outputs.get("cublas")
         for name, out in outputs.items() if ref is not None else ():  # the last replay's output of each variant
             err = ((out.double() - ref.double()).norm() / ref.double().norm()).item()
@@ -168,30 +194,32 @@ def layer_chain(best: dict) -> list[dict]:
 
 
 def pdl_ptx() -> dict:
-    """Whether the default kernel is launched with PDL and its PTX reads weights before ``griddepcontrol.wait``."""
-    kernel, seen = tg._gemm_kernel, {}
+    """Whether the default kernels (plain and SwiGLU) are launched with PDL and their PTX reads weights
+    before ``griddepcontrol.wait``."""
+    kernel, seen = tg._gemm_kernel, []
 
     class Spy:
         def __getitem__(self, grid):
             def launch(*args, **kwargs):
-                seen.update(launch_pdl=kwargs["launch_pdl"], ptx=kernel[grid](*args, **kwargs).asm["ptx"])
+                seen.append((kwargs["launch_pdl"], kernel[grid](*args, **kwargs).asm["ptx"]))
             return launch
 
     tg._gemm_kernel = Spy()
     try:
         x = torch.randn(8, HIDDEN, device="cuda", dtype=torch.bfloat16)
-        tg.decode_gemm(x, torch.randn(HIDDEN, HIDDEN, device="cuda", dtype=torch.bfloat16))
+        for swiglu in (False, True):
+            tg.decode_gemm(x, torch.randn(2 * HIDDEN, HIDDEN, device="cuda", dtype=torch.bfloat16), swiglu=swiglu)
     finally:
         tg._gemm_kernel = kernel
-    ptx = seen["ptx"]
-    return {"launch_pdl": seen["launch_pdl"], "wait_in_ptx": "griddepcontrol.wait" in ptx,
-            "load_before_wait": -1 < ptx.find("ld.global") < ptx.find("griddepcontrol.wait")}
+    return {name: {"launch_pdl": launch_pdl, "wait_in_ptx": "griddepcontrol.wait" in ptx,
+                   "load_before_wait": -1 < ptx.find("ld.global") < ptx.find("griddepcontrol.wait")}
+            for name, (launch_pdl, ptx) in zip(("plain", "swiglu"), seen, strict=True)}
 
 
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path, default=Path("bench_decode_gemm.json"))
-    ap.add_argument("--budget-s", type=float, default=150.0, help="seconds the tile sweep may take")
+    ap.add_argument("--budget-s", type=float, default=100.0, help="seconds the tile sweep may take")
     args = ap.parse_args()
     torch.manual_seed(0)
     t0 = time.monotonic()
@@ -201,20 +229,21 @@ def main() -> int:
         pdl = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
     print(f"PDL: {pdl}", flush=True)
     gemms = sweep(args.budget_s)
-    best = {(r["n"], r["k"], r["m"]): tg.GemmConfig(**r["best"]["config"]) for r in gemms if r["best"]}
+    best = {(r["n"], r["k"], r["swiglu"], r["m"]): tg.GemmConfig(**r["best"]["config"]) for r in gemms if r["best"]}
     chains = layer_chain(best)
     args.out.write_text(json.dumps({"pdl": pdl, "gemm": gemms, "chain": chains, "seconds": time.monotonic() - t0},
                                    indent=1))
     print(f"\nPDL: {pdl}")
-    print(f"weight GEMMs, us per call in a graph (floor = bytes / {COPY_BW / 1e12:.2f} TB/s)")
-    print(f"{'shape':>7} {'M':>3} {'floor':>7} {'cublas':>7} {'%':>4} {'default':>7} {'best':>7} {'%':>4}  "
+    print(f"weight GEMMs, us per call in a graph (floor = bytes / {COPY_BW / 1e12:.2f} TB/s; gate_up+swiglu: "
+          "cuBLAS + silu_and_mul kernel against Triton with the SwiGLU epilogue)")
+    print(f"{'shape':>14} {'M':>3} {'floor':>7} {'cublas':>7} {'%':>4} {'default':>7} {'best':>7} {'%':>4}  "
           "best tiles (n, k, head, warps, stages)")
     for r in gemms:
         b = r["best"]
         tri = b["us"] if b else float("nan")
         cfg = tuple(b["config"].values()) if b else ""
         dflt = r.get("default_us") or float("nan")
-        print(f"{r['shape']:>7} {r['m']:>3} {r['floor_us']:7.1f} {r['cublas_us']:7.1f} "
+        print(f"{r['shape']:>14} {r['m']:>3} {r['floor_us']:7.1f} {r['cublas_us']:7.1f} "
               f"{100 * r['floor_us'] / r['cublas_us']:4.0f} {dflt:7.1f} {tri:7.1f} {100 * r['floor_us'] / tri:4.0f}  "
               f"{cfg}")
     floor_ms = chains[0]["floor_ms"] if chains else float("nan")
@@ -222,6 +251,7 @@ def main() -> int:
     for r in chains:
         print(f"  m={r['m']:<3} {r['variant']:<18} {r['ms']:6.3f}  {r['pct_of_floor']:5.1f}% of floor  "
               f"rel err vs cublas {r.get('rel_err_vs_cublas', float('nan')):.1e}")
+    print(f"total {time.monotonic() - t0:.0f} s")
     return 0
 
 

@@ -4,7 +4,8 @@ Decode: batch 1/8/32/64/128 x context 512/2048/8192, with CUDA graphs and eagerl
 the floor ``bytes(weights + KV read) / 4.19 TB/s`` (DESIGN section 5's measured copy rate).
 Prefill: 8192 tokens as 1 x 8192 and 8 x 1024, TFLOP/s over useful (causal) FLOPs against
 797 TFLOP/s. Variant ``graphs-tgemm``: graphs with ``DUETSERVE_DECODE_GEMM=triton`` (the Triton
-decode GEMM and programmatic dependent launch). Writes JSON to ``--out`` and prints a table.
+decode GEMM for batches of up to ``triton_gemm.MAX_M`` rows, SwiGLU in the gate/up epilogue, and
+programmatic dependent launch). Writes JSON to ``--out`` and prints a table.
 """
 from __future__ import annotations
 
