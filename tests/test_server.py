@@ -169,7 +169,53 @@ BAD = [
      "tools"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi " * 9000}]}, "messages"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x" * 2_000_000}]}, "messages"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": True}, "max_tokens"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": None}]}, "messages"),
 ]
+
+# Wrong JSON types that pydantic's lax mode would coerce but OpenAI refuses: (path, body, param, message).
+WRONG_TYPES = [
+    ("/v1/completions", {"prompt": "hi", "max_tokens": True}, "max_tokens",
+     "Input should be a valid integer, not a boolean (max_tokens)"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": "5"}, "max_tokens",
+     "Input should be a valid integer, not a string (max_tokens)"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": True},
+     "max_completion_tokens", "Input should be a valid integer, not a boolean (max_completion_tokens)"),
+    ("/v1/completions", {"prompt": "hi", "temperature": "0.5"}, "temperature",
+     "Input should be a valid number, not a string (temperature)"),
+    ("/v1/completions", {"prompt": "hi", "n": True}, "n", "Input should be a valid integer, not a boolean (n)"),
+    ("/v1/completions", {"prompt": "hi", "stream": "yes"}, "stream", "Input should be a valid boolean (stream)"),
+    ("/v1/completions", {"prompt": "hi", "ignore_eos": 1}, "ignore_eos", "Input should be a valid boolean (ignore_eos)"),
+    ("/v1/completions", {"prompt": "hi", "stop_token_ids": [True]}, "stop_token_ids",
+     "Input should be a valid integer, not a boolean (stop_token_ids.0)"),
+    ("/v1/completions", {"prompt": 5}, "prompt",
+     "Input should be a string, a list of token ids (integers), or a list holding one of either (prompt)"),
+    ("/v1/completions", {"prompt": [True, 2]}, "prompt",
+     "Input should be a string, a list of token ids (integers), or a list holding one of either (prompt)"),
+    ("/v1/completions", {"prompt": "hi", "stop": 3}, "stop", "Input should be a string or a list of strings (stop)"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": None}]}, "messages",
+     "a user message needs content: a string or a list of text parts (messages.0.content)"),
+    ("/v1/chat/completions", {"messages": [{"role": "system"}, {"role": "user", "content": "hi"}]}, "messages",
+     "a system message needs content: a string or a list of text parts (messages.0.content)"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "text"}]}]}, "messages",
+     'Input should be a string or a list of {"type": "text", "text": ...} parts (messages.0.content)'),
+]
+
+
+@pytest.mark.parametrize("path,body,param,message", WRONG_TYPES, ids=[str(b)[:60] for _, b, _, _ in WRONG_TYPES])
+def test_wrong_json_types_get_400_naming_the_field(server, path, body, param, message):
+    r = httpx.post(f"{server}{path}", headers=AUTH, json=body, timeout=60)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"] == {"message": message, "type": "BadRequestError", "param": param, "code": 400}
+
+
+def test_assistant_message_may_have_null_content(server):
+    """OpenAI allows a null ``content`` only on assistant messages (those that carried tool calls)."""
+    body = {"messages": [{"role": "assistant", "content": None}, {"role": "user", "content": "hi"}],
+            "max_tokens": 2, "temperature": 0}
+    r = httpx.post(f"{server}/v1/chat/completions", headers=AUTH, json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] == 2
 
 
 def test_unknown_model_gets_404_like_openai(server):
@@ -185,7 +231,8 @@ def test_body_must_be_a_json_object(server):
     for content, ctype in ((b'"hello"', "application/json"), (b"hello", "text/plain"), (b"[1, 2]", "application/json")):
         r = httpx.post(f"{server}/v1/completions", headers={**AUTH, "Content-Type": ctype}, content=content, timeout=60)
         assert r.status_code == 400, r.text
-        assert r.json()["error"]["message"] == "the request body must be a JSON object", r.text
+        hint = " (it was sent as text/plain: send it with Content-Type: application/json)" if ctype == "text/plain" else ""
+        assert r.json()["error"]["message"] == "the request body must be a JSON object" + hint, r.text
 
 
 def test_bad_inputs_get_400_while_a_stream_completes(server):
@@ -260,6 +307,11 @@ def test_iteration_log_records_every_iteration(server_proc):
     r = httpx.post(f"{base}/v1/completions", headers=AUTH, timeout=120,
                    json={"prompt": "The capital of France is", "max_tokens": 6, "temperature": 0, "ignore_eos": True})
     assert r.status_code == 200
+    # The engine thread delivers a step's outputs before it logs the step, so the last row may
+    # land just after the response.
+    deadline = time.time() + 5
+    while len(log.read_text().splitlines()) - before < 6 and time.time() < deadline:
+        time.sleep(0.05)
     rows = [json.loads(line) for line in log.read_text().splitlines()[before:]]
     assert len(rows) >= 6  # one prefill iteration, then one per further token (plus other requests' steps)
     assert {"t", "spatial", "s_decode", "s_prefill", "k", "predicted_s", "measured_s"} <= set(rows[-1])

@@ -51,14 +51,17 @@ def create_app(engine: AsyncEngine, metrics: ServerMetrics, model_name: str, api
     tokenizer = engine.engine.tokenizer
 
     @app.exception_handler(RequestValidationError)
-    async def _validation(_: Request, exc: RequestValidationError):
+    async def _validation(request: Request, exc: RequestValidationError):
         first = exc.errors()[0] if exc.errors() else {}
         loc = [str(p) for p in first.get("loc", ()) if p != "body"]
         message = first.get("msg", "invalid request")
         if first.get("type") == "json_invalid":
             return error_response(400, f"request body is not valid JSON: {message}")
         if not loc and first.get("type") in ("model_attributes_type", "dict_type"):  # e.g. a text/plain body
-            return error_response(400, "the request body must be a JSON object")
+            content_type = request.headers.get("content-type", "")
+            hint = "" if not content_type or "json" in content_type else \
+                f" (it was sent as {content_type.split(';')[0]}: send it with Content-Type: application/json)"
+            return error_response(400, f"the request body must be a JSON object{hint}")
         return error_response(400, f"{message}{' (' + '.'.join(loc) + ')' if loc else ''}",
                               loc[0] if loc else None)
 

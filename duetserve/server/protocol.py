@@ -1,15 +1,52 @@
 """OpenAI request bodies (pydantic) and their mapping to ``SamplingParams``."""
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    StrictBool,
+    ValidationInfo,
+    WrapValidator,
+    field_validator,
+)
+from pydantic_core import PydanticCustomError
 
 from duetserve.sampling import ParamError, SamplingParams
 
 
+def _json_number(kind: str):
+    """A before-validator refusing what pydantic's lax mode would coerce into a number but OpenAI
+    refuses: booleans (``true`` is not 1) and strings (``"5"``)."""
+    def check(value: Any) -> Any:
+        if isinstance(value, (bool, str)):
+            raise PydanticCustomError(f"{kind}_type", f"Input should be a valid {kind}, not a "
+                                      f"{'boolean' if isinstance(value, bool) else 'string'}")
+        return value
+    return BeforeValidator(check)
+
+
+def _one_of(expected: str):
+    """A wrap-validator for a union field: one message naming what the field takes, instead of
+    pydantic's first error for its first member (e.g. "Input should be a valid string (prompt.str)")."""
+    def validate(value: Any, handler) -> Any:
+        try:
+            return handler(value)
+        except ValueError:  # pydantic's ValidationError
+            raise PydanticCustomError("union_type", f"Input should be {expected}") from None
+    return WrapValidator(validate)
+
+
+# JSON integers and numbers as OpenAI takes them (no booleans, no numeric strings).
+Int = Annotated[int, _json_number("integer")]
+Float = Annotated[float, _json_number("number")]
+
+
 class StreamOptions(BaseModel):
-    include_usage: bool = False
+    include_usage: StrictBool = False
 
 
 # OpenAI fields this server does not implement, with the values that ask for nothing (a client
@@ -32,16 +69,16 @@ class _SamplingFields(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     model: str | None = None
-    max_tokens: int | None = None
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] = Field(default_factory=list)
-    ignore_eos: bool = False
-    n: int = 1
-    stream: bool = False
+    max_tokens: Int | None = None
+    temperature: Float = 1.0
+    top_p: Float = 1.0
+    top_k: Int = -1
+    seed: Int | None = None
+    stop: Annotated[str | list[str] | None, _one_of("a string or a list of strings")] = None
+    stop_token_ids: list[Int] = Field(default_factory=list)
+    ignore_eos: StrictBool = False
+    n: Int = 1
+    stream: StrictBool = False
     stream_options: StreamOptions | None = None
 
     def sampling_params(self, default_max_tokens: int) -> SamplingParams:
@@ -73,8 +110,9 @@ class _SamplingFields(BaseModel):
 class CompletionRequest(_SamplingFields):
     """``POST /v1/completions``: ``prompt`` is text, or token ids (a one-element list of either is accepted)."""
 
-    prompt: str | list[int] | list[str] | list[list[int]]
-    echo: bool = False
+    prompt: Annotated[str | list[Int] | list[str] | list[list[Int]],
+                      _one_of("a string, a list of token ids (integers), or a list holding one of either")]
+    echo: StrictBool = False
 
 
 class TextPart(BaseModel):
@@ -83,15 +121,27 @@ class TextPart(BaseModel):
 
 
 class ChatMessage(BaseModel):
+    """One chat message; only an assistant message may leave ``content`` out or null (OpenAI's rule)."""
+
     role: Literal["system", "user", "assistant", "developer", "tool"]
-    content: str | list[TextPart] | None = None
+    content: Annotated[str | list[TextPart] | None,
+                       _one_of('a string or a list of {"type": "text", "text": ...} parts')] \
+        = Field(default=None, validate_default=True)
+
+    @field_validator("content")
+    @classmethod
+    def _content_required(cls, content, info: ValidationInfo):
+        role = info.data.get("role")
+        if content is None and role is not None and role != "assistant":
+            raise PydanticCustomError("missing", f"a {role} message needs content: a string or a list of text parts")
+        return content
 
 
 class ChatCompletionRequest(_SamplingFields):
     """``POST /v1/chat/completions``; ``max_completion_tokens`` overrides ``max_tokens``."""
 
     messages: list[ChatMessage]
-    max_completion_tokens: int | None = None
+    max_completion_tokens: Int | None = None
 
     def chat_messages(self) -> list[dict[str, str]]:
         """Messages as plain ``{"role", "content"}`` dicts for the tokenizer's chat template.
