@@ -94,3 +94,41 @@ def test_serve_refuses_a_busy_port_before_loading(capsys):
         with pytest.raises(SystemExit) as exc:
             main(["serve", "--device", "cpu", "--host", "127.0.0.1", "--port", str(port)])
     assert exc.value.code == 2 and f"--port {port}: cannot listen on 127.0.0.1" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--qps", "0"], "argument --qps: must be a positive rate (req/s) or inf, got '0'"),
+    (["--qps", "nan"], "argument --qps: must be a positive rate (req/s) or inf, got 'nan'"),
+    (["--sweep-qps", "0,1"], "argument --sweep-qps: must be a positive rate (req/s) or inf, got '0'"),
+    (["--sweep-qps", ","], "argument --sweep-qps: give one or more rates, e.g. 2,4,8"),
+    (["--cv", "nan"], "argument --cv: must be a finite number >= 0, got 'nan'"),
+    (["--cv", "-1"], "argument --cv: must be a finite number >= 0, got '-1'"),
+    (["--max-concurrency", "0"], "argument --max-concurrency: must be a positive integer, got '0'"),  # hung
+    (["--max-concurrency", "-1"], "argument --max-concurrency: must be a positive integer, got '-1'"),
+    (["--num-requests", "0"], "argument --num-requests: must be a positive integer, got '0'"),
+    (["--max-input-len", "0"], "argument --max-input-len: must be a positive integer, got '0'"),
+    (["--max-output-len", "x"], "argument --max-output-len: expected an integer, got 'x'"),
+    (["--percentiles", "150"], "argument --percentiles: expected percentiles in [0, 100], e.g. 90,99, got '150'"),
+    (["--token-id-range", "5:1"], "argument --token-id-range: expected 0 <= LOW < HIGH, got '5:1'"),
+    (["--window", "5:1"], "argument --window: START must be before END, got '5:1'"),
+    (["--result-file", "/nonexistent/r.json"], "argument --result-file: no such folder: /nonexistent"),
+    (["--plot", "/nonexistent/p.png"], "argument --plot: no such folder: /nonexistent"),
+    (["--tokenizer", "/nonexistent"], "argument --tokenizer: no such folder: /nonexistent"),
+    (["--compare", "/nonexistent/a.json", "/nonexistent/b.json"],
+     "argument --compare: no such file: /nonexistent/a.json"),
+    (["--launch", "no-such-command-xyz --port 1"], "argument --launch: command not found: no-such-command-xyz"),
+])
+def test_bad_bench_flags_exit_2_naming_the_flag(argv, message, capsys):
+    """Refused before any request is sent (``--max-concurrency 0`` used to hang, ``--percentiles
+    150`` and a missing ``--result-file`` folder used to fail only after the whole run)."""
+    with pytest.raises(SystemExit) as exc:
+        main(["bench", "--base-url", "http://127.0.0.1:1", *argv])
+    assert exc.value.code == 2
+    assert f"duetserve bench: error: {message}\n" in capsys.readouterr().err
+
+
+def test_bench_goodput_error_names_the_flag(capsys):
+    code = main(["bench", "--base-url", "http://127.0.0.1:1", "--qps", "1", "--num-requests", "1",
+                 "--goodput", "ttft:-1"])
+    assert code == 1
+    assert "duetserve bench: error: --goodput ttft:-1: bad duration '-1'" in capsys.readouterr().err
