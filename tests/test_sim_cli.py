@@ -114,3 +114,16 @@ def test_policy_takes_a_comma_separated_list(capsys):
     with pytest.raises(SystemExit) as exc:
         main(["simulate", "--format", "synthetic", "--num-requests", "10", "--qps", "4", "--policy", "duet,fast"])
     assert exc.value.code == 2 and "argument --policy: unknown policy 'fast'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--cv", "nan"], "argument --cv: must be a finite number >= 0, got 'nan'"),  # looped forever
+    (["--cv", "-1"], "argument --cv: must be a finite number >= 0, got '-1'"),
+    (["--gpu-memory-utilization", "2"], "argument --gpu-memory-utilization: must be in (0, 1], got '2'"),
+    (["--gpu-memory-utilization", "0"], "argument --gpu-memory-utilization: must be in (0, 1], got '0'"),
+])
+def test_bad_values_name_the_flag(args, message, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main([*SMALL, "--qps", "2", *args])
+    assert exc.value.code == 2
+    assert f"duetserve simulate: error: {message}\n" in capsys.readouterr().err

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 from collections.abc import Callable, Sequence
@@ -63,6 +64,14 @@ def _fraction(text: str) -> float:
     value = float(text)
     if not 0 < value <= 1:
         raise ValueError(f"must be in (0, 1], got {text!r}")
+    return value
+
+
+def _cv(text: str) -> float:
+    """A finite number >= 0 (nan made the gap sampler loop forever)."""
+    value = float(text)
+    if not (math.isfinite(value) and value >= 0):
+        raise ValueError(f"must be a finite number >= 0, got {text!r}")
     return value
 
 
@@ -120,7 +129,7 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
                    help="request rates to sweep, req/s")
     t.add_argument("--arrival", default="poisson", choices=["poisson", "scale"],
                    help="poisson: re-draw arrivals at each QPS (gaps of CV --cv); scale: stretch the trace's own")
-    t.add_argument("--cv", type=_argtype(float, "--cv"), default=1.0, help="CV of Poisson/gamma gaps")
+    t.add_argument("--cv", type=_argtype(_cv, "--cv"), default=1.0, help="CV of Poisson/gamma gaps")
     t.add_argument("--window", type=_argtype(_window, "--window"), metavar="START:END",
                    help="keep requests arriving in [START, END) of the trace, e.g. 0:10min")
     t.add_argument("--num-requests", type=_argtype(_positive(int), "--num-requests"), metavar="N",
@@ -142,7 +151,7 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
     m.add_argument("--tp", type=_argtype(_positive(int), "--tp"), default=1, help="tensor-parallel GPUs")
     m.add_argument("--partition-backend", choices=PARTITION_BACKENDS, default="greenctx",
                    help="SM partitioning: greenctx (8-SM steps on Hopper), tpcmask (2-SM steps), none")
-    m.add_argument("--gpu-memory-utilization", type=_argtype(float, "--gpu-memory-utilization"), default=0.9,
+    m.add_argument("--gpu-memory-utilization", type=_argtype(_fraction, "--gpu-memory-utilization"), default=0.9,
                    help="share of HBM for weights and KV cache (default 0.9)")
     m.add_argument("--kv-cache-tokens", type=_argtype(_positive(int), "--kv-cache-tokens"), metavar="TOKENS",
                    help="KV capacity (default: from the profile's HBM minus the weights)")
