@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import logging
 import math
 import os
@@ -153,7 +154,11 @@ def _serve(args, parser: argparse.ArgumentParser) -> int:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn does
         try:
             sock.bind((args.host, args.port))
+        except socket.gaierror as exc:  # the host is no address
+            parser.error(f"--host {args.host}: {exc.strerror or exc}")
         except OSError as exc:
+            if exc.errno == errno.EADDRNOTAVAIL:
+                parser.error(f"--host {args.host}: not an address of this machine ({exc.strerror})")
             parser.error(f"--port {args.port}: cannot listen on {args.host}: {exc.strerror or exc}")
     if args.policy == "pdmux" and device == "cpu":
         parser.error("--policy pdmux needs an SM partition backend (a CUDA GPU); use duet, chunked or prefill-first")
@@ -161,6 +166,11 @@ def _serve(args, parser: argparse.ArgumentParser) -> int:
         load_profile(args.profile)
     except (ValueError, FileNotFoundError) as exc:
         parser.error(f"--profile {args.profile}: {exc}")
+    if args.iteration_log:  # fail now, not after loading the model
+        try:
+            open(args.iteration_log, "a").close()
+        except OSError as exc:
+            parser.error(f"--iteration-log {args.iteration_log}: {exc.strerror}")
     if args.libsmctrl:
         if not Path(args.libsmctrl).is_file():
             parser.error(f"--libsmctrl {args.libsmctrl}: no such file")

@@ -21,6 +21,9 @@ from duetserve.cli import _positive_float, main
     (["--trim-margin", "1.5"], "--trim-margin"),
     (["--num-decode-steps", "0"], "--num-decode-steps"),
     (["--num-decode-steps", "300"], "--num-decode-steps"),  # more than the scheduler's MAX_LOOKAHEAD
+    (["--host", "999.1.1.1"], "--host 999.1.1.1"),  # named --port before
+    (["--host", "192.0.2.1"], "--host 192.0.2.1: not an address of this machine"),  # TEST-NET-1
+    (["--iteration-log", "/nonexistent/dir/it.jsonl"], "--iteration-log /nonexistent/dir/it.jsonl: No such file"),
 ])
 def test_bad_serve_flags_exit_2_naming_the_flag(argv, flag, capsys):
     with pytest.raises(SystemExit) as exc:
@@ -132,3 +135,16 @@ def test_bench_goodput_error_names_the_flag(capsys):
                  "--goodput", "ttft:-1"])
     assert code == 1
     assert "duetserve bench: error: --goodput ttft:-1: bad duration '-1'" in capsys.readouterr().err
+
+
+def test_serve_refuses_a_bad_iteration_log_before_loading_the_model(tmp_path, monkeypatch, capsys):
+    import duetserve.engine.engine as engine_module
+
+    def no_loading(*_, **__):
+        raise AssertionError("the model was loaded before --iteration-log was checked")
+
+    monkeypatch.setattr(engine_module, "LLMEngine", no_loading)
+    with pytest.raises(SystemExit) as exc:
+        main(["serve", "--device", "cpu", "--port", "0", "--iteration-log", str(tmp_path)])
+    assert exc.value.code == 2
+    assert f"--iteration-log {tmp_path}: Is a directory" in capsys.readouterr().err
