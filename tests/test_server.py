@@ -373,3 +373,16 @@ def test_iteration_log_predicts_plans_without_a_prediction(tmp_path):
     assert first["predicted_s"] > 0.05  # a 2k-token chunk of Qwen3-8B: tens of ms, eager
     assert multi["predicted_s"] == pytest.approx(4 * one_step) and 0.004 < one_step < 0.01  # graph-replayed steps
     assert multi["cuda_graphs"] is True
+
+
+def test_null_fields_take_their_defaults(server):
+    """``"temperature": null`` and the like mean the default, as OpenAI and vLLM read them."""
+    base = {"prompt": "Once upon a time", "max_tokens": 6, "seed": 7}
+    nulls = {"temperature": None, "top_p": None, "top_k": None, "n": None, "stream": None, "stop": None,
+             "stop_token_ids": None, "ignore_eos": None, "echo": None, "stream_options": None, "logprobs": None}
+    plain = httpx.post(f"{server}/v1/completions", headers=AUTH, json=base, timeout=120)
+    r = httpx.post(f"{server}/v1/completions", headers=AUTH, json={**base, **nulls}, timeout=120)
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["text"] == plain.json()["choices"][0]["text"]
+    r = httpx.post(f"{server}/v1/completions", headers=AUTH, json={"prompt": None}, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"

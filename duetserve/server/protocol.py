@@ -12,6 +12,7 @@ from pydantic import (
     ValidationInfo,
     WrapValidator,
     field_validator,
+    model_validator,
 )
 from pydantic_core import PydanticCustomError
 
@@ -80,6 +81,15 @@ class _SamplingFields(BaseModel):
     n: Int = 1
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_default(cls, data: Any) -> Any:
+        """A JSON ``null`` for a known field means its default, as in OpenAI and vLLM (clients send
+        e.g. ``"temperature": null``); the field is then validated as if left out."""
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items() if v is not None or k not in cls.model_fields}
+        return data
 
     def sampling_params(self, default_max_tokens: int) -> SamplingParams:
         """Build and validate ``SamplingParams``.
