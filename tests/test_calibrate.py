@@ -345,6 +345,8 @@ def test_plot_draws_a_png(tmp_path):
     (["--out", "/no/such/dir/p.json"], "--out"),
     (["--plot", "/no/such/dir/c.png"], "--plot"),
     (["--partition-backend", "mig"], "--partition-backend"),
+    (["--gpu-name", " "], "--gpu-name: must not be empty"),
+    (["--iteration-log", "/no/such/log.jsonl"], "--iteration-log: no such file: /no/such/log.jsonl"),
 ])
 def test_cli_argument_errors_name_the_flag(tmp_path, capsys, extra, flag):
     with pytest.raises(SystemExit) as exc:

@@ -57,6 +57,18 @@ def _writable_file(text: str) -> Path:
     return path
 
 
+def _name(text: str) -> str:
+    if not text.strip():
+        raise argparse.ArgumentTypeError("must not be empty")
+    return text
+
+
+def _existing_file(text: str) -> str:
+    if not Path(text).is_file():
+        raise argparse.ArgumentTypeError(f"no such file: {text}")
+    return text
+
+
 def _model_path(text: str) -> Path:
     path = Path(text)
     if not (path / "config.json" if path.is_dir() else path).is_file():
@@ -66,7 +78,7 @@ def _model_path(text: str) -> Path:
 
 def configure_parser(p: argparse.ArgumentParser) -> None:
     """Add every ``duetserve calibrate`` option to ``p``."""
-    p.add_argument("--gpu-name", required=True, metavar="NAME", help="name of the profile written")
+    p.add_argument("--gpu-name", required=True, type=_name, metavar="NAME", help="name of the profile written")
     p.add_argument("--out", required=True, type=_writable_file, metavar="PROFILE.json", help="profile to write")
     p.add_argument("--base", type=_base_profile, default="h200", metavar="NAME|PATH",
                    help=f"profile of the unmeasured fields and baseline of the comparison: "
@@ -83,7 +95,7 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--plot", type=_writable_file, metavar="OUT.png", help="draw predicted against measured")
     p.add_argument("--quick", action="store_true",
                    help="8 timed repeats instead of 20, one decode batch on split SM levels")
-    p.add_argument("--iteration-log", metavar="LOG.jsonl",
+    p.add_argument("--iteration-log", type=_existing_file, metavar="LOG.jsonl",
                    help="fit only the serving host time to this `serve --iteration-log` file of a server "
                         "that planned with --base (no GPU needed)")
 
