@@ -386,3 +386,19 @@ def test_null_fields_take_their_defaults(server):
     assert r.json()["choices"][0]["text"] == plain.json()["choices"][0]["text"]
     r = httpx.post(f"{server}/v1/completions", headers=AUTH, json={"prompt": None}, timeout=60)
     assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+
+
+def test_chat_default_max_tokens_fits_a_small_kv_cache():
+    """Without max_tokens a chat gets the context left after its prompt, but no more than the KV
+    cache holds (with --num-kv-blocks 5 it was refused: "needs 512 KV blocks; the cache has 5")."""
+    from types import SimpleNamespace
+
+    from duetserve.server.api import _room
+
+    def engine(max_model_len, num_blocks, block_size=16):
+        return SimpleNamespace(engine=SimpleNamespace(max_model_len=max_model_len, config=SimpleNamespace(
+            block_size=block_size), block_manager=SimpleNamespace(num_blocks=num_blocks)))
+
+    assert _room(engine(8192, 5), 37) == 80 - 37
+    assert _room(engine(8192, 2620), 37) == 8192 - 37
+    assert _room(engine(8192, 2), 37) == 1  # the engine then refuses the prompt itself
