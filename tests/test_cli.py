@@ -120,6 +120,9 @@ def test_serve_refuses_a_busy_port_before_loading(capsys):
     (["--compare", "/nonexistent/a.json", "/nonexistent/b.json"],
      "argument --compare: no such file: /nonexistent/a.json"),
     (["--launch", "no-such-command-xyz --port 1"], "argument --launch: command not found: no-such-command-xyz"),
+    (["--request-timeout", "0"], "argument --request-timeout: must be a positive duration, got '0'"),
+    (["--launch-timeout", "0s"], "argument --launch-timeout: must be a positive duration, got '0s'"),
+    (["--tbt-slo", "0"], "argument --tbt-slo: must be a positive duration, got '0'"),
 ])
 def test_bad_bench_flags_exit_2_naming_the_flag(argv, message, capsys):
     """Refused before any request is sent (``--max-concurrency 0`` used to hang, ``--percentiles

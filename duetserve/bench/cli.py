@@ -133,6 +133,17 @@ def _token_id_range(text: str) -> tuple[int, int]:
     return low, high
 
 
+def _positive_duration(bare_unit: str) -> Callable[[str], float]:
+    """Parser of a duration > 0 whose bare numbers are in ``bare_unit``."""
+    def parse(text: str) -> float:
+        value = parse_duration(text, bare_unit)
+        if not value > 0:
+            raise ValueError(f"must be a positive duration, got {text!r}")
+        return value
+    parse.__name__ = "duration"
+    return parse
+
+
 def _window(text: str) -> tuple[float, float]:
     start, end = _pair(text, parse_duration)
     if not start < end:
@@ -203,7 +214,7 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
     s.add_argument("--model", help="model name (default: first id of /v1/models)")
     s.add_argument("--api-key", help="sent as 'Authorization: Bearer KEY'")
     s.add_argument("--max-concurrency", type=_argtype(_positive_int), help="most requests in flight")
-    s.add_argument("--request-timeout", type=_argtype(parse_duration), default=600.0,
+    s.add_argument("--request-timeout", type=_argtype(_positive_duration("s")), default=600.0,
                    metavar="DURATION", help="limit per request (default 600s)")
     s.add_argument("--tokenizer", type=_argtype(_existing_folder), metavar="PATH",
                    help="tokenizer (HF folder) that chat text prompts are checked against")
@@ -213,14 +224,14 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
     s.add_argument("--launch", type=_argtype(_command), metavar="CMD",
                    help="start this server command first (it must listen at --base-url), "
                         "wait for /health, stop it after")
-    s.add_argument("--launch-timeout", type=_argtype(parse_duration), default=600.0,
+    s.add_argument("--launch-timeout", type=_argtype(_positive_duration("s")), default=600.0,
                    metavar="DURATION", help="longest wait for /health (default 600s)")
     s.add_argument("--launch-log", type=_argtype(_output_file), metavar="PATH", help="server output file")
 
     r = p.add_argument_group("results")
     r.add_argument("--goodput", nargs="+", default=[], metavar="KEY:MS",
                    help="goodput SLOs, e.g. ttft:500 tpot:100ms e2el:10s (bare numbers: ms)")
-    r.add_argument("--tbt-slo", type=_argtype(lambda x: parse_duration(x, "ms")),
+    r.add_argument("--tbt-slo", type=_argtype(_positive_duration("ms")),
                    metavar="DURATION", help="TBT SLO for tbt_slo_attainment, e.g. 100ms")
     r.add_argument("--percentiles", type=_argtype(_percentiles), default=[90.0, 99.0],
                    metavar="P,P", help="reported percentiles (default 90,99)")
