@@ -214,10 +214,10 @@ def gamma_arrivals(n: int, qps: float, cv: float, rng: np.random.Generator) -> n
     ``cv`` (1 = Poisson, 0 = evenly spaced, > 1 = bursty). ``qps = inf`` puts every arrival at 0.
 
     Raises:
-        ValueError: ``qps <= 0`` or ``cv < 0``.
+        ValueError: ``qps <= 0`` (or NaN), or ``cv`` negative or not finite.
     """
-    if not qps > 0 or cv < 0:
-        raise ValueError(f"need qps > 0 and cv >= 0, got qps={qps}, cv={cv}")
+    if not qps > 0 or not 0 <= cv < math.inf:
+        raise ValueError(f"need qps > 0 and a finite cv >= 0, got qps={qps}, cv={cv}")
     if math.isinf(qps) or n == 0:
         return np.zeros(n)
     if cv == 0:
@@ -307,7 +307,8 @@ def resolve_format(path: str | Path | None, fmt: TraceFormat) -> TraceFormat:
             return "synthetic"
         suffixes = {".csv": "azure", ".jsonl": "mooncake"}
         if Path(path).suffix not in suffixes:
-            raise ValueError(f"cannot infer the trace format of {path}; give the format")
+            raise ValueError(f"cannot infer the trace format of {path} from its suffix (.csv: azure, .jsonl: "
+                             "mooncake); give the format (simulate --format, bench --trace-format)")
         return suffixes[Path(path).suffix]  # type: ignore[return-value]
     if fmt != "synthetic" and path is None:
         raise ValueError(f"format {fmt!r} needs a trace file path")

@@ -133,8 +133,9 @@ def test_gamma_arrivals_rate_and_cv() -> None:
         assert gaps.mean() == pytest.approx(0.2, rel=0.05)
         assert gaps.std() / gaps.mean() == pytest.approx(cv, rel=0.08)
     assert np.allclose(np.diff(gamma_arrivals(5, 4.0, 0.0, rng)), 0.25)
-    with pytest.raises(ValueError):
-        gamma_arrivals(5, 0.0, 1.0, rng)
+    for qps, cv in ((0.0, 1.0), (float("nan"), 1.0), (1.0, -0.5), (1.0, float("nan")), (1.0, float("inf"))):
+        with pytest.raises(ValueError, match="finite cv"):  # NaN gaps made the simulator loop forever
+            gamma_arrivals(5, qps, cv, rng)
 
 
 def test_synthetic_trace() -> None:
@@ -197,3 +198,8 @@ def test_a_missing_trace_file_is_named(tmp_path):
         resolve_format(tmp_path / "nope.csv", "auto")
     with pytest.raises(ValueError, match="no such trace file"):
         resolve_format(tmp_path, "azure")  # a folder
+    notes = tmp_path / "notes.md"
+    notes.write_text("# not a trace\n")
+    with pytest.raises(ValueError, match=r"give the format \(simulate --format, bench --trace-format\)"):
+        resolve_format(notes, "auto")
+    assert resolve_format(notes, "azure") == "azure"
