@@ -388,17 +388,20 @@ def test_null_fields_take_their_defaults(server):
     assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
 
 
-def test_chat_default_max_tokens_fits_a_small_kv_cache():
-    """Without max_tokens a chat gets the context left after its prompt, but no more than the KV
-    cache holds (with --num-kv-blocks 5 it was refused: "needs 512 KV blocks; the cache has 5")."""
+def test_chat_default_max_tokens_fits_a_small_kv_cache(tmp_path):
+    """Without max_tokens a chat gets the context left after its prompt; a KV cache smaller than
+    the model's context caps the engine's max_model_len (vLLM refuses to start instead; with
+    --num-kv-blocks 5 a chat was refused: "needs 512 KV blocks; the cache has 5"), and an explicit
+    --max-model-len the cache cannot hold is refused naming the flag."""
     from types import SimpleNamespace
 
+    from duetserve.config import EngineConfig
+    from duetserve.engine.engine import LLMEngine
     from duetserve.server.api import _room
 
-    def engine(max_model_len, num_blocks, block_size=16):
-        return SimpleNamespace(engine=SimpleNamespace(max_model_len=max_model_len, config=SimpleNamespace(
-            block_size=block_size), block_manager=SimpleNamespace(num_blocks=num_blocks)))
-
-    assert _room(engine(8192, 5), 37) == 80 - 37
-    assert _room(engine(8192, 2620), 37) == 8192 - 37
-    assert _room(engine(8192, 2), 37) == 1  # the engine then refuses the prompt itself
+    small = LLMEngine(EngineConfig(num_kv_blocks=5))  # the embedded model: 8192 positions, blocks of 16
+    assert small.max_model_len == 80
+    assert _room(SimpleNamespace(engine=small), 37) == 80 - 37
+    assert _room(SimpleNamespace(engine=small), 90) == 1  # the engine then refuses the prompt itself
+    with pytest.raises(ValueError, match="--max-model-len 200 is more than the KV cache holds .80 tokens"):
+        LLMEngine(EngineConfig(num_kv_blocks=5, max_model_len=200))

@@ -108,8 +108,16 @@ class LLMEngine:
             raise ValueError(f"--max-model-len {config.max_model_len} exceeds the model's limit of {limit} positions")
         self.max_model_len = config.max_model_len or limit
         num_blocks = config.num_kv_blocks or self._blocks_from_memory()
-        log.info("KV cache: %d blocks of %d tokens (%d tokens)", num_blocks, config.block_size,
-                 num_blocks * config.block_size)
+        capacity = num_blocks * config.block_size
+        log.info("KV cache: %d blocks of %d tokens (%d tokens)", num_blocks, config.block_size, capacity)
+        if self.max_model_len > capacity:  # one sequence of the longest context must fit (vLLM's check)
+            if config.max_model_len is not None:
+                raise ValueError(f"--max-model-len {config.max_model_len} is more than the KV cache holds "
+                                 f"({capacity} tokens in {num_blocks} blocks of {config.block_size}); lower it, "
+                                 "or give the cache more (--num-kv-blocks, --gpu-memory-utilization)")
+            log.warning("the KV cache holds %d tokens, fewer than the model's %d positions: serving a "
+                        "context of at most %d tokens (--max-model-len)", capacity, self.max_model_len, capacity)
+            self.max_model_len = capacity
         self.block_manager = BlockManager(num_blocks, config.block_size)
         # One extra block, owned by no sequence: CUDA-graph padding rows write their K/V there.
         kv = allocate_kv_cache(self.model, num_blocks + 1, config.block_size, self.dtype, self.device)

@@ -283,8 +283,6 @@ def _check_text(text: str, param: str) -> None:
 
 def _room(engine: AsyncEngine, prompt_len: int) -> int:
     """Default ``max_tokens`` for chat: the context left after the prompt (vLLM's behaviour), at
-    least 1; a KV cache smaller than the context (e.g. ``--num-kv-blocks``) caps the context, so
-    a chat without ``max_tokens`` is not refused for a length the client never asked for."""
-    llm = engine.engine
-    context = min(llm.max_model_len, llm.block_manager.num_blocks * llm.config.block_size)
-    return max(1, context - prompt_len)
+    least 1. The engine's ``max_model_len`` is already capped to what the KV cache holds, so a
+    chat without ``max_tokens`` is not refused for a length the client never asked for."""
+    return max(1, engine.engine.max_model_len - prompt_len)
