@@ -142,6 +142,12 @@ def _serve(args, parser: argparse.ArgumentParser) -> int:
     from duetserve.server.api import create_app
     from duetserve.server.metrics import ServerMetrics
 
+    from duetserve.model.layers import decode_gemm_mode
+
+    try:  # read on the first forward pass otherwise: a typo would fail every request
+        decode_gemm_mode()
+    except ValueError as exc:
+        parser.error(str(exc))
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if not re.fullmatch(r"cpu|cuda(:\d+)?", device):
         parser.error(f"--device {device}: use cpu, cuda or cuda:N")

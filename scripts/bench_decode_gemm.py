@@ -194,8 +194,9 @@ def layer_chain(best: dict) -> list[dict]:
 
 
 def pdl_ptx() -> dict:
-    """Whether the default kernels (plain and SwiGLU) are launched with PDL and their PTX reads weights
-    before ``griddepcontrol.wait``."""
+    """Whether the default kernels (plain and SwiGLU) are launched with PDL, and the global loads and
+    stores their PTX issues before ``griddepcontrol.wait`` (``triton_gemm.accesses_before_wait``:
+    weight loads only, no store)."""
     kernel, seen = tg._gemm_kernel, []
 
     class Spy:
@@ -211,8 +212,7 @@ def pdl_ptx() -> dict:
             tg.decode_gemm(x, torch.randn(2 * HIDDEN, HIDDEN, device="cuda", dtype=torch.bfloat16), swiglu=swiglu)
     finally:
         tg._gemm_kernel = kernel
-    return {name: {"launch_pdl": launch_pdl, "wait_in_ptx": "griddepcontrol.wait" in ptx,
-                   "load_before_wait": -1 < ptx.find("ld.global") < ptx.find("griddepcontrol.wait")}
+    return {name: {"launch_pdl": launch_pdl, "before_wait": tg.accesses_before_wait(ptx)}
             for name, (launch_pdl, ptx) in zip(("plain", "swiglu"), seen, strict=True)}
 
 

@@ -29,7 +29,8 @@ from duetserve.engine.scheduler import SchedulerOutput
 COPY_BW = 4.19e12
 MULTI_STEP = 8  # steps of the multi-step decode variant
 GEMM_RATE = 797e12
-VARIANT_ENV = {"graphs": {}, "eager": {}, "graphs-tgemm": {"DUETSERVE_DECODE_GEMM": "triton"}}  # child env
+VARIANT_ENV = {"graphs": {"DUETSERVE_DECODE_GEMM": "cublas"}, "eager": {"DUETSERVE_DECODE_GEMM": "cublas"},
+               "graphs-tgemm": {"DUETSERVE_DECODE_GEMM": "triton"}}  # child env: baselines never inherit triton
 
 
 def time_step(engine: LLMEngine, out: SchedulerOutput, iters: int) -> float:
@@ -107,6 +108,9 @@ def main() -> int:
     ap.add_argument("--variant", choices=tuple(VARIANT_ENV), help="run one variant (used internally)")
     ap.add_argument("--variants", default="graphs,eager", help="variants to run, each in its own process")
     args = ap.parse_args()
+    unknown = set(args.variants.split(",")) - set(VARIANT_ENV)
+    if unknown:
+        ap.error(f"--variants: unknown {', '.join(sorted(unknown))} (known: {', '.join(VARIANT_ENV)})")
     if args.variant:
         args.out.write_text(json.dumps(run_variant(args.variant == "eager", args.attention_backend, args.iters)))
         return 0

@@ -6,6 +6,8 @@
 cd "$(dirname "$0")/.." || exit 1
 index=$(mktemp -u)
 trap 'rm -f "$index"' EXIT
+# Seeded with the real index, so tracked files that an ignore pattern matches still count.
+real=$(git rev-parse --git-path index 2>/dev/null) && [ -f "$real" ] && cp "$real" "$index"
 if tree=$(GIT_INDEX_FILE=$index git add -A 2>/dev/null && GIT_INDEX_FILE=$index git write-tree 2>/dev/null); then
   echo "tree $tree"
 else

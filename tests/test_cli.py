@@ -150,3 +150,23 @@ def test_serve_refuses_a_bad_iteration_log_before_loading_the_model(tmp_path, mo
         main(["serve", "--device", "cpu", "--port", "0", "--iteration-log", str(tmp_path)])
     assert exc.value.code == 2
     assert f"--iteration-log {tmp_path}: Is a directory" in capsys.readouterr().err
+
+
+def test_serve_refuses_a_bad_decode_gemm_switch_before_loading(monkeypatch, capsys):
+    import duetserve.engine.engine as engine_module
+    from duetserve.model.layers import decode_gemm_mode
+
+    def no_loading(*_, **__):
+        raise AssertionError("the model was loaded before DUETSERVE_DECODE_GEMM was checked")
+
+    monkeypatch.setattr(engine_module, "LLMEngine", no_loading)
+    monkeypatch.setenv("DUETSERVE_DECODE_GEMM", "Triton")
+    decode_gemm_mode.cache_clear()
+    try:
+        with pytest.raises(SystemExit) as exc:
+            main(["serve", "--device", "cpu", "--port", "0"])
+    finally:
+        monkeypatch.delenv("DUETSERVE_DECODE_GEMM")
+        decode_gemm_mode.cache_clear()
+    assert exc.value.code == 2
+    assert "DUETSERVE_DECODE_GEMM must be cublas or triton, got 'Triton'" in capsys.readouterr().err

@@ -357,7 +357,7 @@ def test_iteration_log_carries_the_planning_host_terms(tmp_path):
 def test_iteration_log_predicts_plans_without_a_prediction(tmp_path):
     """chunked and prefill-first plan nothing: their records get the engine cost model's
     prediction of the batch as scheduled, (q, c) per sequence on all SMs; a multi-step decode
-    of k steps k times one step."""
+    one step times the steps that ran (3 of the plan's 4 here)."""
     from duetserve.engine.engine import StepStats
     from duetserve.engine.scheduler import ScheduledSeq
     from duetserve.planner.optimizer import Plan
@@ -366,12 +366,12 @@ def test_iteration_log_predicts_plans_without_a_prediction(tmp_path):
     mixed = [ScheduledSeq(None, 1, 700), ScheduledSeq(None, 1, 3000), ScheduledSeq(None, 2048, 1024)]
     metrics.on_step(StepStats(Plan(), 2, 2048, 0.07, 0, num_prefills=1, scheduled=mixed), [], 1.0)
     decodes = [ScheduledSeq(None, 1, 700), ScheduledSeq(None, 1, 3000)]
-    metrics.on_step(StepStats(Plan(k=4), 2, 0, 0.03, 0, decode_steps=4, scheduled=decodes), [], 2.0)
+    metrics.on_step(StepStats(Plan(k=4), 2, 0, 0.03, 0, decode_steps=3, scheduled=decodes), [], 2.0)
     first, multi = (json.loads(line) for line in log.read_text().splitlines())
     one_step = float(cost_model.predict_total([(1, 700), (1, 3000)], 132))
     assert first["predicted_s"] == pytest.approx(float(cost_model.predict_total([(1, 700), (1, 3000), (2048, 1024)], 132)))
     assert first["predicted_s"] > 0.05  # a 2k-token chunk of Qwen3-8B: tens of ms, eager
-    assert multi["predicted_s"] == pytest.approx(4 * one_step) and 0.004 < one_step < 0.01  # graph-replayed steps
+    assert multi["predicted_s"] == pytest.approx(3 * one_step) and 0.004 < one_step < 0.01  # graph-replayed steps
     assert multi["cuda_graphs"] is True
 
 
@@ -386,6 +386,11 @@ def test_null_fields_take_their_defaults(server):
     assert r.json()["choices"][0]["text"] == plain.json()["choices"][0]["text"]
     r = httpx.post(f"{server}/v1/completions", headers=AUTH, json={"prompt": None}, timeout=60)
     assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+    stream = {**base, "stream": True, "stream_options": {"include_usage": None}}  # vLLM accepts it: the default
+    r = httpx.post(f"{server}/v1/completions", headers=AUTH, json=stream, timeout=120)
+    chunks = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+    assert r.status_code == 200 and chunks and all(c.get("usage") is None for c in chunks)
+    assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == plain.json()["choices"][0]["text"]
 
 
 def test_chat_default_max_tokens_fits_a_small_kv_cache(tmp_path):

@@ -26,9 +26,11 @@ def test_tree_id_is_the_working_tree_not_the_last_commit(tmp_path: Path) -> None
     (repo / "scripts").mkdir(parents=True)
     shutil.copy(SCRIPT, repo / "scripts" / "tree_id.sh")
     (repo / "a.py").write_text("x = 1\n")
-    (repo / ".gitignore").write_text("out/\n")
+    (repo / ".gitignore").write_text("out/\n*.jsonl\n")
+    (repo / "fixture.jsonl").write_text("{}\n")  # tracked although an ignore pattern matches it
     _git(repo, "init", "-q")
     _git(repo, "add", "-A")
+    _git(repo, "add", "-f", "fixture.jsonl")
     _git(repo, "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "one")
     assert _tree_id(repo) == f"tree {_git(repo, 'rev-parse', 'HEAD^{tree}')}"
 

@@ -123,6 +123,14 @@ def test_decode_gemm_matches_torch(monkeypatch, m, n, k, bias, swiglu, dtype):
     assert rel_err(y, reference(x, w, b, swiglu)) < TOL
 
 
+def test_accesses_before_wait_reads_ptx_order():
+    ptx = "ld.global.v4.b32 a;\nld.global.b16 b;\ngriddepcontrol.wait;\nst.global.b16 c;\nld.global d;"
+    assert tg.accesses_before_wait(ptx) == {"wait": True, "loads": 2, "stores": 0}
+    early = "ld.global a;\nst.global.b32 b;\natom.global.add c;\ngriddepcontrol.wait;"
+    assert tg.accesses_before_wait(early) == {"wait": True, "loads": 1, "stores": 2}
+    assert tg.accesses_before_wait("ld.global a;")["wait"] is False
+
+
 @pytest.mark.parametrize("swiglu", [False, True])
 def test_decode_gemm_default_config(monkeypatch, swiglu):
     x, w, b = operands(5, 48, 320, torch.float16, True)
@@ -269,7 +277,8 @@ def test_pdl_chain_in_cuda_graph_matches_cublas(monkeypatch, gemm_mode):
     assert len(launches) == 3 and all(pdl for pdl, _ in launches)  # qkv, gate_up + SwiGLU, down
     for _, compiled in launches:
         ptx = compiled.asm["ptx"]
-        assert -1 < ptx.find("ld.global") < ptx.find("griddepcontrol.wait")  # the weight head is read before the wait
+        seen = tg.accesses_before_wait(ptx)  # the weight head is read before the wait, nothing written
+        assert seen["wait"] and seen["loads"] > 0 and seen["stores"] == 0
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = chain(static)

@@ -90,15 +90,15 @@ def fit_host_overheads(records: Iterable[Mapping[str, Any]], profile: HardwarePr
     by a server planning with ``profile``, whose terms count for records that do not carry
     their own); module docstring.
 
-    Raises ValueError when fewer than 2 temporal iterations with predictions are logged (a
-    policy that predicts nothing, such as chunked, logs none), or when they hold no decode-only
-    or no eager iteration (the two terms cannot be told apart).
+    Raises ValueError when fewer than 2 temporal iterations with predictions are logged (logs
+    written before every policy's records carried one: chunked's had none), or when they hold no
+    decode-only or no eager iteration (the two terms cannot be told apart).
     """
     rows = temporal_rows(records, profile)
     x, pred, meas, used = rows[:, :2], rows[:, 2], rows[:, 3], rows[:, 4:]
     if len(pred) < 2 or x[:, 1].all() or not x[:, 1].any():
         raise ValueError(f"{len(pred)} temporal iterations with predictions ({int(x[:, 1].sum())} eager): "
-                         "need both decode-only and eager ones (serve with a predicting policy, e.g. duet)")
+                         "need both decode-only and eager ones (a log of a server that both decoded alone and prefilled)")
     host = meas - pred + (x * used).sum(axis=1)  # the host time by the model: R h_r + e h_e
     new = _l1_fit(x, host, 1.0 / meas)
     for i in (0, 1):  # a negative term: clamp it at 0 and refit the other alone

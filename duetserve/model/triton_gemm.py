@@ -73,11 +73,14 @@ class GemmConfig:
 def default_config(n: int, k: int, swiglu: bool) -> GemmConfig:
     """Tiles for a ``[n, k]`` weight: 32 weight rows a program (64 for very wide layers such as
     gate_up and lm_head, whose grids have many waves either way), halved into gate and up rows with
-    ``swiglu``; 256-column tiles and as many pipeline stages (2 to 4) as fit in ``_SMEM_BUDGET``."""
+    ``swiglu``; 256-column tiles and as many pipeline stages (2 to 4) as fit in ``_SMEM_BUDGET``
+    beside the head tile (the weight columns loaded before the PDL wait, staged in shared
+    memory too: lm_head's 64 x 256 head took 204,800 bytes in all, compiled for sm_90)."""
     rows, block_k = (64 if n > 16384 else 32), 256
     stage = (rows + BLOCK_M) * block_k * 2  # weight and x tiles, 16-bit
+    head = rows * block_k * 2
     return GemmConfig(rows // 2 if swiglu else rows, block_k, head_k=block_k,
-                      num_stages=max(2, min(4, _SMEM_BUDGET // stage)))
+                      num_stages=max(2, min(4, (_SMEM_BUDGET - head) // stage)))
 
 
 @functools.cache
@@ -89,6 +92,15 @@ def pdl_supported(x: torch.Tensor) -> bool:
     """Whether kernels on ``x``'s device can use programmatic dependent launch: a CUDA tensor on
     compute capability >= 9 (Hopper), and Triton not interpreting."""
     return x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1" and _capability(x.device)[0] >= 9
+
+
+def accesses_before_wait(ptx: str) -> dict[str, int | bool]:
+    """What a compiled kernel's PTX does to global memory before ``griddepcontrol.wait``: whether
+    the wait is there, and how many global loads and stores/atomics precede it (PDL safety: loads
+    of weights only, no store; the GPU test and ``scripts/bench_decode_gemm.py`` check it)."""
+    head, wait, _ = ptx.partition("griddepcontrol.wait")
+    return {"wait": bool(wait), "loads": head.count("ld.global"),
+            "stores": sum(head.count(op) for op in ("st.global", "atom.global", "red.global"))}
 
 
 @triton.jit

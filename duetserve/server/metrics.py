@@ -128,13 +128,14 @@ class ServerMetrics:
 
     def _predicted(self, stats: StepStats) -> float | None:
         """The plan's predicted seconds; for a plan without one, the engine cost model's for the
-        batch on all SMs (``k`` times one step for a multi-step decode), None without a model."""
+        batch on all SMs (a multi-step decode: one step times the steps that ran, which
+        ``measured_s`` covers), None without a model."""
         plan = stats.plan
         if plan.predicted_s is not None or self._cost_model is None or not stats.scheduled:
             return plan.predicted_s
         reqs = [(s.num_new_tokens, s.num_cached_tokens) for s in stats.scheduled]
         one = float(self._cost_model.predict_total(reqs, self._cost_model.profile.num_sms))
-        return one * plan.k if not stats.num_prefill_tokens else one
+        return one * stats.decode_steps if not stats.num_prefill_tokens else one
 
     def forget(self, request_id: str) -> None:
         """A request was aborted (e.g. its client went away): counted as finished with reason

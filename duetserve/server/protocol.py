@@ -46,8 +46,22 @@ Int = Annotated[int, _json_number("integer")]
 Float = Annotated[float, _json_number("number")]
 
 
+def _nulls_as_defaults(model: type[BaseModel], data: Any) -> Any:
+    """``data`` without the JSON ``null``s of ``model``'s own fields: a null for a known field
+    means its default, as in OpenAI and vLLM (clients send e.g. ``"temperature": null``), and the
+    field is then validated as if left out."""
+    if isinstance(data, dict):
+        return {k: v for k, v in data.items() if v is not None or k not in model.model_fields}
+    return data
+
+
 class StreamOptions(BaseModel):
     include_usage: StrictBool = False
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_default(cls, data: Any) -> Any:
+        return _nulls_as_defaults(cls, data)
 
 
 # OpenAI fields this server does not implement, with the values that ask for nothing (a client
@@ -85,11 +99,7 @@ class _SamplingFields(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _null_is_default(cls, data: Any) -> Any:
-        """A JSON ``null`` for a known field means its default, as in OpenAI and vLLM (clients send
-        e.g. ``"temperature": null``); the field is then validated as if left out."""
-        if isinstance(data, dict):
-            return {k: v for k, v in data.items() if v is not None or k not in cls.model_fields}
-        return data
+        return _nulls_as_defaults(cls, data)
 
     def sampling_params(self, default_max_tokens: int) -> SamplingParams:
         """Build and validate ``SamplingParams``.
