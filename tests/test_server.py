@@ -136,6 +136,10 @@ def test_non_streaming_completion(server):
                    json={"prompt": "The capital of France is", "max_tokens": 5, "temperature": 0, "logprobs": None,
                          "presence_penalty": 0, "frequency_penalty": 0.0, "best_of": 1, "user": "u-1"})
     assert r.json()["choices"][0]["text"] == body["choices"][0]["text"]
+    for field, value in (("best_of", True), ("presence_penalty", False), ("logprobs", 1)):  # true is not 1
+        r = httpx.post(f"{server}/v1/completions", headers=AUTH, timeout=60,
+                       json={"prompt": "The capital of France is", "max_tokens": 5, field: value})
+        assert r.status_code == 400 and r.json()["error"]["param"] == field, (field, r.text)
     # vanishing top_p / temperature sample the most likely token, like greedy
     for extra in ({"temperature": 1, "top_p": 1e-300}, {"temperature": 1e-45}):
         r = httpx.post(f"{server}/v1/completions", headers=AUTH, timeout=120,

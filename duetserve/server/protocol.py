@@ -110,7 +110,9 @@ class _SamplingFields(BaseModel):
         if self.n != 1:
             raise ParamError("only n=1 is supported", "n")
         for name, value in (self.model_extra or {}).items():
-            if name in _UNSUPPORTED and value not in _UNSUPPORTED[name]:
+            # an "off" value only in its own JSON type: true is not 1 (Python's True == 1)
+            if name in _UNSUPPORTED and not any(value == off and isinstance(value, bool) == isinstance(off, bool)
+                                                for off in _UNSUPPORTED[name]):
                 raise ParamError(f"{name} is not supported by this server", name)
         if self.stream_options is not None and not self.stream:
             raise ParamError("stream_options is only allowed when stream is true", "stream_options")
