@@ -25,7 +25,9 @@ def parse_duration(text: str | float, bare_unit: str = "s") -> float:
         text = str(text)
     match = _DURATION.match(text)
     if not match:
-        raise ValueError(f"bad duration {text!r}: expected e.g. 100ms, 0.1s, 2min")
+        negative = text.strip().startswith("-") and _DURATION.match(text.strip()[1:])
+        raise ValueError(f"bad duration {text!r}: " + ("a duration cannot be negative" if negative else
+                                                       "expected e.g. 100ms, 0.1s, 2min"))
     return float(match.group(1)) * _UNITS_S[match.group(2) or bare_unit]
 
 

@@ -117,9 +117,12 @@ def test_parse_duration() -> None:
     assert parse_duration("2min") == 120.0
     assert parse_duration("5") == 5.0
     assert parse_duration("100", "ms") == pytest.approx(0.1)
-    for bad in ("abc", "-1s", "10 parsecs", ""):
-        with pytest.raises(ValueError):
+    for bad in ("abc", "10 parsecs", ""):
+        with pytest.raises(ValueError, match="expected e.g. 100ms"):
             parse_duration(bad)
+    for negative in ("-1s", "-5", " -100ms"):
+        with pytest.raises(ValueError, match="a duration cannot be negative"):
+            parse_duration(negative, "ms")
 
 
 def test_parse_goodput() -> None:
