@@ -75,7 +75,8 @@ def default_config(n: int, k: int, swiglu: bool) -> GemmConfig:
     gate_up and lm_head, whose grids have many waves either way), halved into gate and up rows with
     ``swiglu``; 256-column tiles and as many pipeline stages (2 to 4) as fit in ``_SMEM_BUDGET``
     beside the head tile (the weight columns loaded before the PDL wait, staged in shared
-    memory too: lm_head's 64 x 256 head took 204,800 bytes in all, compiled for sm_90)."""
+    memory too: with lm_head's 64 x 256 head the kernel took 204,800 bytes in all, as triton 3.9
+    compiled it ahead for sm_90 on a CPU; not yet read on the GPU's triton 3.6)."""
     rows, block_k = (64 if n > 16384 else 32), 256
     stage = (rows + BLOCK_M) * block_k * 2  # weight and x tiles, 16-bit
     head = rows * block_k * 2
