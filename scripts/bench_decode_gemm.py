@@ -1,17 +1,17 @@
 """GPU microbenchmark of the Triton decode GEMM (``duetserve.model.triton_gemm``) against cuBLAS, Qwen3-8B shapes.
 
 1. Each weight GEMM at M = 1, 8, 16 rows (the Triton GEMM's range, ``triton_gemm.MAX_M``): qkv
-   4096->6144, o 4096->4096, gate_up 4096->2x12288 with SwiGLU's activation (cuBLAS then the
-   SiLU-and-mul kernel, against Triton with the activation in its epilogue, writing [M, 12288]),
-   down 12288->4096 and lm_head 4096->151936 (plain GEMMs), timed inside a CUDA graph of
+   4096->6144, o 4096->4096, gate_up 4096->2x12288, down 12288->4096 and lm_head 4096->151936
+   (the last two wider than ``triton_gemm.MAX_N``: cuBLAS in the engine), timed inside a CUDA graph of
    back-to-back launches over enough weight copies that L2 (50 MB) holds none of them; cuBLAS
    once, Triton over a small sweep of tile configs (one that fails to compile or launch is
    skipped with its error printed; the sweep stops at ``--budget-s``).
 2. A layer chain: one decoder layer's kernels (add+RMSNorm, qkv, q/k-norm+RoPE+KV write, o,
-   add+RMSNorm, the SwiGLU MLP as ``layers.swiglu_mlp`` runs it; no attention) for 36 layers of
-   distinct weights, in one graph: cuBLAS, Triton + PDL with the default tiles, the same without
-   PDL, and Triton + PDL with the sweep's best tiles per shape and M; ms per 36 layers and % of
-   the weight-read floor (bytes / 4.19 TB/s).
+   add+RMSNorm, gate_up, SiLU-and-mul, down, through ``layers``; no attention) for 36 layers of
+   distinct weights, in one graph: cuBLAS everywhere (``DUETSERVE_DECODE_GEMM=cublas``), the
+   default (Triton + PDL up to ``MAX_N`` rows), the same without PDL, with the sweep's best tiles
+   per shape and M, and with the Triton GEMM on gate_up too (no ``MAX_N``); ms per 36 layers and
+   % of the weight-read floor (bytes / 4.19 TB/s).
 
 Writes JSON to ``--out``; prints a short table last.
 """
@@ -37,10 +37,8 @@ L2_BYTES = 50 << 20
 LAYERS = 36
 ROWS = (1, 8, 16)
 HIDDEN, INTER, HEADS, KV_HEADS, HEAD_DIM, VOCAB = 4096, 12288, 32, 8, 128, 151936
-# name: (weight rows, K, SwiGLU epilogue)
-SHAPES = {"qkv": (6144, HIDDEN, False), "o": (HIDDEN, HIDDEN, False), "gate_up+swiglu": (2 * INTER, HIDDEN, True),
-          "down": (HIDDEN, INTER, False), "lm_head": (VOCAB, HIDDEN, False)}
-# block_n counts weight rows a program reads here; with SwiGLU it is halved into gate and up rows
+SHAPES = {"qkv": (6144, HIDDEN), "o": (HIDDEN, HIDDEN), "gate_up": (2 * INTER, HIDDEN), "down": (HIDDEN, INTER),
+          "lm_head": (VOCAB, HIDDEN)}  # name: (weight rows, K)
 SWEEP = [tg.GemmConfig(bn, bk, hk, w, s) for bn, bk, hk, w, s in (
     (32, 256, 256, 4, 4), (16, 256, 256, 4, 4), (32, 128, 256, 4, 6), (32, 256, 512, 4, 3),
     (32, 512, 512, 8, 3), (32, 128, 128, 8, 3), (64, 256, 256, 4, 4), (64, 128, 128, 4, 6), (64, 256, 256, 8, 4))]
@@ -70,40 +68,27 @@ def graph_us(fn, reps: int, replays: int = 10) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def cublas(x, w, swiglu: bool):
-    """Today's path: cuBLAS, then with ``swiglu`` the fused SiLU-and-mul kernel."""
-    y = F.linear(x, w)
-    return fused_ops.silu_and_mul(y) if swiglu else y
-
-
-def sweep_configs(swiglu: bool) -> list[tg.GemmConfig]:
-    """``SWEEP`` with ``block_n`` as output columns (halved with ``swiglu``, at least the MMA's 16),
-    duplicates dropped."""
-    configs = [dataclasses.replace(c, block_n=c.block_n // 2) if swiglu else c for c in SWEEP]
-    return list(dict.fromkeys(c for c in configs if c.block_n >= 16))
-
-
 def sweep(budget_s: float) -> list[dict]:
     """Section 1: one row per (shape, M): cuBLAS and every config's microseconds."""
     rows, t0, skipped = [], time.monotonic(), 0
-    for name, (n, k, swiglu) in SHAPES.items():
+    for name, (n, k) in SHAPES.items():
         copies = max(2, -(-3 * L2_BYTES // (2 * n * k)))
         ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * k ** -0.5 for _ in range(copies)]
         for m in ROWS:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-            floor_us = (2 * n * k + 2 * m * k + 2 * m * (n // 2 if swiglu else n)) / COPY_BW * 1e6
-            row = {"shape": name, "n": n, "k": k, "swiglu": swiglu, "m": m, "floor_us": floor_us,
-                   "cublas_us": graph_us(lambda i: cublas(x, ws[i % copies], swiglu), 4 * copies), "triton": []}
-            ref = cublas(x, ws[0], swiglu).double()
-            default = tg.default_config(n, k, swiglu)
-            for cfg in [default, *(c for c in sweep_configs(swiglu) if c != default)]:
+            floor_us = (2 * n * k + 2 * m * k + 2 * m * n) / COPY_BW * 1e6
+            row = {"shape": name, "n": n, "k": k, "m": m, "floor_us": floor_us,
+                   "cublas_us": graph_us(lambda i: F.linear(x, ws[i % copies]), 4 * copies), "triton": []}
+            ref = F.linear(x, ws[0]).double()
+            default = tg.default_config(n, k)
+            for cfg in [default, *(c for c in SWEEP if c != default)]:
                 if cfg != default and time.monotonic() - t0 > budget_s:
                     skipped += 1
                     continue
                 try:
-                    y = tg.decode_gemm(x, ws[0], None, swiglu, cfg).double()
+                    y = tg.decode_gemm(x, ws[0], None, cfg).double()
                     err = ((y - ref).norm() / ref.norm()).item()
-                    us = graph_us(lambda i: tg.decode_gemm(x, ws[i % copies], None, swiglu, cfg), 4 * copies)
+                    us = graph_us(lambda i: tg.decode_gemm(x, ws[i % copies], None, cfg), 4 * copies)
                     row["triton"].append({"config": dataclasses.asdict(cfg), "us": us, "rel_err": err})
                     if cfg == default:
                         row["default_us"] = us
@@ -123,9 +108,9 @@ def sweep(budget_s: float) -> list[dict]:
 def chain_weights() -> list[dict]:
     """Distinct bf16 weights of ``LAYERS`` Qwen3-8B decoder layers."""
     def rand(shape: str):
-        n, k, _ = SHAPES[shape]
+        n, k = SHAPES[shape]
         return torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * k ** -0.5
-    return [{"qkv": rand("qkv"), "o": rand("o"), "gate_up": rand("gate_up+swiglu"), "down": rand("down"),
+    return [{"qkv": rand("qkv"), "o": rand("o"), "gate_up": rand("gate_up"), "down": rand("down"),
              "norm1": torch.rand(HIDDEN, device="cuda", dtype=torch.bfloat16) + 0.5,
              "norm2": torch.rand(HIDDEN, device="cuda", dtype=torch.bfloat16) + 0.5,
              "qn": torch.ones(HEAD_DIM, device="cuda", dtype=torch.bfloat16),
@@ -143,7 +128,7 @@ def chain(x, weights, rope) -> torch.Tensor:
                                            v.view(m, KV_HEADS, HEAD_DIM), cos, sin, k_cache, v_cache, slots,
                                            w["qn"], w["kn"], 1e-6)
         h, residual = fused_ops.rms_norm(layers.linear(q.view(m, -1), w["o"]), w["norm2"], 1e-6, residual)
-        x = layers.swiglu_mlp(h, w["gate_up"], w["down"])
+        x = layers.linear(fused_ops.silu_and_mul(layers.linear(h, w["gate_up"])), w["down"])
     return x
 
 
@@ -154,27 +139,30 @@ def set_mode(mode: str) -> None:
 
 
 def layer_chain(best: dict) -> list[dict]:
-    """Section 2: ms per ``LAYERS`` layers for each variant and M; ``best`` maps (rows, K, SwiGLU, M) to tiles."""
+    """Section 2: ms per ``LAYERS`` layers for each variant and M; ``best`` maps (rows, K, M) to tiles."""
     weights = chain_weights()
     floor_ms = sum(t.numel() * 2 for w in weights for t in w.values()) / COPY_BW * 1e3
     freqs = torch.outer(torch.arange(4096.0), 1e6 ** (-torch.arange(0, HEAD_DIM, 2) / HEAD_DIM)).cuda()
     cache = [torch.zeros(8, 16, KV_HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16) for _ in range(2)]
-    gemm, pdl = tg.decode_gemm, tg.pdl_supported
+    gemm, pdl, max_n = tg.decode_gemm, tg.pdl_supported, tg.MAX_N
 
-    def tuned(x, w, bias=None, swiglu=False, config=None):
-        return gemm(x, w, bias, swiglu, config or best.get((w.shape[0], w.shape[1], swiglu, x.shape[0])))
+    def tuned(x, w, bias=None, config=None):
+        return gemm(x, w, bias, config or best.get((w.shape[0], w.shape[1], x.shape[0])))
 
-    variants = {"cublas": ("cublas", gemm, pdl), "triton+pdl": ("triton", gemm, pdl),
-                "triton, no pdl": ("triton", gemm, lambda x: False), "triton+pdl, tuned": ("triton", tuned, pdl)}
+    # name: (mode, GEMM, PDL test, MAX_N)
+    variants = {"cublas": ("cublas", gemm, pdl, max_n), "default": ("triton", gemm, pdl, max_n),
+                "default, no pdl": ("triton", gemm, lambda x: False, max_n),
+                "default, tuned": ("triton", tuned, pdl, max_n), "triton on gate_up": ("triton", gemm, pdl, 1 << 30)}
     rows = []
     for m in ROWS:
         x = torch.randn(m, HIDDEN, device="cuda", dtype=torch.bfloat16)
         positions = torch.arange(m, device="cuda") + 100
         rope = (positions, freqs.cos(), freqs.sin(), *cache, torch.arange(m, device="cuda"))
         outputs = {}
-        for name, (mode, variant_gemm, variant_pdl) in variants.items():
+        for name, (mode, variant_gemm, variant_pdl, variant_max_n) in variants.items():
             set_mode(mode)
-            tg.decode_gemm, tg.pdl_supported, tf.pdl_supported = variant_gemm, variant_pdl, variant_pdl
+            tg.decode_gemm, tg.pdl_supported, tf.pdl_supported, tg.MAX_N = (variant_gemm, variant_pdl, variant_pdl,
+                                                                            variant_max_n)
             try:
                 ms = graph_us(lambda i: outputs.__setitem__(name, chain(x, weights, rope)), 1) / 1e3
                 pct = 100 * floor_ms / ms
@@ -184,8 +172,8 @@ def layer_chain(best: dict) -> list[dict]:
                 outputs.pop(name, None)
                 print(f"chain m={m} {name}: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
             finally:
-                tg.decode_gemm, tg.pdl_supported, tf.pdl_supported = gemm, pdl, pdl
-                set_mode("cublas")
+                tg.decode_gemm, tg.pdl_supported, tf.pdl_supported, tg.MAX_N = gemm, pdl, pdl, max_n
+                set_mode("triton")
         ref = outputs.get("cublas")
         for name, out in outputs.items() if ref is not None else ():  # the last replay's output of each variant
             err = ((out.double() - ref.double()).norm() / ref.double().norm()).item()
@@ -194,9 +182,8 @@ def layer_chain(best: dict) -> list[dict]:
 
 
 def pdl_ptx() -> dict:
-    """Whether the default kernels (plain and SwiGLU) are launched with PDL, and the global loads and
-    stores their PTX issues before ``griddepcontrol.wait`` (``triton_gemm.accesses_before_wait``:
-    weight loads only, no store)."""
+    """Whether the default kernel is launched with PDL, and the global loads and stores its PTX issues
+    before ``griddepcontrol.wait`` (``triton_gemm.accesses_before_wait``: weight loads only, no store)."""
     kernel, seen = tg._gemm_kernel, []
 
     class Spy:
@@ -208,12 +195,11 @@ def pdl_ptx() -> dict:
     tg._gemm_kernel = Spy()
     try:
         x = torch.randn(8, HIDDEN, device="cuda", dtype=torch.bfloat16)
-        for swiglu in (False, True):
-            tg.decode_gemm(x, torch.randn(2 * HIDDEN, HIDDEN, device="cuda", dtype=torch.bfloat16), swiglu=swiglu)
+        tg.decode_gemm(x, torch.randn(2 * HIDDEN, HIDDEN, device="cuda", dtype=torch.bfloat16))
     finally:
         tg._gemm_kernel = kernel
-    return {name: {"launch_pdl": launch_pdl, "before_wait": tg.accesses_before_wait(ptx)}
-            for name, (launch_pdl, ptx) in zip(("plain", "swiglu"), seen, strict=True)}
+    (launch_pdl, ptx), = seen
+    return {"launch_pdl": launch_pdl, "before_wait": tg.accesses_before_wait(ptx)}
 
 
 def main() -> int:
@@ -229,13 +215,12 @@ def main() -> int:
         pdl = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
     print(f"PDL: {pdl}", flush=True)
     gemms = sweep(args.budget_s)
-    best = {(r["n"], r["k"], r["swiglu"], r["m"]): tg.GemmConfig(**r["best"]["config"]) for r in gemms if r["best"]}
+    best = {(r["n"], r["k"], r["m"]): tg.GemmConfig(**r["best"]["config"]) for r in gemms if r["best"]}
     chains = layer_chain(best)
     args.out.write_text(json.dumps({"pdl": pdl, "gemm": gemms, "chain": chains, "seconds": time.monotonic() - t0},
                                    indent=1))
     print(f"\nPDL: {pdl}")
-    print(f"weight GEMMs, us per call in a graph (floor = bytes / {COPY_BW / 1e12:.2f} TB/s; gate_up+swiglu: "
-          "cuBLAS + silu_and_mul kernel against Triton with the SwiGLU epilogue)")
+    print(f"weight GEMMs, us per call in a graph (floor = bytes / {COPY_BW / 1e12:.2f} TB/s)")
     print(f"{'shape':>14} {'M':>3} {'floor':>7} {'cublas':>7} {'%':>4} {'default':>7} {'best':>7} {'%':>4}  "
           "best tiles (n, k, head, warps, stages)")
     for r in gemms:

@@ -3,9 +3,11 @@
 Decode: batch 1/8/32/64/128 x context 512/2048/8192, with CUDA graphs and eagerly, against
 the floor ``bytes(weights + KV read) / 4.19 TB/s`` (DESIGN section 5's measured copy rate).
 Prefill: 8192 tokens as 1 x 8192 and 8 x 1024, TFLOP/s over useful (causal) FLOPs against
-797 TFLOP/s. Variant ``graphs-tgemm``: graphs with ``DUETSERVE_DECODE_GEMM=triton`` (the Triton
-decode GEMM for batches of up to ``triton_gemm.MAX_M`` rows, SwiGLU in the gate/up epilogue, and
-programmatic dependent launch). Writes JSON to ``--out`` and prints a table.
+797 TFLOP/s. ``graphs`` and ``eager`` run the engine's default linear layers (the Triton decode GEMM
+for batches of up to ``triton_gemm.MAX_M`` rows on weights of up to ``triton_gemm.MAX_N`` rows, with
+programmatic dependent launch; ``layers``); variant ``graphs-cublas``: graphs with
+``DUETSERVE_DECODE_GEMM=cublas`` (cuBLAS everywhere, no PDL), the baseline beside it. Writes JSON
+to ``--out`` and prints a table.
 """
 from __future__ import annotations
 
@@ -29,8 +31,9 @@ from duetserve.engine.scheduler import SchedulerOutput
 COPY_BW = 4.19e12
 MULTI_STEP = 8  # steps of the multi-step decode variant
 GEMM_RATE = 797e12
-VARIANT_ENV = {"graphs": {"DUETSERVE_DECODE_GEMM": "cublas"}, "eager": {"DUETSERVE_DECODE_GEMM": "cublas"},
-               "graphs-tgemm": {"DUETSERVE_DECODE_GEMM": "triton"}}  # child env: baselines never inherit triton
+# child env: the default variants never inherit the switch from the caller
+VARIANT_ENV = {"graphs": {"DUETSERVE_DECODE_GEMM": "triton"}, "eager": {"DUETSERVE_DECODE_GEMM": "triton"},
+               "graphs-cublas": {"DUETSERVE_DECODE_GEMM": "cublas"}}
 
 
 def time_step(engine: LLMEngine, out: SchedulerOutput, iters: int) -> float:
@@ -123,15 +126,15 @@ def main() -> int:
         runs[variant] = json.loads(path.read_text())
     args.out.write_text(json.dumps(runs, indent=1))
     eager = {(r["batch"], r["ctx"]): r for r in runs.get("eager", {}).get("decode", [])}
-    tgemm = {(r["batch"], r["ctx"]): r for r in runs.get("graphs-tgemm", {}).get("decode", [])}
+    cublas = {(r["batch"], r["ctx"]): r for r in runs.get("graphs-cublas", {}).get("decode", [])}
     nan = {"ms": float("nan"), "ratio": float("nan"), "multi_step_ratio": float("nan")}
     base = runs.get("graphs") or next(iter(runs.values()))
     print(f"\ndecode step, ms (graphs recorded: {base['graphs']}); floor = bytes(weights+KV)/4.19 TB/s; "
-          f"tgemm: graphs with DUETSERVE_DECODE_GEMM=triton")
+          f"cublas: graphs with DUETSERVE_DECODE_GEMM=cublas")
     print(f"{'batch':>5} {'ctx':>5} {'graphs':>8} {'eager':>8} {'floor':>7} {'ratio':>6} {'speedup':>7} "
-          f"{'8-step/step':>11} {'ratio':>6} {'tgemm':>8} {'ratio':>6} {'8-step':>6}")
+          f"{'8-step/step':>11} {'ratio':>6} {'cublas':>8} {'ratio':>6} {'8-step':>6}")
     for r in base["decode"]:
-        e, t = (d.get((r["batch"], r["ctx"]), nan) for d in (eager, tgemm))
+        e, t = (d.get((r["batch"], r["ctx"]), nan) for d in (eager, cublas))
         if "error" in r or "error" in e or "error" in t:
             print(f"{r['batch']:>5} {r['ctx']:>5} ERROR {(r.get('error') or e.get('error') or t.get('error'))[:70]}")
             continue

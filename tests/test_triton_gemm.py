@@ -1,15 +1,15 @@
 """The Triton decode GEMM (``triton_gemm.decode_gemm``) against torch, and its dispatch
-(``layers.linear``, ``layers.swiglu_mlp``).
+(``layers.linear``: decode-sized inputs, weights of at most ``MAX_N`` rows, the switch).
 
 Without CUDA the kernel runs under Triton's interpreter (``TRITON_INTERPRET=1``, set for this
 module's tests only) on small shapes and tiles, in float16 and bfloat16: the interpreter's
 ``tl.dot`` multiplies bfloat16 bit patterns as integers (numpy has no bfloat16), so on a CPU the
 ``bf16_dot`` fixture upcasts its bfloat16 operands to float32 first, as the GPU's MMA does in
 effect (products of bf16 values are exact in float32), and makes the interpreter's float32 to
-bfloat16 casts round to nearest (it truncates, which SwiGLU's three roundings pile up to ~1%). Outputs are compared in float64 by relative
-error against ``F.linear`` of the same rounded operands (with SwiGLU's epilogue, against torch's
-``silu_and_mul`` of the rounded ``F.linear``), and allocated outputs start as NaN, so an element
-left unwritten shows up. A tiny Qwen3 engine's logits with the switch on match those with it off.
+bfloat16 casts round to nearest (it truncates). Outputs are compared in float64 by relative error
+against ``F.linear`` of the same rounded operands, and allocated outputs start as NaN, so an
+element left unwritten shows up. A tiny Qwen3 engine's logits with the switch on match those
+with it off.
 The ``gpu`` tests use Qwen3-8B's shapes in bfloat16, check the programmatic-dependent-launch path
 and replay a captured CUDA graph against cuBLAS.
 """
@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from conftest import CUDA, import_triton_module
 
-from duetserve.model import fused_ops, layers
+from duetserve.model import layers
 
 DEVICE = torch.device("cuda" if CUDA else "cpu")
 needs_cuda = pytest.mark.skipif(not CUDA, reason="needs CUDA")
@@ -93,14 +93,9 @@ def operands(m, n, k, dtype, bias: bool, seed=0):
     return x, w, b
 
 
-def reference(x, w, b, swiglu: bool) -> torch.Tensor:
-    """float64 ``F.linear`` of the operands; with ``swiglu``, torch's ``silu_and_mul`` of it rounded to x's dtype."""
-    y = F.linear(x.double(), w.double(), None if b is None else b.double())
-    if not swiglu:
-        return y
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv(fused_ops.FUSED_ENV, "0")
-        return fused_ops.silu_and_mul(y.to(x.dtype)).double()
+def reference(x, w, b) -> torch.Tensor:
+    """float64 ``F.linear`` of the operands."""
+    return F.linear(x.double(), w.double(), None if b is None else b.double())
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -109,18 +104,17 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("m,n,k,bias,swiglu", [
-    (1, 40, 200, False, False), (3, 64, 256, True, False), (16, 70, 130, False, False), (11, 50, 300, True, False),
-    (1, 36, 200, False, True), (5, 100, 384, True, True), (13, 64, 96, False, True), (16, 34, 300, True, True),
+@pytest.mark.parametrize("m,n,k,bias", [
+    (1, 40, 200, False), (3, 64, 256, True), (16, 70, 130, False), (11, 50, 300, True), (5, 100, 384, True),
+    (13, 64, 96, False),
 ])
-def test_decode_gemm_matches_torch(monkeypatch, m, n, k, bias, swiglu, dtype):
-    """Shapes off the tiles (N, K not multiples of 16/64, K under and over the head), M 1..16; with
-    ``swiglu`` the output is ``[m, n / 2]`` (intermediate columns not a multiple of the tile either)."""
+def test_decode_gemm_matches_torch(monkeypatch, m, n, k, bias, dtype):
+    """Shapes off the tiles (N, K not multiples of 16/64, K under and over the head), M 1..16."""
     x, w, b = operands(m, n, k, dtype, bias, seed=m)
     nan_empty(monkeypatch)
-    y = tg.decode_gemm(x, w, b, swiglu, SMALL)
-    assert y.shape == (m, n // 2 if swiglu else n) and y.dtype == dtype
-    assert rel_err(y, reference(x, w, b, swiglu)) < TOL
+    y = tg.decode_gemm(x, w, b, SMALL)
+    assert y.shape == (m, n) and y.dtype == dtype
+    assert rel_err(y, reference(x, w, b)) < TOL
 
 
 def test_accesses_before_wait_reads_ptx_order():
@@ -131,19 +125,18 @@ def test_accesses_before_wait_reads_ptx_order():
     assert tg.accesses_before_wait("ld.global a;")["wait"] is False
 
 
-@pytest.mark.parametrize("swiglu", [False, True])
-def test_decode_gemm_default_config(monkeypatch, swiglu):
+def test_decode_gemm_default_config(monkeypatch):
     x, w, b = operands(5, 48, 320, torch.float16, True)
     nan_empty(monkeypatch)
-    assert rel_err(tg.decode_gemm(x, w, b, swiglu), reference(x, w, b, swiglu)) < TOL
+    assert rel_err(tg.decode_gemm(x, w, b), reference(x, w, b)) < TOL
 
 
-def test_default_config_fits_the_rows():
-    """A SwiGLU program reads as many weight rows (gate plus up) as a plain one of the same weight."""
-    for n in (6144, 24576, 151936):
-        plain, fused = tg.default_config(n, 4096, False), tg.default_config(n, 4096, True)
-        assert fused.block_n * 2 == plain.block_n == (64 if n > 16384 else 32)
-        assert 2 <= plain.num_stages == fused.num_stages <= 4
+def test_default_config_tiles():
+    """32 weight rows a program up to MAX_N, 64 beyond; 256-column tiles; stages that fit the budget:
+    (160 KiB - 32 x 256 x 2 head) // ((32 + 16) x 256 x 2) = 6 -> 4; (160 KiB - 32 KiB) // 40 KiB = 3."""
+    assert tg.default_config(6144, 4096) == tg.GemmConfig(32, 256, 256, 4, 4)
+    assert tg.default_config(tg.MAX_N, 12288) == tg.GemmConfig(32, 256, 256, 4, 4)
+    assert tg.default_config(151936, 4096) == tg.GemmConfig(64, 256, 256, 4, 3)
 
 
 def test_decode_gemm_rejects_bad_inputs():
@@ -151,31 +144,37 @@ def test_decode_gemm_rejects_bad_inputs():
     bad = [((x[:0], w), "1 to"), ((torch.zeros(tg.MAX_M + 1, 64, dtype=x.dtype, device=DEVICE), w), "1 to"),
            ((x.float(), w.float()), "dtype"), ((x, w.bfloat16()), "dtype"), ((x, w, b.float()), "dtype"),
            ((x, w[:, :32]), "does not fit"), ((x, w, b[:8]), "bias must be"), ((x[None], w), "2-D"),
-           ((x.t().contiguous().t(), w), "contiguous"), ((x, w[:31], None, True), "gate and up")]
+           ((x.t().contiguous().t(), w), "contiguous")]
     for args, match in bad:
         with pytest.raises(ValueError, match=match):
             tg.decode_gemm(*args)
 
 
-def test_dispatch_follows_the_switch_and_the_rows(monkeypatch, gemm_mode):
-    """``layers.linear`` and ``SwiGLU`` run the Triton GEMM only with ``DUETSERVE_DECODE_GEMM=triton`` and a
-    bf16/fp16 input of at most ``MAX_M`` rows (the MLP's gate/up with the SwiGLU epilogue, then a plain
-    down projection); the modules' outputs agree either way."""
+def test_dispatch_follows_the_switch_rows_and_width(monkeypatch, gemm_mode):
+    """By default (and with ``DUETSERVE_DECODE_GEMM=triton``) ``layers.Linear`` and ``SwiGLU``'s
+    projections run the Triton GEMM on a bf16/fp16 input of at most ``MAX_M`` rows when the weight has
+    at most ``MAX_N`` rows; ``cublas`` turns it off; the modules' outputs agree either way."""
     calls = []
     gemm = tg.decode_gemm
-    monkeypatch.setattr(tg, "decode_gemm", lambda *a, **kw: calls.append(kw.get("swiglu", False)) or gemm(*a, **kw))
+    monkeypatch.setattr(tg, "decode_gemm", lambda x, w, *a, **kw: calls.append(w.shape[0]) or gemm(x, w, *a, **kw))
+    monkeypatch.setattr(tg, "MAX_N", 64)  # gate_up (96 rows) too wide, down (32) and proj (40) not
     torch.manual_seed(0)
     mlp = layers.SwiGLU(32, 48, bias=True).to(DEVICE, torch.float16)
     proj = layers.Linear(32, 40, bias=True).to(DEVICE, torch.float16)
     x = torch.randn(6, 32, device=DEVICE, dtype=torch.float16)
     outputs = {}
-    for mode in ("cublas", "triton"):
-        gemm_mode(mode)
+    for mode in ("cublas", "triton", None):
+        if mode:
+            gemm_mode(mode)
+        else:
+            monkeypatch.delenv(layers.DECODE_GEMM_ENV)
+            layers.decode_gemm_mode.cache_clear()
         calls.clear()
         outputs[mode] = mlp(x), proj(x)
-        assert calls == ([True, False, False] if mode == "triton" else [])  # gate_up + SwiGLU, down, proj
-    for out, ref in zip(outputs["triton"], outputs["cublas"], strict=True):
-        assert rel_err(out, ref.double()) < TOL
+        assert calls == ([] if mode == "cublas" else [32, 40])  # down, proj; gate_up on cuBLAS
+    for mode in ("triton", None):
+        for out, ref in zip(outputs[mode], outputs["cublas"], strict=True):
+            assert rel_err(out, ref.double()) < TOL
     calls.clear()
     big = torch.randn(tg.MAX_M + 1, 32, device=DEVICE, dtype=torch.float16)  # 17 rows: cuBLAS
     proj(big), mlp(big)
@@ -225,10 +224,9 @@ QWEN3_8B = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096), "d
 @pytest.mark.parametrize("m", [1, 7, 16])
 def test_decode_gemm_bf16_gpu(monkeypatch, m):
     for name, (n, k) in QWEN3_8B.items():
-        swiglu = name == "gate_up"
         x, w, b = operands(m, n, k, torch.bfloat16, name == "o", seed=m)
         nan_empty(monkeypatch)
-        assert rel_err(tg.decode_gemm(x, w, b, swiglu), reference(x, w, b, swiglu)) < TOL, name
+        assert rel_err(tg.decode_gemm(x, w, b), reference(x, w, b)) < TOL, name
         monkeypatch.undo()
 
 
@@ -236,8 +234,8 @@ def test_decode_gemm_bf16_gpu(monkeypatch, m):
 @needs_cuda
 def test_pdl_chain_in_cuda_graph_matches_cublas(monkeypatch, gemm_mode):
     """With the switch on, a Hopper GPU launches the GEMMs with PDL (each one's PTX loads weights, then
-    waits on the grid dependency) and a captured norm -> qkv -> norm -> gate_up + SwiGLU -> down chain
-    replays to cuBLAS's result."""
+    waits on the grid dependency) and a captured norm -> qkv -> norm -> gate_up -> SiLU-and-mul ->
+    down chain replays to cuBLAS's result."""
     if torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("programmatic dependent launch needs compute capability >= 9")
     launches = []
@@ -274,7 +272,7 @@ def test_pdl_chain_in_cuda_graph_matches_cublas(monkeypatch, gemm_mode):
     with torch.cuda.stream(side):
         chain(static)  # compile
     torch.cuda.current_stream().wait_stream(side)
-    assert len(launches) == 3 and all(pdl for pdl, _ in launches)  # qkv, gate_up + SwiGLU, down
+    assert len(launches) == 3 and all(pdl for pdl, _ in launches)  # qkv, gate_up, down
     for _, compiled in launches:
         ptx = compiled.asm["ptx"]
         seen = tg.accesses_before_wait(ptx)  # the weight head is read before the wait, nothing written

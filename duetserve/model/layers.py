@@ -3,13 +3,13 @@
 The arithmetic lives in ``duetserve.model.fused_ops`` (fused Triton kernels on CUDA, torch
 elsewhere); these modules hold the weights and tables.
 
-Linear layers run cuBLAS (``torch.nn.functional.linear``) unless ``DUETSERVE_DECODE_GEMM`` is
-``triton``: then a decode-sized input (at most ``triton_gemm.MAX_M`` rows, bfloat16/float16, on
-CUDA, or on a CPU under ``TRITON_INTERPRET=1`` for tests) runs the skinny Triton GEMM of
-``duetserve.model.triton_gemm``, the SwiGLU MLP's gate/up projection with the activation fused
-into its epilogue (the down projection a plain Triton GEMM), and the fused ops' Triton kernels
-are launched with programmatic dependent launch on Hopper. The default, ``cublas``, keeps
-cuBLAS and the separate activation kernel at every size, as do larger batches under ``triton``.
+Linear layers run the skinny Triton GEMM of ``duetserve.model.triton_gemm`` on decode-sized
+inputs (at most ``triton_gemm.MAX_M`` rows, bfloat16/float16, on CUDA, or on a CPU under
+``TRITON_INTERPRET=1`` for tests) whose weight has at most ``triton_gemm.MAX_N`` rows (for
+Qwen3-8B: qkv, o and down; the merged gate/up projection and lm_head stay on cuBLAS), and the
+fused ops' Triton kernels are launched with programmatic dependent launch on Hopper. Everything
+else runs cuBLAS (``torch.nn.functional.linear``). ``DUETSERVE_DECODE_GEMM=cublas`` keeps cuBLAS
+at every size and launches without PDL (the baseline of ``scripts/bench_engine.py``).
 """
 from __future__ import annotations
 
@@ -79,7 +79,7 @@ class RotaryEmbedding(nn.Module):
 
 @functools.cache
 def decode_gemm_mode() -> str:
-    """``DUETSERVE_DECODE_GEMM``: ``cublas`` (the default) or ``triton`` (see the module docstring).
+    """``DUETSERVE_DECODE_GEMM``: ``triton`` (the default) or ``cublas`` (see the module docstring).
 
     Read once per process, on first use (every linear layer asks); ``decode_gemm_mode.cache_clear()``
     makes the next call read the environment again.
@@ -87,7 +87,7 @@ def decode_gemm_mode() -> str:
     Raises:
         ValueError: any other value.
     """
-    mode = os.environ.get(DECODE_GEMM_ENV, "cublas")
+    mode = os.environ.get(DECODE_GEMM_ENV, "triton")
     if mode not in ("cublas", "triton"):
         raise ValueError(f"{DECODE_GEMM_ENV} must be cublas or triton, got {mode!r}")
     return mode
@@ -103,13 +103,15 @@ def _gemm_kernels() -> ModuleType:
     try:
         return importlib.import_module("duetserve.model.triton_gemm")
     except ImportError as exc:
-        raise RuntimeError(f"{DECODE_GEMM_ENV}=triton but triton does not import ({exc})") from exc
+        raise RuntimeError(f"the decode GEMM needs triton, which does not import ({exc}); "
+                           f"set {DECODE_GEMM_ENV}=cublas to run without it") from exc
 
 
 def use_decode_gemm(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether ``x @ weight^T`` runs the Triton decode GEMM: the switch is ``triton`` and ``x`` is a
+    """Whether ``x @ weight^T`` runs the Triton decode GEMM: the switch is ``triton``, ``x`` is a
     decode batch (2-D, 1 to ``triton_gemm.MAX_M`` rows, bfloat16/float16 like ``weight``, both with a
-    contiguous last dim) on CUDA, or on a CPU under ``TRITON_INTERPRET=1``.
+    contiguous last dim) on CUDA, or on a CPU under ``TRITON_INTERPRET=1``, and ``weight`` has at most
+    ``triton_gemm.MAX_N`` rows.
 
     Raises:
         ValueError, RuntimeError: as ``decode_gemm_mode`` and ``_gemm_kernels``.
@@ -117,8 +119,8 @@ def use_decode_gemm(x: torch.Tensor, weight: torch.Tensor) -> bool:
     if decode_gemm_mode() != "triton" or not (x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"):
         return False
     gemm = _gemm_kernels()
-    return (x.dim() == 2 and 1 <= x.shape[0] <= gemm.MAX_M and x.dtype in gemm.DTYPES and weight.dtype == x.dtype
-            and x.stride(-1) == 1 and weight.stride(-1) == 1)
+    return (x.dim() == 2 and 1 <= x.shape[0] <= gemm.MAX_M and weight.shape[0] <= gemm.MAX_N
+            and x.dtype in gemm.DTYPES and weight.dtype == x.dtype and x.stride(-1) == 1 and weight.stride(-1) == 1)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -134,29 +136,6 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if use_decode_gemm(x, weight):
         return _gemm_kernels().decode_gemm(x, weight, bias)
     return F.linear(x, weight, bias)
-
-
-def swiglu_mlp(x: torch.Tensor, gate_up_weight: torch.Tensor, down_weight: torch.Tensor,
-               gate_up_bias: torch.Tensor | None = None, down_bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``down(silu(gate(x)) * up(x))`` with gate and up merged (see ``SwiGLU``).
-
-    A decode batch under ``DUETSERVE_DECODE_GEMM=triton`` (``use_decode_gemm``) runs two Triton
-    GEMMs, the activation in the first one's epilogue; anything else runs cuBLAS, the
-    ``fused_ops.silu_and_mul`` kernel, cuBLAS.
-
-    Args:
-        x: ``[T, hidden]`` float tensor.
-        gate_up_weight: ``[2I, hidden]``, gate rows then up rows; gate_up_bias ``[2I]`` or None.
-        down_weight: ``[hidden_out, I]``; down_bias ``[hidden_out]`` or None; all in x's dtype.
-
-    Returns:
-        ``[T, hidden_out]`` in x's dtype.
-    """
-    if use_decode_gemm(x, gate_up_weight):
-        h = _gemm_kernels().decode_gemm(x, gate_up_weight, gate_up_bias, swiglu=True)
-    else:
-        h = silu_and_mul(F.linear(x, gate_up_weight, gate_up_bias))
-    return linear(h, down_weight, down_bias)
 
 
 class Linear(nn.Linear):
@@ -203,6 +182,5 @@ class SwiGLU(nn.Module):
         self.down_proj = Linear(intermediate, hidden, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """``[T, hidden]`` -> ``[T, hidden]``, by ``swiglu_mlp`` (decode batches may fuse the activation)."""
-        return swiglu_mlp(x, self.gate_up_proj.weight, self.down_proj.weight, self.gate_up_proj.bias,
-                          self.down_proj.bias)
+        """``[T, hidden]`` -> ``[T, hidden]``."""
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))

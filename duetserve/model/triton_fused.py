@@ -10,7 +10,7 @@ so bf16 results stay within one rounding of transformers' at each step.
 No kernel takes the number of tokens as an argument (it is only the grid), so one compiled
 kernel serves every batch size, and all of them can be captured in a CUDA graph once warm.
 
-With ``DUETSERVE_DECODE_GEMM=triton`` (``layers.decode_gemm_mode``) on Hopper, the kernels are
+Unless ``DUETSERVE_DECODE_GEMM=cublas`` (``layers.decode_gemm_mode``), on Hopper the kernels are
 launched with programmatic dependent launch, like ``triton_gemm``'s: each may start while the
 previous kernel drains, waits for it (``griddepcontrol.wait``) before any global memory access,
 then lets the next kernel launch.

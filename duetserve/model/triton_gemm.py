@@ -14,14 +14,13 @@ in a persistent buffer that resets itself, which two streams running the same la
 (prefill beside decode) would corrupt. Instead a program reads 32-64 weight rows, so that the
 grid keeps every SM busy: for Qwen3-8B's layers 128-384 programs on 132 SMs (lm_head 2374).
 
-SwiGLU epilogue (``swiglu=True``): the weight is the merged gate/up projection ``[2I, K]``
-(gate rows, then up rows). A program owns ``BLOCK_N`` intermediate columns ``j..``: it streams
-both gate rows ``j..`` and up rows ``I + j..`` against the same ``x`` tile into two accumulators
-and writes ``silu(gate) * up`` ``[M, I]``, rounded like ``fused_ops.silu_and_mul`` after the
-GEMM (gate and up to the input dtype, SiLU to the input dtype, then the product). The activation
-costs no extra kernel and no ``[M, 2I]`` round trip, and the down projection is a plain GEMM.
-(The first attempt fused it into the down projection's prologue instead: every one of its
-programs re-read and re-activated the whole ``[M, 2I]``, 58 us against cuBLAS's 33 at M = 8.)
+Which layers use it (``layers.use_decode_gemm``): weights of at most ``MAX_N`` rows. Measured
+on the H200 (sixth session, 36 Qwen3-8B layers without attention in one CUDA graph, weight-read
+floor 3.32 ms): the Triton GEMM on qkv, o and down with cuBLAS on the merged gate/up projection
+(24576 rows) took 4.00 ms at M = 1 and 4.20 at M = 8, against 4.33 and 4.56 with cuBLAS
+everywhere. Moving gate/up to Triton as well (with SwiGLU fused into its epilogue) lost that
+gain again (4.45, 4.55), and cuBLAS also reads lm_head (151936 rows) faster (290 against 303 us
+at M = 8).
 
 Programmatic dependent launch (PDL): on compute capability >= 9 the kernel is launched with
 ``launch_pdl=True`` and may start while the previous kernel drains. It loads its first
@@ -30,7 +29,7 @@ Programmatic dependent launch (PDL): on compute capability >= 9 the kernel is la
 may hand ``y`` memory the previous kernel still reads) before the wait. It then lets the next
 kernel launch at once (``launch_dependents``); that kernel waits in turn for this one to finish.
 
-``M`` is not specialised on, so one compiled kernel per (tiles, bias, SwiGLU) serves every batch
+``M`` is not specialised on, so one compiled kernel per (tiles, bias) serves every batch
 size; no host synchronisation, the grid depends on shapes only: CUDA-graph capturable. On a
 machine without a GPU the kernel runs under Triton's interpreter (``TRITON_INTERPRET=1`` set
 before this module is imported), without PDL.
@@ -51,6 +50,9 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 # qkv, o and gate_up, at M = 32-64 cuBLAS won on every shape (o 12.0 against 14.5 us, gate_up 51.8
 # against 57.8 at M = 64).
 MAX_M = 16
+# Widest weight (output columns) ``layers.use_decode_gemm`` sends here; wider ones go to cuBLAS
+# (see the module docstring for the measurement).
+MAX_N = 16384
 BLOCK_M = 16  # x rows per MMA tile: M padded up to it (the tensor cores' smallest N)
 _SMEM_BUDGET = 160 << 10  # bytes of pipelined tiles per program (Hopper: 227 KiB a block)
 DTYPES = (torch.bfloat16, torch.float16)
@@ -58,10 +60,7 @@ DTYPES = (torch.bfloat16, torch.float16)
 
 @dataclass(frozen=True)
 class GemmConfig:
-    """Tile sizes and launch parameters of ``decode_gemm`` (powers of two; ``head_k`` a multiple of 16).
-
-    ``block_n`` counts output columns: with ``swiglu`` a program reads twice as many weight rows.
-    """
+    """Tile sizes and launch parameters of ``decode_gemm`` (powers of two; ``head_k`` a multiple of 16)."""
 
     block_n: int = 32  # output columns per program
     block_k: int = 256  # reduction columns per pipelined tile
@@ -70,18 +69,17 @@ class GemmConfig:
     num_stages: int = 4
 
 
-def default_config(n: int, k: int, swiglu: bool) -> GemmConfig:
-    """Tiles for a ``[n, k]`` weight: 32 weight rows a program (64 for very wide layers such as
-    gate_up and lm_head, whose grids have many waves either way), halved into gate and up rows with
-    ``swiglu``; 256-column tiles and as many pipeline stages (2 to 4) as fit in ``_SMEM_BUDGET``
+def default_config(n: int, k: int) -> GemmConfig:
+    """Tiles for a ``[n, k]`` weight: 32 weight rows a program (64 for layers wider than ``MAX_N``,
+    such as lm_head, whose grids have many waves either way; only benchmarks call those);
+    256-column tiles and as many pipeline stages (2 to 4) as fit in ``_SMEM_BUDGET``
     beside the head tile (the weight columns loaded before the PDL wait, staged in shared
     memory too: with lm_head's 64 x 256 head the kernel took 204,800 bytes in all, as triton 3.9
     compiled it ahead for sm_90 on a CPU; not yet read on the GPU's triton 3.6)."""
-    rows, block_k = (64 if n > 16384 else 32), 256
+    rows, block_k = (64 if n > MAX_N else 32), 256
     stage = (rows + BLOCK_M) * block_k * 2  # weight and x tiles, 16-bit
     head = rows * block_k * 2
-    return GemmConfig(rows // 2 if swiglu else rows, block_k, head_k=block_k,
-                      num_stages=max(2, min(4, (_SMEM_BUDGET - head) // stage)))
+    return GemmConfig(rows, block_k, head_k=block_k, num_stages=max(2, min(4, (_SMEM_BUDGET - head) // stage)))
 
 
 @functools.cache
@@ -120,92 +118,69 @@ def _load_xt(x_ptr, stride_xm, offs_m, m_ok, offs_k, k):
 
 @triton.jit(do_not_specialize=["m"])
 def _gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, m, n, k, stride_xm, stride_wn, stride_ym,
-                 HAS_BIAS: tl.constexpr, SWIGLU: tl.constexpr, PDL: tl.constexpr, BLOCK_M: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HEAD_K: tl.constexpr):
-    """Program ``p``, columns ``c = p*BLOCK_N ..`` of ``n``: ``y[:, c] = x @ w[c, :]^T (+ b[c])``, or with
-    ``SWIGLU`` ``silu(x @ w[c]^T + b[c]) * (x @ w[n + c]^T + b[n + c])``; float32 accumulation."""
+                 HAS_BIAS: tl.constexpr, PDL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr, HEAD_K: tl.constexpr):
+    """Program ``p``, columns ``c = p*BLOCK_N ..`` of ``n``: ``y[:, c] = x @ w[c, :]^T (+ b[c])``, float32
+    accumulation."""
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < n
     offs_m = tl.arange(0, BLOCK_M)
     m_ok = offs_m < m
-    gate_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn
+    w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn
     offs_h = tl.arange(0, HEAD_K)
-    w_head = _load_w(gate_rows, offs_h, n_ok, k)
-    if SWIGLU:
-        up_rows = w_ptr + (offs_n.to(tl.int64) + n)[:, None] * stride_wn
-        up_head = _load_w(up_rows, offs_h, n_ok, k)
+    w_head = _load_w(w_rows, offs_h, n_ok, k)
     if PDL:
         gdc_wait()  # everything above reads weights only
         gdc_launch_dependents()
     x_head = _load_xt(x_ptr, stride_xm, offs_m, m_ok, offs_h, k)
     acc = tl.dot(w_head, x_head)
-    if SWIGLU:
-        acc_up = tl.dot(up_head, x_head)
     for k0 in range(HEAD_K, k, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
-        xt = _load_xt(x_ptr, stride_xm, offs_m, m_ok, offs_k, k)
-        acc += tl.dot(_load_w(gate_rows, offs_k, n_ok, k), xt)
-        if SWIGLU:
-            acc_up += tl.dot(_load_w(up_rows, offs_k, n_ok, k), xt)
+        acc += tl.dot(_load_w(w_rows, offs_k, n_ok, k), _load_xt(x_ptr, stride_xm, offs_m, m_ok, offs_k, k))
     if HAS_BIAS:
         acc += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
-        if SWIGLU:
-            acc_up += tl.load(b_ptr + n + offs_n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
-    dtype = y_ptr.dtype.element_ty
-    if SWIGLU:  # as silu_and_mul after a GEMM that rounds: gate, up, SiLU and product each to dtype
-        gate = acc.to(dtype).to(tl.float32)
-        act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
-        acc = act * acc_up.to(dtype).to(tl.float32)
     y = y_ptr + offs_m[None, :] * stride_ym + offs_n[:, None]
-    tl.store(y, acc.to(dtype), mask=n_ok[:, None] & m_ok[None, :])
+    tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=n_ok[:, None] & m_ok[None, :])
 
 
-def decode_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, swiglu: bool = False,
+def decode_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                 config: GemmConfig | None = None) -> torch.Tensor:
-    """``x @ weight^T + bias`` for a decode batch, or with ``swiglu`` SwiGLU's activation of it, one
-    launch (see the module docstring).
+    """``x @ weight^T + bias`` for a decode batch, one launch (see the module docstring).
 
     Args:
         x: ``[M, K]``, ``1 <= M <= MAX_M``, bfloat16 or float16, last dim contiguous (row stride free).
-        weight: ``[N, K]`` in x's dtype, last dim contiguous; with ``swiglu`` the merged gate/up
-            projection ``[2I, K]``, gate rows first.
+        weight: ``[N, K]`` in x's dtype, last dim contiguous.
         bias: ``[N]`` in x's dtype, or None.
-        swiglu: return ``silu(h[:, :I]) * h[:, I:]`` of ``h = x @ weight^T + bias`` (as
-            ``fused_ops.silu_and_mul`` of the plain result) instead of ``h``.
-        config: tiles and launch parameters (default ``default_config(N, K, swiglu)``).
+        config: tiles and launch parameters (default ``default_config(N, K)``).
 
     Returns:
-        ``[M, N]`` (``[M, I]`` with ``swiglu``) in x's dtype: float32 accumulation, rounded once
-        after the bias (with ``swiglu``, then rounded where ``silu_and_mul`` rounds).
+        ``[M, N]`` in x's dtype: float32 accumulation, rounded once after the bias.
 
     Raises:
         ValueError: shapes, dtypes, devices or strides other than the above.
     """
     if x.dim() != 2 or weight.dim() != 2:
         raise ValueError(f"x and weight must be 2-D, got {tuple(x.shape)} and {tuple(weight.shape)}")
-    m, rows, k = x.shape[0], weight.shape[0], weight.shape[1]
+    m, n, k = x.shape[0], weight.shape[0], weight.shape[1]
     if x.shape[1] != k:
         raise ValueError(f"x {tuple(x.shape)} does not fit weight {tuple(weight.shape)}")
-    if swiglu and rows % 2:
-        raise ValueError(f"swiglu needs gate and up rows of one size, got {rows} weight rows")
     if not 1 <= m <= MAX_M:
         raise ValueError(f"decode_gemm takes 1 to {MAX_M} rows, got {m}")
     if x.dtype not in DTYPES or weight.dtype != x.dtype or (bias is not None and bias.dtype != x.dtype):
         raise ValueError(f"x, weight and bias must share a dtype among {DTYPES}, got {x.dtype}, {weight.dtype}"
                          f"{'' if bias is None else ', ' + str(bias.dtype)}")
-    if bias is not None and bias.shape != (rows,):
-        raise ValueError(f"bias must be [{rows}], got {tuple(bias.shape)}")
+    if bias is not None and bias.shape != (n,):
+        raise ValueError(f"bias must be [{n}], got {tuple(bias.shape)}")
     if weight.device != x.device or (bias is not None and bias.device != x.device):
         raise ValueError("x, weight and bias must be on one device")
     if x.stride(1) != 1 or weight.stride(1) != 1:
         raise ValueError("x and weight need a contiguous last dim")
-    cfg = config or default_config(rows, k, swiglu)
-    n = rows // 2 if swiglu else rows
+    cfg = config or default_config(n, k)
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     pdl = pdl_supported(x)
     _gemm_kernel[(triton.cdiv(n, cfg.block_n),)](
         x, weight, bias if bias is not None else weight, y, m, n, k, x.stride(0), weight.stride(0), y.stride(0),
-        HAS_BIAS=bias is not None, SWIGLU=swiglu, PDL=pdl, BLOCK_M=BLOCK_M,
+        HAS_BIAS=bias is not None, PDL=pdl, BLOCK_M=BLOCK_M,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, HEAD_K=cfg.head_k, num_warps=cfg.num_warps,
         num_stages=cfg.num_stages, launch_pdl=pdl)
     return y
