@@ -154,30 +154,32 @@ def layer_chain(best: dict) -> list[dict]:
                 "default, no pdl": ("triton", gemm, lambda x: False, max_n),
                 "default, tuned": ("triton", tuned, pdl, max_n), "triton on gate_up": ("triton", gemm, pdl, 1 << 30)}
     rows = []
-    for m in ROWS:
-        x = torch.randn(m, HIDDEN, device="cuda", dtype=torch.bfloat16)
-        positions = torch.arange(m, device="cuda") + 100
-        rope = (positions, freqs.cos(), freqs.sin(), *cache, torch.arange(m, device="cuda"))
-        outputs = {}
-        for name, (mode, variant_gemm, variant_pdl, variant_max_n) in variants.items():
-            set_mode(mode)
-            tg.decode_gemm, tg.pdl_supported, tf.pdl_supported, tg.MAX_N = (variant_gemm, variant_pdl, variant_pdl,
-                                                                            variant_max_n)
-            try:
-                ms = graph_us(lambda i: outputs.__setitem__(name, chain(x, weights, rope)), 1) / 1e3
-                pct = 100 * floor_ms / ms
-                rows.append({"m": m, "variant": name, "ms": ms, "floor_ms": floor_ms, "pct_of_floor": pct})
-                print(f"chain m={m:<3} {name:<18} {ms:6.3f} ms  {pct:5.1f}% of the {floor_ms:.3f} ms floor", flush=True)
-            except Exception as exc:
-                outputs.pop(name, None)
-                print(f"chain m={m} {name}: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
-            finally:
-                tg.decode_gemm, tg.pdl_supported, tf.pdl_supported, tg.MAX_N = gemm, pdl, pdl, max_n
-                set_mode("triton")
-        ref = outputs.get("cublas")
-        for name, out in outputs.items() if ref is not None else ():  # the last replay's output of each variant
-            err = ((out.double() - ref.double()).norm() / ref.double().norm()).item()
-            next(r for r in rows if r["m"] == m and r["variant"] == name)["rel_err_vs_cublas"] = err
+    with layers.graph_kernels():  # as the engine records its decode graphs
+        for m in ROWS:
+            x = torch.randn(m, HIDDEN, device="cuda", dtype=torch.bfloat16)
+            positions = torch.arange(m, device="cuda") + 100
+            rope = (positions, freqs.cos(), freqs.sin(), *cache, torch.arange(m, device="cuda"))
+            outputs = {}
+            for name, (mode, variant_gemm, variant_pdl, variant_max_n) in variants.items():
+                set_mode(mode)
+                tg.decode_gemm, tg.pdl_supported, tf.pdl_supported, tg.MAX_N = (variant_gemm, variant_pdl, variant_pdl,
+                                                                                variant_max_n)
+                try:
+                    ms = graph_us(lambda i: outputs.__setitem__(name, chain(x, weights, rope)), 1) / 1e3
+                    pct = 100 * floor_ms / ms
+                    rows.append({"m": m, "variant": name, "ms": ms, "floor_ms": floor_ms, "pct_of_floor": pct})
+                    print(f"chain m={m:<3} {name:<18} {ms:6.3f} ms  {pct:5.1f}% of the {floor_ms:.3f} ms floor",
+                          flush=True)
+                except Exception as exc:
+                    outputs.pop(name, None)
+                    print(f"chain m={m} {name}: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
+                finally:
+                    tg.decode_gemm, tg.pdl_supported, tf.pdl_supported, tg.MAX_N = gemm, pdl, pdl, max_n
+                    set_mode("triton")
+            ref = outputs.get("cublas")
+            for name, out in outputs.items() if ref is not None else ():  # the last replay's output of each variant
+                err = ((out.double() - ref.double()).norm() / ref.double().norm()).item()
+                next(r for r in rows if r["m"] == m and r["variant"] == name)["rel_err_vs_cublas"] = err
     return rows
 
 

@@ -151,9 +151,10 @@ def test_decode_gemm_rejects_bad_inputs():
 
 
 def test_dispatch_follows_the_switch_rows_and_width(monkeypatch, gemm_mode):
-    """By default (and with ``DUETSERVE_DECODE_GEMM=triton``) ``layers.Linear`` and ``SwiGLU``'s
-    projections run the Triton GEMM on a bf16/fp16 input of at most ``MAX_M`` rows when the weight has
-    at most ``MAX_N`` rows; ``cublas`` turns it off; the modules' outputs agree either way."""
+    """While graphs are recorded (``graph_kernels``), by default (and with ``DUETSERVE_DECODE_GEMM=triton``)
+    ``layers.Linear`` and ``SwiGLU``'s projections run the Triton GEMM on a bf16/fp16 input of at most
+    ``MAX_M`` rows when the weight has at most ``MAX_N`` rows; ``cublas`` turns it off, and eager passes
+    (outside the context) never use it; the modules' outputs agree either way."""
     calls = []
     gemm = tg.decode_gemm
     monkeypatch.setattr(tg, "decode_gemm", lambda x, w, *a, **kw: calls.append(w.shape[0]) or gemm(x, w, *a, **kw))
@@ -170,25 +171,32 @@ def test_dispatch_follows_the_switch_rows_and_width(monkeypatch, gemm_mode):
             monkeypatch.delenv(layers.DECODE_GEMM_ENV)
             layers.decode_gemm_mode.cache_clear()
         calls.clear()
-        outputs[mode] = mlp(x), proj(x)
+        mlp(x), proj(x)
+        assert calls == []  # eager
+        with layers.graph_kernels():
+            outputs[mode] = mlp(x), proj(x)
         assert calls == ([] if mode == "cublas" else [32, 40])  # down, proj; gate_up on cuBLAS
+        assert not layers.graph_kernels_enabled()
     for mode in ("triton", None):
         for out, ref in zip(outputs[mode], outputs["cublas"], strict=True):
             assert rel_err(out, ref.double()) < TOL
     calls.clear()
     big = torch.randn(tg.MAX_M + 1, 32, device=DEVICE, dtype=torch.float16)  # 17 rows: cuBLAS
-    proj(big), mlp(big)
-    proj.float()(x.float())  # float32
+    with layers.graph_kernels():
+        proj(big), mlp(big)
+        proj.float()(x.float())  # float32
     assert calls == []
     gemm_mode("cutlass")
     with pytest.raises(ValueError, match=layers.DECODE_GEMM_ENV):
-        proj(x.float())
+        with layers.graph_kernels():
+            pass
 
 
 def test_tiny_qwen3_logits_with_the_switch(monkeypatch, gemm_mode, tiny_qwen3_folder):
-    """A tiny Qwen3 engine in bfloat16: greedy tokens and every step's logits (prefills of up to 16
-    rows and decodes through the Triton GEMMs, the 20-token prefill chunk through cuBLAS) equal the
-    cuBLAS run's within bf16 rounding."""
+    """A tiny Qwen3 engine in bfloat16, every forward pass run as if recorded into a graph
+    (``graph_kernels``): greedy tokens and every step's logits (prefills of up to 16 rows and decodes
+    through the Triton GEMMs, the 20-token prefill chunk through cuBLAS) equal the cuBLAS run's
+    within bf16 rounding."""
     from duetserve.config import EngineConfig
     from duetserve.engine.engine import LLMEngine
     from duetserve.sampling import SamplingParams
@@ -207,7 +215,8 @@ def test_tiny_qwen3_logits_with_the_switch(monkeypatch, gemm_mode, tiny_qwen3_fo
         logits = []
         engine.model.compute_logits = lambda h, log=logits, compute=engine.model.compute_logits: \
             log.append(compute(h)) or log[-1]
-        runs[mode] = engine.generate(prompts, params), logits
+        with layers.graph_kernels():
+            runs[mode] = engine.generate(prompts, params), logits
     assert calls and max(calls) == tg.MAX_M  # 5 + 9 prompt rows and 2 of the third in one step
     assert runs["triton"][0] == runs["cublas"][0]
     for out, ref in zip(runs["triton"][1], runs["cublas"][1], strict=True):
@@ -263,23 +272,26 @@ def test_pdl_chain_in_cuda_graph_matches_cublas(monkeypatch, gemm_mode):
 
     x = torch.randn(8, hidden, device="cuda", dtype=torch.bfloat16)
     gemm_mode("cublas")
-    expected = chain(x)
-    assert not launches
+    with layers.graph_kernels():
+        expected = chain(x)
     gemm_mode("triton")
+    chain(x)  # eager: cuBLAS
+    assert not launches
     static = torch.zeros_like(x)
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        chain(static)  # compile
-    torch.cuda.current_stream().wait_stream(side)
-    assert len(launches) == 3 and all(pdl for pdl, _ in launches)  # qkv, gate_up, down
-    for _, compiled in launches:
-        ptx = compiled.asm["ptx"]
-        seen = tg.accesses_before_wait(ptx)  # the weight head is read before the wait, nothing written
-        assert seen["wait"] and seen["loads"] > 0 and seen["stores"] == 0
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = chain(static)
+    with layers.graph_kernels():
+        with torch.cuda.stream(side):
+            chain(static)  # compile
+        torch.cuda.current_stream().wait_stream(side)
+        assert len(launches) == 3 and all(pdl for pdl, _ in launches)  # qkv, gate_up, down
+        for _, compiled in launches:
+            ptx = compiled.asm["ptx"]
+            seen = tg.accesses_before_wait(ptx)  # the weight head is read before the wait, nothing written
+            assert seen["wait"] and seen["loads"] > 0 and seen["stores"] == 0
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = chain(static)
     static.copy_(x)
     graph.replay()
     torch.cuda.synchronize()

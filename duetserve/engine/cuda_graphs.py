@@ -13,6 +13,7 @@ import torch
 
 from duetserve.model.attention import AttentionMetadata
 from duetserve.model.decoder import CausalLM
+from duetserve.model.layers import graph_kernels
 
 log = logging.getLogger(__name__)
 
@@ -75,15 +76,16 @@ class DecodeGraphs:
         pool = pool if pool is not None else torch.cuda.graph_pool_handle()
         side = self.stream or torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
+        with graph_kernels():  # the graph-only kernels (Triton decode GEMM, PDL), warm-up included
+            with torch.cuda.stream(side):
+                for b in reversed(self.buckets):
+                    self._step(b)  # warm-up: compiles kernels, sizes workspaces
+            torch.cuda.current_stream().wait_stream(side)
             for b in reversed(self.buckets):
-                self._step(b)  # warm-up: compiles kernels, sizes workspaces
-        torch.cuda.current_stream().wait_stream(side)
-        for b in reversed(self.buckets):
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool, stream=self.stream):
-                self.logits[b] = self._step(b)
-            self.graphs[b] = graph
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool, stream=self.stream):
+                    self.logits[b] = self._step(b)
+                self.graphs[b] = graph
         torch.cuda.synchronize()
         self.memory_bytes = torch.cuda.memory_allocated() - before
         log.info("recorded %d decode CUDA graphs (batch %s)%s, %.1f MiB", len(self.graphs), self.buckets,

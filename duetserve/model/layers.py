@@ -3,19 +3,25 @@
 The arithmetic lives in ``duetserve.model.fused_ops`` (fused Triton kernels on CUDA, torch
 elsewhere); these modules hold the weights and tables.
 
-Linear layers run the skinny Triton GEMM of ``duetserve.model.triton_gemm`` on decode-sized
-inputs (at most ``triton_gemm.MAX_M`` rows, bfloat16/float16, on CUDA, or on a CPU under
-``TRITON_INTERPRET=1`` for tests) whose weight has at most ``triton_gemm.MAX_N`` rows (for
+While CUDA graphs are recorded (``graph_kernels``: the engine's decode graphs, warm-up and
+capture), linear layers run the skinny Triton GEMM of ``duetserve.model.triton_gemm`` on
+decode-sized inputs (at most ``triton_gemm.MAX_M`` rows, bfloat16/float16, on CUDA, or on a CPU
+under ``TRITON_INTERPRET=1`` for tests) whose weight has at most ``triton_gemm.MAX_N`` rows (for
 Qwen3-8B: qkv, o and down; the merged gate/up projection and lm_head stay on cuBLAS), and the
-fused ops' Triton kernels are launched with programmatic dependent launch on Hopper. Everything
-else runs cuBLAS (``torch.nn.functional.linear``). ``DUETSERVE_DECODE_GEMM=cublas`` keeps cuBLAS
-at every size and launches without PDL (the baseline of ``scripts/bench_engine.py``).
+fused ops' Triton kernels are launched with programmatic dependent launch on Hopper. Both save
+GPU time between kernels and cost host time at launch (on the lent H200's host a Triton GEMM
+took 53 us to launch against 23 for cuBLAS), so they pay only in a graph, which launches them
+once. Everything else, eager forward passes included, runs cuBLAS (``torch.nn.functional.linear``)
+and plain launches. ``DUETSERVE_DECODE_GEMM=cublas`` keeps that in graphs too (the baseline of
+``scripts/bench_engine.py``).
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 import os
+from collections.abc import Iterator
 from types import ModuleType
 
 import torch
@@ -93,6 +99,33 @@ def decode_gemm_mode() -> str:
     return mode
 
 
+_recording = False  # inside graph_kernels()
+
+
+@contextlib.contextmanager
+def graph_kernels() -> Iterator[None]:
+    """Within: forward passes are being recorded into CUDA graphs (and warmed up for it), so
+    ``graph_kernels_enabled`` holds, switch permitting (see the module docstring). Not thread-safe:
+    enter it only where nothing else runs a forward pass (the engine records its graphs at start-up).
+
+    Raises:
+        ValueError: as ``decode_gemm_mode``.
+    """
+    global _recording
+    decode_gemm_mode()
+    outer, _recording = _recording, True
+    try:
+        yield
+    finally:
+        _recording = outer
+
+
+def graph_kernels_enabled() -> bool:
+    """Whether the Triton decode GEMM and PDL launches are in use: inside ``graph_kernels`` with the
+    switch ``triton``."""
+    return _recording and decode_gemm_mode() == "triton"
+
+
 @functools.cache
 def _gemm_kernels() -> ModuleType:
     """``duetserve.model.triton_gemm`` (imported on first use: it needs triton).
@@ -108,7 +141,7 @@ def _gemm_kernels() -> ModuleType:
 
 
 def use_decode_gemm(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether ``x @ weight^T`` runs the Triton decode GEMM: the switch is ``triton``, ``x`` is a
+    """Whether ``x @ weight^T`` runs the Triton decode GEMM: ``graph_kernels_enabled``, ``x`` is a
     decode batch (2-D, 1 to ``triton_gemm.MAX_M`` rows, bfloat16/float16 like ``weight``, both with a
     contiguous last dim) on CUDA, or on a CPU under ``TRITON_INTERPRET=1``, and ``weight`` has at most
     ``triton_gemm.MAX_N`` rows.
@@ -116,7 +149,7 @@ def use_decode_gemm(x: torch.Tensor, weight: torch.Tensor) -> bool:
     Raises:
         ValueError, RuntimeError: as ``decode_gemm_mode`` and ``_gemm_kernels``.
     """
-    if decode_gemm_mode() != "triton" or not (x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"):
+    if not graph_kernels_enabled() or not (x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"):
         return False
     gemm = _gemm_kernels()
     return (x.dim() == 2 and 1 <= x.shape[0] <= gemm.MAX_M and weight.shape[0] <= gemm.MAX_N

@@ -10,7 +10,7 @@ so bf16 results stay within one rounding of transformers' at each step.
 No kernel takes the number of tokens as an argument (it is only the grid), so one compiled
 kernel serves every batch size, and all of them can be captured in a CUDA graph once warm.
 
-Unless ``DUETSERVE_DECODE_GEMM=cublas`` (``layers.decode_gemm_mode``), on Hopper the kernels are
+While CUDA graphs are recorded (``layers.graph_kernels_enabled``), on Hopper the kernels are
 launched with programmatic dependent launch, like ``triton_gemm``'s: each may start while the
 previous kernel drains, waits for it (``griddepcontrol.wait``) before any global memory access,
 then lets the next kernel launch.
@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from duetserve.model.layers import decode_gemm_mode
+from duetserve.model.layers import graph_kernels_enabled
 from duetserve.model.triton_gemm import pdl_supported
 
 _SILU_BLOCK = 1024  # intermediate columns per SiLU-and-mul program
@@ -39,7 +39,7 @@ def _warps(elements: int) -> int:
 
 def _pdl(x: torch.Tensor) -> bool:
     """Whether kernels on ``x`` are launched with programmatic dependent launch (module docstring)."""
-    return decode_gemm_mode() == "triton" and pdl_supported(x)
+    return graph_kernels_enabled() and pdl_supported(x)
 
 
 @triton.jit
