@@ -249,7 +249,8 @@ class FakeBench:
     def iteration_seconds(self, shape):
         if shape.label in self.fail:
             raise RuntimeError("out of memory")
-        return float(self.truth.predict_total(shape.reqs, shape.sms, graphs=self.runs_graphs(shape)))
+        # the engine timed alone: no serving host time (the shipped H200 profile has some)
+        return float(self.truth.predict_total(shape.reqs, shape.sms, graphs=self.runs_graphs(shape), host=False))
 
 
 def options(tmp_path, **kw):
@@ -260,7 +261,12 @@ def options(tmp_path, **kw):
 def test_run_calibration_measures_writes_and_reports_failures(tmp_path):
     bench = FakeBench(fail={("gemv", 24), ("gemm", 16), "decode 8x2048 @132", "decode 32x2048 @16"})
     logs = []
-    result = run_calibration(bench, options(tmp_path), logs.append)
+    # serving host terms (the shipped profile's) are copied into the profile, never predicted here:
+    # the engine is timed alone
+    base = replace(H200, host_per_request_s=2.29e-4, host_eager_s=0.01613,
+                   provenance={**H200.provenance, "host_per_request_s": "measured", "host_eager_s": "measured"})
+    result = run_calibration(bench, options(tmp_path, base=base), logs.append)
+    assert (result.profile.host_per_request_s, result.profile.host_eager_s) == (2.29e-4, 0.01613)
     assert bench.loaded == (tmp_path, "dummy")
     assert len(result.errors) == 4 and "gemm on 16 SMs: RuntimeError('gemm broke')" in result.errors
     assert any(line.startswith("FAILED decode 8x2048 @132") for line in logs)

@@ -163,10 +163,11 @@ def prediction_row(shape: Shape, measured_s: float, graphs: bool, kernels: int |
                    base: CostModel) -> dict:
     """One ``"calibration"`` entry before the fit: the shape, whether it ran from CUDA graphs,
     its kernel count (None: not counted), measured seconds, the roofline of the measured
-    curves (no overheads) and the base profile's prediction without serving host time (the
-    engine is timed alone; None beyond the base GPU's SMs).
+    curves (no overheads) and the base profile's prediction, both without serving host time
+    (the engine is timed alone; the calibrated profile keeps the base's host terms for
+    serving; None beyond the base GPU's SMs).
     ``predicted_s`` is the roofline until ``apply_fit`` replaces it."""
-    rooflined = float(roofline.predict_total(shape.reqs, shape.sms, graphs=graphs))
+    rooflined = float(roofline.predict_total(shape.reqs, shape.sms, graphs=graphs, host=False))
     base_s = float(base.predict_total(shape.reqs, shape.sms, graphs=graphs, host=False)) \
         if shape.sms <= base.profile.num_sms else None
     return {"kind": shape.kind, "batch": shape.batch, "q": shape.q, "c": shape.c, "sms": shape.sms, "k": shape.k,
@@ -218,9 +219,9 @@ def apply_fit(shapes: list[Shape], rows: list[dict], profile: HardwareProfile, m
                                                                                                       counts))
     for shape, r, h in zip(shapes, rows, held):
         r["split"] = "holdout" if h else "fit"
-        r["predicted_s"] = float(full_model.predict_total(shape.reqs, shape.sms, graphs=r["graphs"]))
-        r["holdout_predicted_s"] = float(half_model.predict_total(shape.reqs, shape.sms, graphs=r["graphs"])) \
-            if h else None
+        args = (shape.reqs, shape.sms)
+        r["predicted_s"] = float(full_model.predict_total(*args, graphs=r["graphs"], host=False))
+        r["holdout_predicted_s"] = float(half_model.predict_total(*args, graphs=r["graphs"], host=False)) if h else None
     return calibrated, full, half
 
 
