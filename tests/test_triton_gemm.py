@@ -192,6 +192,16 @@ def test_dispatch_follows_the_switch_rows_and_width(monkeypatch, gemm_mode):
             pass
 
 
+def test_without_triton_the_layers_stay_on_cublas(monkeypatch):
+    """Where triton does not import, graph recording runs the layers on cuBLAS instead of failing."""
+    monkeypatch.setattr(layers, "_gemm_kernels", lambda: None)
+    proj = layers.Linear(32, 40).to(DEVICE, torch.float16)
+    x = torch.randn(4, 32, device=DEVICE, dtype=torch.float16)
+    with layers.graph_kernels():
+        assert layers.graph_kernels_enabled() and not layers.use_decode_gemm(x, proj.weight)
+        assert torch.equal(proj(x), F.linear(x, proj.weight, proj.bias))
+
+
 def test_tiny_qwen3_logits_with_the_switch(monkeypatch, gemm_mode, tiny_qwen3_folder):
     """A tiny Qwen3 engine in bfloat16, every forward pass run as if recorded into a graph
     (``graph_kernels``): greedy tokens and every step's logits (prefills of up to 16 rows and decodes

@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib
+import logging
 import os
 from collections.abc import Iterator
 from types import ModuleType
@@ -31,6 +32,7 @@ from torch import nn
 from duetserve.model.fused_ops import apply_rope_and_cache, rms_norm, silu_and_mul
 
 DECODE_GEMM_ENV = "DUETSERVE_DECODE_GEMM"
+log = logging.getLogger(__name__)
 
 
 class RMSNorm(nn.Module):
@@ -127,17 +129,14 @@ def graph_kernels_enabled() -> bool:
 
 
 @functools.cache
-def _gemm_kernels() -> ModuleType:
-    """``duetserve.model.triton_gemm`` (imported on first use: it needs triton).
-
-    Raises:
-        RuntimeError: triton does not import.
-    """
+def _gemm_kernels() -> ModuleType | None:
+    """``duetserve.model.triton_gemm`` (imported on first use: it needs triton), or None where triton
+    does not import (logged once; the layers then stay on cuBLAS, as ``fused_ops`` stays on torch)."""
     try:
         return importlib.import_module("duetserve.model.triton_gemm")
     except ImportError as exc:
-        raise RuntimeError(f"the decode GEMM needs triton, which does not import ({exc}); "
-                           f"set {DECODE_GEMM_ENV}=cublas to run without it") from exc
+        log.warning("Triton decode GEMM unavailable, linear layers stay on cuBLAS (%s)", exc)
+        return None
 
 
 def use_decode_gemm(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -147,12 +146,12 @@ def use_decode_gemm(x: torch.Tensor, weight: torch.Tensor) -> bool:
     ``triton_gemm.MAX_N`` rows.
 
     Raises:
-        ValueError, RuntimeError: as ``decode_gemm_mode`` and ``_gemm_kernels``.
+        ValueError: as ``decode_gemm_mode``.
     """
     if not graph_kernels_enabled() or not (x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"):
         return False
     gemm = _gemm_kernels()
-    return (x.dim() == 2 and 1 <= x.shape[0] <= gemm.MAX_M and weight.shape[0] <= gemm.MAX_N
+    return (gemm is not None and x.dim() == 2 and 1 <= x.shape[0] <= gemm.MAX_M and weight.shape[0] <= gemm.MAX_N
             and x.dtype in gemm.DTYPES and weight.dtype == x.dtype and x.stride(-1) == 1 and weight.stride(-1) == 1)
 
 
