@@ -142,10 +142,12 @@ def _serve(args, parser: argparse.ArgumentParser) -> int:
     from duetserve.server.api import create_app
     from duetserve.server.metrics import ServerMetrics
 
+    from duetserve.model.fused_ops import fused_mode
     from duetserve.model.layers import decode_gemm_mode
 
-    try:  # read on the first forward pass otherwise: a typo would fail every request
+    try:  # read later otherwise: at graph capture, or by every request (DUETSERVE_FUSED)
         decode_gemm_mode()
+        fused_mode()
     except ValueError as exc:
         parser.error(str(exc))
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")

@@ -2,7 +2,8 @@
 
 1. Each weight GEMM at M = 1, 8, 16 rows (the Triton GEMM's range, ``triton_gemm.MAX_M``): qkv
    4096->6144, o 4096->4096, gate_up 4096->2x12288, down 12288->4096 and lm_head 4096->151936
-   (the last two wider than ``triton_gemm.MAX_N``: cuBLAS in the engine), timed inside a CUDA graph of
+   (gate_up and lm_head are wider than ``triton_gemm.MAX_N``: cuBLAS in the engine), timed inside a
+   CUDA graph of
    back-to-back launches over enough weight copies that L2 (50 MB) holds none of them; cuBLAS
    once, Triton over a small sweep of tile configs (one that fails to compile or launch is
    skipped with its error printed; the sweep stops at ``--budget-s``).

@@ -3,11 +3,11 @@
 Decode: batch 1/8/32/64/128 x context 512/2048/8192, with CUDA graphs and eagerly, against
 the floor ``bytes(weights + KV read) / 4.19 TB/s`` (DESIGN section 5's measured copy rate).
 Prefill: 8192 tokens as 1 x 8192 and 8 x 1024, TFLOP/s over useful (causal) FLOPs against
-797 TFLOP/s. ``graphs`` and ``eager`` run the engine's default linear layers (the Triton decode GEMM
-for batches of up to ``triton_gemm.MAX_M`` rows on weights of up to ``triton_gemm.MAX_N`` rows, with
-programmatic dependent launch; ``layers``); variant ``graphs-cublas``: graphs with
-``DUETSERVE_DECODE_GEMM=cublas`` (cuBLAS everywhere, no PDL), the baseline beside it. Writes JSON
-to ``--out`` and prints a table.
+797 TFLOP/s. ``graphs`` runs the engine's default (in the decode graphs, the Triton decode GEMM
+for batches of up to ``triton_gemm.MAX_M`` rows on weights of up to ``triton_gemm.MAX_N`` rows, and
+programmatic dependent launch; ``layers``), ``eager`` runs without graphs (cuBLAS, plain launches);
+variant ``graphs-cublas``: graphs with ``DUETSERVE_DECODE_GEMM=cublas`` (cuBLAS and plain launches
+in the graphs too), the baseline beside it. Writes JSON to ``--out`` and prints a table.
 """
 from __future__ import annotations
 

@@ -1,8 +1,8 @@
 """Where a decode step's GPU time goes: the top kernels of Qwen3-8B decode steps under torch.profiler.
 
 Builds the engine's model as ``scripts/bench_engine.py`` does (Qwen3-8B shapes, dummy bf16
-weights, CUDA graphs recorded for up to 64 sequences, the model's full 40960-token block tables),
-then for each ``--shapes`` entry (batch x context, default 8x2048 and 64x2048) profiles ``STEPS``
+weights, CUDA graphs recorded up to the largest ``--shapes`` batch, the model's full 40960-token
+block tables), then for each ``--shapes`` entry (batch x context, default 8x2048 and 64x2048) profiles ``STEPS``
 decode steps (``ModelRunner.execute``, sampling included), eagerly and replayed from the CUDA
 graphs (``--graphs-only``: replayed only). Prints, per run, the ``TOP`` GPU activities (kernels,
 copies) by total GPU time with their launches and microseconds per step, the sum over all of them

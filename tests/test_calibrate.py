@@ -379,6 +379,13 @@ def test_cli_without_cuda_fails_cleanly(tmp_path, capsys):
     assert "needs a CUDA GPU" in capsys.readouterr().err
 
 
+def test_cli_checks_the_kernel_switches_before_measuring(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("DUETSERVE_FUSED", "2")
+    assert calibrate_main(["--gpu-name", "x", "--out", str(tmp_path / "p.json")]) == 1
+    err = capsys.readouterr().err
+    assert "DUETSERVE_FUSED must be 0, 1 or auto, got '2'" in err and "needs a CUDA GPU" not in err
+
+
 def test_cli_end_to_end_with_a_fake_gpu(tmp_path, capsys, monkeypatch):
     from duetserve import cli as main_cli
     from duetserve.calibrate import gpu

@@ -152,21 +152,25 @@ def test_serve_refuses_a_bad_iteration_log_before_loading_the_model(tmp_path, mo
     assert f"--iteration-log {tmp_path}: Is a directory" in capsys.readouterr().err
 
 
-def test_serve_refuses_a_bad_decode_gemm_switch_before_loading(monkeypatch, capsys):
+@pytest.mark.parametrize("env,value,message", [
+    ("DUETSERVE_DECODE_GEMM", "Triton", "DUETSERVE_DECODE_GEMM must be cublas or triton, got 'Triton'"),
+    ("DUETSERVE_FUSED", "yes", "DUETSERVE_FUSED must be 0, 1 or auto, got 'yes'"),
+])
+def test_serve_refuses_a_bad_kernel_switch_before_loading(monkeypatch, capsys, env, value, message):
     import duetserve.engine.engine as engine_module
     from duetserve.model.layers import decode_gemm_mode
 
     def no_loading(*_, **__):
-        raise AssertionError("the model was loaded before DUETSERVE_DECODE_GEMM was checked")
+        raise AssertionError(f"the model was loaded before {env} was checked")
 
     monkeypatch.setattr(engine_module, "LLMEngine", no_loading)
-    monkeypatch.setenv("DUETSERVE_DECODE_GEMM", "Triton")
+    monkeypatch.setenv(env, value)
     decode_gemm_mode.cache_clear()
     try:
         with pytest.raises(SystemExit) as exc:
             main(["serve", "--device", "cpu", "--port", "0"])
     finally:
-        monkeypatch.delenv("DUETSERVE_DECODE_GEMM")
+        monkeypatch.delenv(env)
         decode_gemm_mode.cache_clear()
     assert exc.value.code == 2
-    assert "DUETSERVE_DECODE_GEMM must be cublas or triton, got 'Triton'" in capsys.readouterr().err
+    assert message in capsys.readouterr().err

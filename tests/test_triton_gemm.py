@@ -132,10 +132,10 @@ def test_decode_gemm_default_config(monkeypatch):
 
 
 def test_default_config_tiles():
-    """32 weight rows a program up to MAX_N, 64 beyond; 256-column tiles; stages that fit the budget:
+    """32 weight rows a program up to WIDE_N, 64 beyond; 256-column tiles; stages that fit the budget:
     (160 KiB - 32 x 256 x 2 head) // ((32 + 16) x 256 x 2) = 6 -> 4; (160 KiB - 32 KiB) // 40 KiB = 3."""
     assert tg.default_config(6144, 4096) == tg.GemmConfig(32, 256, 256, 4, 4)
-    assert tg.default_config(tg.MAX_N, 12288) == tg.GemmConfig(32, 256, 256, 4, 4)
+    assert tg.default_config(tg.WIDE_N, 12288) == tg.GemmConfig(32, 256, 256, 4, 4)
     assert tg.default_config(151936, 4096) == tg.GemmConfig(64, 256, 256, 4, 3)
 
 
@@ -190,6 +190,26 @@ def test_dispatch_follows_the_switch_rows_and_width(monkeypatch, gemm_mode):
     with pytest.raises(ValueError, match=layers.DECODE_GEMM_ENV):
         with layers.graph_kernels():
             pass
+
+
+def test_graph_kernels_is_per_thread_and_nests(gemm_mode):
+    """Another thread's forward passes stay eager while this one records; leaving an inner context
+    keeps the outer one."""
+    import threading
+
+    gemm_mode("triton")
+    seen = []
+    with layers.graph_kernels():
+        with layers.graph_kernels():
+            pass
+        worker = threading.Thread(target=lambda: seen.append(layers.graph_kernels_enabled()))
+        worker.start()
+        worker.join()
+        assert layers.graph_kernels_enabled()
+    assert seen == [False] and not layers.graph_kernels_enabled()
+    gemm_mode("cublas")
+    with layers.graph_kernels():
+        assert not layers.graph_kernels_enabled()
 
 
 def test_without_triton_the_layers_stay_on_cublas(monkeypatch):

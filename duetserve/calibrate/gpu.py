@@ -169,8 +169,10 @@ class CudaBench:
 
     def kernel_names(self, shape: Shape) -> list[str]:
         """Names of the GPU activities (kernels, memcpy, memset) of one iteration of ``shape`` on
-        all SMs, run eagerly (for a decode shape: the kernels its graph records, plus the input
-        copies), from ``torch.profiler`` after one unprofiled warm-up run."""
+        all SMs, run eagerly, from ``torch.profiler`` after one unprofiled warm-up run. For a
+        decode shape that is about what its graph records, plus the input copies: a graph of at
+        most ``triton_gemm.MAX_M`` decodes records two kernels a layer fewer (the Triton decode GEMM
+        has no split-K reduce; ``layers.graph_kernels``), which the count does not see."""
         from torch.autograd import DeviceType
         from torch.profiler import ProfilerActivity, profile
 

@@ -76,6 +76,8 @@ class DecodeGraphs:
         pool = pool if pool is not None else torch.cuda.graph_pool_handle()
         side = self.stream or torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            self._step(self.buckets[0])  # compiles the eager passes' kernel variants (no PDL) too
         with graph_kernels():  # the graph-only kernels (Triton decode GEMM, PDL), warm-up included
             with torch.cuda.stream(side):
                 for b in reversed(self.buckets):

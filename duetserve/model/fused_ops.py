@@ -38,18 +38,28 @@ def _kernels() -> ModuleType | None:
         return None
 
 
+def fused_mode() -> str:
+    """``DUETSERVE_FUSED``: ``auto`` (the default), ``0`` or ``1``; read on every call (tests switch it).
+
+    Raises:
+        ValueError: any other value.
+    """
+    mode = os.environ.get(FUSED_ENV, "auto")
+    if mode not in ("0", "1", "auto"):
+        raise ValueError(f"{FUSED_ENV} must be 0, 1 or auto, got {mode!r}")
+    return mode
+
+
 def use_triton(x: torch.Tensor) -> bool:
     """Whether the ops on ``x`` run as Triton kernels (see the module docstring).
 
     Raises:
-        ValueError: ``DUETSERVE_FUSED`` is not ``0``, ``1`` or ``auto``.
+        ValueError: as ``fused_mode``.
         RuntimeError: ``DUETSERVE_FUSED=1`` but triton does not import.
     """
-    mode = os.environ.get(FUSED_ENV, "auto")
+    mode = fused_mode()
     if mode == "auto":
         return x.is_cuda and _kernels() is not None
-    if mode not in ("0", "1"):
-        raise ValueError(f"{FUSED_ENV} must be 0, 1 or auto, got {mode!r}")
     if mode == "1" and _kernels() is None:
         raise RuntimeError(f"{FUSED_ENV}=1 but triton does not import")
     return mode == "1"

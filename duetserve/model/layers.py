@@ -22,6 +22,7 @@ import functools
 import importlib
 import logging
 import os
+import threading
 from collections.abc import Iterator
 from types import ModuleType
 
@@ -89,8 +90,8 @@ class RotaryEmbedding(nn.Module):
 def decode_gemm_mode() -> str:
     """``DUETSERVE_DECODE_GEMM``: ``triton`` (the default) or ``cublas`` (see the module docstring).
 
-    Read once per process, on first use (every linear layer asks); ``decode_gemm_mode.cache_clear()``
-    makes the next call read the environment again.
+    Read once per process, on first use (``graph_kernels``, or the CLIs checking it at start);
+    ``decode_gemm_mode.cache_clear()`` makes the next call read the environment again.
 
     Raises:
         ValueError: any other value.
@@ -101,31 +102,30 @@ def decode_gemm_mode() -> str:
     return mode
 
 
-_recording = False  # inside graph_kernels()
+_recording = threading.local()  # .on: this thread is inside graph_kernels()
 
 
 @contextlib.contextmanager
 def graph_kernels() -> Iterator[None]:
-    """Within: forward passes are being recorded into CUDA graphs (and warmed up for it), so
-    ``graph_kernels_enabled`` holds, switch permitting (see the module docstring). Not thread-safe:
-    enter it only where nothing else runs a forward pass (the engine records its graphs at start-up).
+    """Within: this thread's forward passes are being recorded into CUDA graphs (and warmed up for
+    it), so ``graph_kernels_enabled`` holds, switch permitting (see the module docstring); other
+    threads' passes are unaffected.
 
     Raises:
         ValueError: as ``decode_gemm_mode``.
     """
-    global _recording
     decode_gemm_mode()
-    outer, _recording = _recording, True
+    outer, _recording.on = getattr(_recording, "on", False), True
     try:
         yield
     finally:
-        _recording = outer
+        _recording.on = outer
 
 
 def graph_kernels_enabled() -> bool:
-    """Whether the Triton decode GEMM and PDL launches are in use: inside ``graph_kernels`` with the
-    switch ``triton``."""
-    return _recording and decode_gemm_mode() == "triton"
+    """Whether the Triton decode GEMM and PDL launches are in use: inside ``graph_kernels`` (on this
+    thread) with the switch ``triton``."""
+    return getattr(_recording, "on", False) and decode_gemm_mode() == "triton"
 
 
 @functools.cache

@@ -16,11 +16,12 @@ grid keeps every SM busy: for Qwen3-8B's layers 128-384 programs on 132 SMs (lm_
 
 Which layers use it (``layers.use_decode_gemm``): weights of at most ``MAX_N`` rows. Measured
 on the H200 (sixth session, 36 Qwen3-8B layers without attention in one CUDA graph, weight-read
-floor 3.32 ms): the Triton GEMM on qkv, o and down with cuBLAS on the merged gate/up projection
-(24576 rows) took 4.00 ms at M = 1 and 4.20 at M = 8, against 4.33 and 4.56 with cuBLAS
-everywhere. Moving gate/up to Triton as well (with SwiGLU fused into its epilogue) lost that
-gain again (4.45, 4.55), and cuBLAS also reads lm_head (151936 rows) faster (290 against 303 us
-at M = 8).
+floor 3.32 ms, two runs): the Triton GEMM on qkv, o and down with cuBLAS on the merged gate/up
+projection (24576 rows) took 3.93-4.00 ms at M = 1 and 4.14-4.20 at M = 8, against 4.31-4.39 and
+4.49-4.54 with cuBLAS everywhere. gate/up on Triton too changed that by -0.08 to +0.02 ms (with
+32-row tiles, not the 64 ``WIDE_N`` gives it; with SwiGLU fused into its epilogue it lost the
+whole gain), and lm_head (151936 rows) was once faster and once slower on Triton (303 against
+290 us, 289 against 301, at M = 8): both stay on cuBLAS.
 
 Programmatic dependent launch (PDL): on compute capability >= 9 the kernel is launched with
 ``launch_pdl=True`` and may start while the previous kernel drains. It loads its first
@@ -53,6 +54,7 @@ MAX_M = 16
 # Widest weight (output columns) ``layers.use_decode_gemm`` sends here; wider ones go to cuBLAS
 # (see the module docstring for the measurement).
 MAX_N = 16384
+WIDE_N = 16384  # weights wider than this get 64-row tiles (default_config)
 BLOCK_M = 16  # x rows per MMA tile: M padded up to it (the tensor cores' smallest N)
 _SMEM_BUDGET = 160 << 10  # bytes of pipelined tiles per program (Hopper: 227 KiB a block)
 DTYPES = (torch.bfloat16, torch.float16)
@@ -70,13 +72,13 @@ class GemmConfig:
 
 
 def default_config(n: int, k: int) -> GemmConfig:
-    """Tiles for a ``[n, k]`` weight: 32 weight rows a program (64 for layers wider than ``MAX_N``,
-    such as lm_head, whose grids have many waves either way; only benchmarks call those);
+    """Tiles for a ``[n, k]`` weight: 32 weight rows a program (64 for layers wider than ``WIDE_N``,
+    such as gate_up and lm_head, whose grids have many waves either way);
     256-column tiles and as many pipeline stages (2 to 4) as fit in ``_SMEM_BUDGET``
     beside the head tile (the weight columns loaded before the PDL wait, staged in shared
     memory too: with lm_head's 64 x 256 head the kernel took 204,800 bytes in all, as triton 3.9
     compiled it ahead for sm_90 on a CPU; not yet read on the GPU's triton 3.6)."""
-    rows, block_k = (64 if n > MAX_N else 32), 256
+    rows, block_k = (64 if n > WIDE_N else 32), 256
     stage = (rows + BLOCK_M) * block_k * 2  # weight and x tiles, 16-bit
     head = rows * block_k * 2
     return GemmConfig(rows, block_k, head_k=block_k, num_stages=max(2, min(4, (_SMEM_BUDGET - head) // stage)))
