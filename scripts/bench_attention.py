@@ -9,7 +9,7 @@ Every shape is first checked against ``TorchAttention`` run in float32 on the sa
   calls, each on its own copy of the KV cache (the copies together twice the L2 cache, like a
   model's layers), so neither Python launch time nor L2 hits count. Achieved bandwidth is the
   K/V bytes read (plus q and out) over the time, against the H200's measured copy rate
-  4.19 TB/s (DESIGN.md section 5). Batches 1/8/32 also sweep the split count (1, 2, 4, ...,
+  4.19 TB/s (docs/design.md section 5). Batches 1/8/32 also sweep the split count (1, 2, 4, ...,
   ``MAX_SPLITS``) to show the best one.
 - prefill: 8192 tokens as 1 x 8192 and 8 x 1024, and a 2048-token chunk after 6144 cached
   ones, timed with ``triton.testing.do_bench`` (median; it flushes the L2 cache between runs);

@@ -1,7 +1,7 @@
 """GPU benchmark of the engine's model runner: decode step and prefill time, Qwen3-8B shapes, dummy bf16.
 
 Decode: batch 1/8/32/64/128 x context 512/2048/8192, with CUDA graphs and eagerly, against
-the floor ``bytes(weights + KV read) / 4.19 TB/s`` (DESIGN section 5's measured copy rate).
+the floor ``bytes(weights + KV read) / 4.19 TB/s`` (docs/design.md section 5's measured copy rate).
 Prefill: 8192 tokens as 1 x 8192 and 8 x 1024, TFLOP/s over useful (causal) FLOPs against
 797 TFLOP/s. ``graphs`` runs the engine's default (in the decode graphs, the Triton decode GEMM
 for batches of up to ``triton_gemm.MAX_M`` rows on weights of up to ``triton_gemm.MAX_N`` rows, and

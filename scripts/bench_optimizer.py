@@ -1,6 +1,6 @@
 """Time ``plan_iteration`` on realistic batches (Qwen3-8B on the H200 profile, green-context
 granularity). The optimizer runs once per engine iteration, so each call should take well
-under 1 ms of CPU (DESIGN section 4). Prints the median and p99 microseconds per scenario.
+under 1 ms of CPU (docs/design.md section 4). Prints the median and p99 microseconds per scenario.
 
     python scripts/bench_optimizer.py [--iters 2000]
 """

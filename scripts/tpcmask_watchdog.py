@@ -1,6 +1,6 @@
 """Does every GEMM the executor launches terminate on TPC-masked streams? (issue 6, the tpcmask hazard)
 
-DESIGN section 5 records cuBLAS decode-shaped GEMMs that never finished on a stream masked to
+docs/design.md section 5 records cuBLAS decode-shaped GEMMs that never finished on a stream masked to
 few TPCs. This sweeps every split level the ``tpcmask`` backend offers (or ``--levels``): on
 the level's decode stream, bf16 ``F.linear`` with Qwen3-8B's decode shapes (qkv, o, gate_up,
 down, lm_head) for each decode batch size; on its prefill stream (the complement mask), the

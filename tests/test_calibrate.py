@@ -45,7 +45,7 @@ H200 = roofline_only(load_profile("h200"))
 QWEN = ModelShape.preset("qwen3-8b")
 GREEN_LEVELS = tuple(range(8, 125, 8))
 FACTS = DeviceFacts("NVIDIA H200", 132, 9, 149250113536, "greenctx", GREEN_LEVELS)
-# DESIGN section 5: copy and gemv GB/s on green contexts of S SMs.
+# docs/design.md section 5: copy and gemv GB/s on green contexts of S SMs.
 COPY = {16: 1197, 24: 1724, 32: 2204, 48: 3029, 64: 3570, 96: 3867, 132: 4187}
 GEMV = {16: 1721, 24: 2282, 32: 2638, 48: 3201, 64: 3714, 96: 3636, 132: 4037}
 KV_TOKEN_BYTES = 36 * 2 * 8 * 128 * 2  # Qwen3-8B bf16 K and V, all layers

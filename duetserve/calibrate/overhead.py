@@ -1,5 +1,5 @@
 """Fitting the cost model's per-kernel overheads to measured iteration latencies (beyond the
-DuetServe paper; DESIGN section 3, "go beyond the paper where measurement says so").
+DuetServe paper; docs/design.md section 3, "go beyond the paper where measurement says so").
 
 The model (``duetserve.planner.cost_model``, module docstring): an iteration of ``n`` kernels
 with roofline time ``r`` takes ``r + n g`` when replayed from CUDA graphs and

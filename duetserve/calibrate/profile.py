@@ -1,8 +1,8 @@
-"""Measured curves to a hardware profile JSON that ``load_profile`` reads (DESIGN sections 3, 5).
+"""Measured curves to a hardware profile JSON that ``load_profile`` reads (docs/design.md sections 3, 5).
 
 ``Pi(S)`` is the bf16 GEMM curve. ``BW(S)`` is, at each measured S, the lower of the copy
 curve and the decode-gemv curve, as the shipped H200 profile does: the slower streaming
-workload keeps decode predictions conservative (DESIGN section 3). Fields calibration does
+workload keeps decode predictions conservative (docs/design.md section 3). Fields calibration does
 not measure are copied, with their provenance, from a base profile, except the per-kernel
 overheads: they belong to the curves they were fitted with, so a new profile starts without
 them and ``with_overheads`` adds the ones fitted here.

@@ -1,4 +1,4 @@
-"""The cost model's prediction error against measured iteration latencies (DESIGN section 3:
+"""The cost model's prediction error against measured iteration latencies (docs/design.md section 3:
 "validate predictions against measured iteration latencies"): statistics, tables, a plot.
 
 A row is one entry of a calibrated profile's ``"calibration"`` list: ``kind`` (``decode`` or

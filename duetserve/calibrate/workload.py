@@ -1,5 +1,5 @@
 """What calibration measures: SM levels, primitive sizes, iteration shapes, and how a shape
-becomes a batch for the engine's model runner (DESIGN sections 3 and 5; issue 5, part 4).
+becomes a batch for the engine's model runner (docs/design.md sections 3 and 5; issue 5, part 4).
 
 Nothing here touches a GPU: the selection rules are plain functions, so they are tested on
 the CPU, and ``make_batch`` only does KV-block bookkeeping.
@@ -26,11 +26,11 @@ L2_BYTES = 60e6
 (H200: 50 MB of L2; 60 MB leaves a margin)."""
 
 PRIMITIVE_SMS = (16, 24, 32, 48, 64, 96)
-"""SM counts of DESIGN section 5's table (all SMs are always added)."""
+"""SM counts of docs/design.md section 5's table (all SMs are always added)."""
 
 TPCMASK_SAFE_MIN_SMS = 48
 """Under TPC masks, decode-shaped cuBLAS matmuls hung at 16 SMs and none of 36 shapes hung at
-48 (DESIGN section 5): calibration uses no TPC-mask level below this."""
+48 (docs/design.md section 5): calibration uses no TPC-mask level below this."""
 
 DECODE_BATCHES = (1, 8, 32, 64, 128)
 CONTEXTS = (512, 2048, 8192)

@@ -37,7 +37,7 @@ class DecodeGraphs:
         max_blocks: block-table width, blocks (``ceil(max_model_len / block_size)``).
         scratch_slot: a KV slot no sequence owns (padding rows write there).
         stream: stream to record on; a graph keeps the SM restriction of the (green-context)
-            stream it was recorded on (DESIGN section 5), so each split level records its own.
+            stream it was recorded on (docs/design.md section 5), so each split level records its own.
             None: a side stream on all SMs.
     """
 

@@ -2,7 +2,7 @@
 
 Temporal plans run the whole batch once on the current stream. Spatial plans run up to ``k``
 decode steps on the decode stream and the prefill batch on the prefill stream at the same
-time (DESIGN section 5; DuetServe's look-ahead decode): each step's sampled tokens feed the
+time (docs/design.md section 5; DuetServe's look-ahead decode): each step's sampled tokens feed the
 next step on the device. Each step also copies its tokens into pinned host memory and records
 an event, so the host hands a step's tokens out as soon as that step is done (clients see one
 token per decode step, not a burst of ``k`` at the join). Beyond the paper, decode starts no

@@ -2,7 +2,7 @@
 
 For each split level the device's SM resource is split by count into a decode group and
 the remainder; each part becomes a green context with one non-blocking stream, wrapped as
-a ``torch.cuda.ExternalStream``. Hopper: minimum and alignment 8 SMs (DESIGN section 5).
+a ``torch.cuda.ExternalStream``. Hopper: minimum and alignment 8 SMs (docs/design.md section 5).
 """
 from __future__ import annotations
 

@@ -3,7 +3,7 @@
 Uses a user's ``libsmctrl.so`` (``--libsmctrl PATH`` or ``$DUETSERVE_LIBSMCTRL``, through its
 ``libsmctrl_set_stream_mask_ext``) or the project's own shim ``native/tpcmask.c``, compiled
 with the system C compiler on first use. Granularity: 1 TPC = 2 SMs, in logical TPC order
-(DESIGN section 5). The per-stream mask field sits at a driver-version specific offset.
+(docs/design.md section 5). The per-stream mask field sits at a driver-version specific offset.
 """
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """Planner: hardware profiles, the attention-aware roofline cost model, the per-iteration
-partition optimizer and SGLang's PD-multiplexing rules (DESIGN sections 3-5)."""
+partition optimizer and SGLang's PD-multiplexing rules (docs/design.md sections 3-5)."""
 
 from duetserve.planner.cost_model import Breakdown, CostModel, ModelShape, Request
 from duetserve.planner.hardware import (

@@ -1,4 +1,4 @@
-"""Attention-aware roofline cost model (DESIGN section 3; DuetServe paper section 4.1).
+"""Attention-aware roofline cost model (docs/design.md section 3; DuetServe paper section 4.1).
 
 Every operator costs ``t = max(F / Pi(S), B / BW(S))`` seconds, with F its FLOPs, B the
 bytes it moves and Pi, BW the rates of S SMs from a ``HardwareProfile``. A transformer
@@ -32,7 +32,7 @@ runs over one token per request, the logits sampling needs; pass ``lm_head_token
 caller knows better (a prefill chunk that does not finish its prompt needs none). With
 ``lm_head="all"`` it runs over every query token, as the seed ``000_...txt`` estimate does.
 
-Per-kernel overheads (beyond the paper; DESIGN section 3, "go beyond the paper where
+Per-kernel overheads (beyond the paper; docs/design.md section 3, "go beyond the paper where
 measurement says so"). On the H200 the roofline under-predicted every CUDA-graph decode step
 by about 6 ms and eager iterations by far more (docs/benchmarks.md, 2026-11-30): the engine
 launches ~60 small kernels per layer, each costing a few microseconds of GPU time even inside
@@ -164,7 +164,7 @@ def _linear_op(d_in: float, d_out: float, b: int) -> tuple[float, float, float]:
 
 
 class CostModel:
-    """Roofline latency predictor for one model on one GPU type (DESIGN section 3).
+    """Roofline latency predictor for one model on one GPU type (docs/design.md section 3).
 
     Args:
         shape: model dimensions.
@@ -176,7 +176,7 @@ class CostModel:
         lm_head: ``"last"`` (one token per request by default) or ``"all"`` query tokens.
         decode_margin: >= 1, multiplies the decode side of spatial plans on top of the
             profile's ``decode_interference``; the knob for being more conservative about
-            decode on few SMs (DESIGN section 3, Chinese seed section 5: underestimating
+            decode on few SMs (docs/design.md section 3, Chinese seed section 5: underestimating
             decode starves prefill, overestimating only wastes a little decode time).
         cuda_graphs: whether the engine replays decode-only iterations from CUDA graphs
             (False for ``enforce_eager``); decides the default of ``graphs`` (module docstring).
@@ -274,7 +274,7 @@ class CostModel:
         ``total_sms - s_decode`` SMs, when both run at once (a spatial plan).
 
         Decode is scaled by the profile's ``decode_interference`` times ``decode_margin``,
-        prefill by ``prefill_interference`` (DESIGN section 5); decode is replayed from graphs
+        prefill by ``prefill_interference`` (docs/design.md section 5); decode is replayed from graphs
         when ``cuda_graphs`` (the engine records them per split level) and its steps carry no
         host time (module docstring); the prefill carries its host time unscaled. Returns (t_decode,
         t_prefill), arrays shaped like ``s_decode``. Raises ValueError as ``predict``.
@@ -340,7 +340,7 @@ class CostModel:
         return np.maximum(flops / (pi * self.profile.attention_efficiency), nbytes / bw).sum(axis=0)
 
     def _allreduce_time(self, n: np.ndarray, pi: np.ndarray) -> np.ndarray:
-        """Two all-reduces of the block output per layer (DESIGN section 3), 0 when tp == 1."""
+        """Two all-reduces of the block output per layer (docs/design.md section 3), 0 when tp == 1."""
         if self.tp == 1:
             return np.zeros(np.broadcast(n, pi).shape)
         N, p = self.tp, self.profile

@@ -1,7 +1,7 @@
 """GPU hardware profiles: SM-dependent compute rate Pi(S) and memory bandwidth BW(S).
 
 A profile is a JSON file (shipped ones live in ``duetserve/planner/profiles/``) holding the
-facts the cost model needs (DESIGN section 3 and 5): the SM count, measured or estimated
+facts the cost model needs (docs/design.md sections 3 and 5): the SM count, measured or estimated
 points of ``Pi(S)`` (FLOP/s reachable with S SMs) and ``BW(S)`` (bytes/s reachable with S
 SMs), memory and interconnect figures, the partition granularity of each SM-partitioning
 backend, the slowdown measured when decode and prefill share the GPU, and for every number
@@ -13,7 +13,7 @@ Which curve means what:
   cost model (linear layers, attention, norms) is priced at this rate.
 * ``bandwidth_points`` price every byte. On the H200 they are the pointwise minimum of
   the tensor-copy curve and the decode-gemv curve: the slower of two streaming workloads,
-  which keeps decode predictions conservative as DESIGN section 3 asks.
+  which keeps decode predictions conservative as docs/design.md section 3 asks.
 
 Per-kernel overheads (optional, fitted by ``duetserve calibrate``; beyond the DuetServe paper,
 whose roofline prices only FLOPs and bytes): ``kernel_gpu_s`` is the GPU time each kernel costs
@@ -34,7 +34,7 @@ pure roofline.
 
 Between points both curves are interpolated linearly, starting from ``(0, 0)``: below the
 first measured point the rate is the straight line from the origin. Bandwidth is concave in
-S (DESIGN section 5), so that chord lies under the true curve and over-predicts decode time
+S (docs/design.md section 5), so that chord lies under the true curve and over-predicts decode time
 at very small S, the safe direction. S <= 0 or S > num_sms raises ``ValueError``; there is
 no extrapolation and no clamping.
 """
@@ -72,7 +72,7 @@ class HardwareProfile:
 
     ``decode_interference`` and ``prefill_interference`` (>= 1) multiply the predicted
     time of the decode and prefill side of a spatial plan, for the memory bandwidth and L2
-    the two sides still share (DESIGN section 5 measured decode +39%, GEMM +9%).
+    the two sides still share (docs/design.md section 5 measured decode +39%, GEMM +9%).
 
     ``kernel_gpu_s`` and ``launch_cpu_s`` (seconds per kernel, >= 0) and ``kernels_per_layer``
     and ``kernels_per_forward`` (kernel counts by ``ITERATION_KINDS``) are the optional
@@ -285,7 +285,7 @@ def _profile_dir():  # a Traversable (importlib.resources)
 
 def roofline_only(profile: HardwareProfile) -> HardwareProfile:
     """``profile`` without the calibrated per-kernel and host overheads and attention
-    efficiency: the pure roofline of DESIGN section 3."""
+    efficiency: the pure roofline of docs/design.md section 3."""
     provenance = {k: v for k, v in profile.provenance.items() if k not in _OPTIONAL_PROVENANCE_FIELDS}
     return replace(profile, kernel_gpu_s=0.0, launch_cpu_s=0.0, kernels_per_layer={}, kernels_per_forward={},
                    attention_efficiency=1.0, host_per_request_s=0.0, host_eager_s=0.0, provenance=provenance)

@@ -1,6 +1,6 @@
 """Per-iteration partition optimizer: temporal or spatial (S_p, S_d, k) under a TBT SLO.
 
-DESIGN section 4 and the DuetServe paper's Algorithm 1 (Chinese seed, section 6):
+docs/design.md section 4 and the DuetServe paper's Algorithm 1 (Chinese seed, section 6):
 
 1. If the mixed batch on all SMs meets the SLO, ``t_mixed(S) <= tau``, run it temporally.
 2. Otherwise enumerate the decode partition ``S_d`` over the backend's granularity, skip
@@ -14,7 +14,7 @@ DESIGN section 4 and the DuetServe paper's Algorithm 1 (Chinese seed, section 6)
 Beyond the paper:
 
 * ``t_d`` and ``t_p`` include the interference of the other stream and the decode margin
-  (``CostModel.predict_spatial``), measured on the H200 in DESIGN section 5.
+  (``CostModel.predict_spatial``), measured on the H200 in docs/design.md section 5.
 * ``k`` is capped by ``max_k``, the decode tokens still wanted: steps past it produce nothing.
 * Tail gap: when decode finishes its k steps before prefill (``k t_d < t_p``), its next
   token waits for the prefill to end and for one more step, a gap of
@@ -87,7 +87,7 @@ def trim_prefill(prefill_reqs: Sequence[Request], token_limit: int) -> list[Requ
 def plan_iteration(cost_model: CostModel, decode_reqs: Sequence[Request], prefill_reqs: Sequence[Request],
                    tau: float, total_sms: int, granularity: int | None, min_sms: int | None = None,
                    max_k: int | None = None, carry_s: float = 0.0, trim_margin: float | None = None) -> Plan:
-    """Choose this iteration's plan (DESIGN section 4; see the module docstring).
+    """Choose this iteration's plan (docs/design.md section 4; see the module docstring).
 
     Args:
         cost_model: latency predictor.

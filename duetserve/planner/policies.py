@@ -1,9 +1,9 @@
-"""The planner-driven scheduling policies ``duet`` and ``pdmux`` (DESIGN section 2, "Policies").
+"""The planner-driven scheduling policies ``duet`` and ``pdmux`` (docs/design.md section 2, "Policies").
 
 Both satisfy ``duetserve.engine.policy.Policy``: the shared scheduler forms the candidate
 batch and asks ``plan(decode_reqs, prefill_reqs, max_k)`` how to run it.
 
-* ``DuetPolicy`` (DuetServe, DESIGN section 4): chunked prefill under the token budget; the
+* ``DuetPolicy`` (DuetServe, docs/design.md section 4): chunked prefill under the token budget; the
   mixed batch runs temporally when its predicted time fits the TBT SLO, otherwise
   ``plan_iteration`` splits the SMs into a decode and a prefill partition on the partition
   backend's granularity, and falls back to a trimmed temporal batch when no split fits.
@@ -108,7 +108,7 @@ DECODE_CORRECTION_DECAY = 0.99  # DuetPolicy.plan: share of the correction's exc
 
 class DuetPolicy:
     """DuetServe: temporal by default, spatial ``(S_p, S_d, k)`` when the mixed batch would
-    break ``tau`` (``plan_iteration``, DESIGN section 4). Chunked prefill, decode and prefill
+    break ``tau`` (``plan_iteration``, docs/design.md section 4). Chunked prefill, decode and prefill
     together. With partition backend ``none`` it never splits: a batch predicted over ``tau``
     has its prefill trimmed until it fits (``Plan.prefill_token_limit``, ``slo_risk``)."""
 

@@ -1,8 +1,8 @@
 """Trace simulator: the engine's scheduler and policies, with the cost model as the clock.
 
-A trace is replayed through the same ``Scheduler`` the engine runs (DESIGN section 2: one
+A trace is replayed through the same ``Scheduler`` the engine runs (docs/design.md section 2: one
 scheduler, two executors); this module is the second executor. It runs no model: every
-iteration lasts what the roofline cost model (DESIGN section 3) predicts for its batch on the
+iteration lasts what the roofline cost model (docs/design.md section 3) predicts for its batch on the
 profile's GPU, and sampled tokens are a fake id that is never EOS, so a request ends after
 exactly its trace output length (``max_tokens``).
 
