@@ -1,4 +1,5 @@
-"""SGLang PD-multiplexing rules against the worked numbers of seed ``000_...txt``."""
+"""SGLang PD-multiplexing rules against the worked numbers of the "PD multiplexing"
+notebook (docs/design.md, "Sources")."""
 
 import math
 

@@ -1,6 +1,6 @@
-"""The seed ``000_...txt`` estimate table ("Is it worth it") reproduced by the cost model.
+"""The "PD multiplexing" notebook's estimate table ("Is it worth it") reproduced by the cost model.
 
-The seed's assumptions: Qwen3-8B in bf16 on an H100 SXM (989 TFLOP/s, 3.35 TB/s), 85% of
+The notebook's assumptions: Qwen3-8B in bf16 on an H100 SXM (989 TFLOP/s, 3.35 TB/s), 85% of
 the bandwidth, 50% MFU, compute linear in the SMs used and bandwidth scaled by
 min(1, S / S_SAT); lm_head over every prompt token; causal attention FLOPs. The scene: 32
 requests decoding with 2048 tokens of context when one 8192-token prompt arrives.

@@ -30,7 +30,7 @@ small share. Bytes do not change: K and V are read once either way.
 lm_head: a token-level linear ``hidden -> vocab``. With ``lm_head="last"`` (default) it
 runs over one token per request, the logits sampling needs; pass ``lm_head_tokens`` when the
 caller knows better (a prefill chunk that does not finish its prompt needs none). With
-``lm_head="all"`` it runs over every query token, as the seed ``000_...txt`` estimate does.
+``lm_head="all"`` it runs over every query token, as the "PD multiplexing" notebook's estimate does.
 
 Per-kernel overheads (beyond the paper; docs/design.md section 3, "go beyond the paper where
 measurement says so"). On the H200 the roofline under-predicted every CUDA-graph decode step
@@ -176,7 +176,7 @@ class CostModel:
         lm_head: ``"last"`` (one token per request by default) or ``"all"`` query tokens.
         decode_margin: >= 1, multiplies the decode side of spatial plans on top of the
             profile's ``decode_interference``; the knob for being more conservative about
-            decode on few SMs (docs/design.md section 3, Chinese seed section 5: underestimating
+            decode on few SMs (docs/design.md section 3; the DuetServe paper's reasoning: underestimating
             decode starves prefill, overestimating only wastes a little decode time).
         cuda_graphs: whether the engine replays decode-only iterations from CUDA graphs
             (False for ``enforce_eager``); decides the default of ``graphs`` (module docstring).

@@ -68,7 +68,7 @@ class HardwareProfile:
     Units: SMs for S, FLOP/s for compute, bytes/s for bandwidth, bytes for memory,
     seconds for latency. ``compute_efficiency`` and ``bandwidth_efficiency`` (both in
     (0, 1], default 1) scale the whole curve; they express assumptions such as "50% MFU"
-    without editing the points (the seed ``000_...txt`` estimate uses 0.5 and 0.85).
+    without editing the points (the "PD multiplexing" notebook's estimate uses 0.5 and 0.85).
 
     ``decode_interference`` and ``prefill_interference`` (>= 1) multiply the predicted
     time of the decode and prefill side of a spatial plan, for the memory bandwidth and L2
@@ -228,7 +228,7 @@ def saturating_points(peak: float, s_sat: float, num_sms: int) -> Points:
     """Curve points for ``rate(S) = peak * min(1, S / s_sat)`` on a GPU of ``num_sms`` SMs.
 
     With the profile's interpolation from (0, 0) these points reproduce the formula exactly;
-    ``s_sat = num_sms`` gives a rate linear in S. The seed ``000_...txt`` ("Is it worth it")
+    ``s_sat = num_sms`` gives a rate linear in S. The "PD multiplexing" notebook ("Is it worth it")
     models decode bandwidth this way. Units follow ``peak`` (FLOP/s or bytes/s).
 
     Raises ValueError if ``s_sat`` or ``num_sms`` is not positive.

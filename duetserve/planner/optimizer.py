@@ -1,6 +1,6 @@
 """Per-iteration partition optimizer: temporal or spatial (S_p, S_d, k) under a TBT SLO.
 
-docs/design.md section 4 and the DuetServe paper's Algorithm 1 (Chinese seed, section 6):
+docs/design.md section 4 and the DuetServe paper's Algorithm 1:
 
 1. If the mixed batch on all SMs meets the SLO, ``t_mixed(S) <= tau``, run it temporally.
 2. Otherwise enumerate the decode partition ``S_d`` over the backend's granularity, skip

@@ -1,4 +1,5 @@
-"""SGLang's PD-multiplexing rules (``--enable-pdmux``), as described in seed ``000_...txt``.
+"""SGLang's PD-multiplexing rules (``--enable-pdmux``), as described in
+the "PD multiplexing" notebook (docs/design.md, "Sources").
 
 SGLang prepares a fixed list of stream groups ``(prefill SMs, decode SMs)`` at start-up:
 group 0 gives every SM to prefill, the last group every SM to decode, and the groups in

@@ -8,10 +8,11 @@ batch and asks ``plan(decode_reqs, prefill_reqs, max_k)`` how to run it.
   ``plan_iteration`` splits the SMs into a decode and a prefill partition on the partition
   backend's granularity, and falls back to a trimmed temporal batch when no split fits.
   Without a partition backend only the temporal plan and its fallback remain.
-* ``PdmuxPolicy`` (SGLang ``--enable-pdmux``, seed ``000_...txt``): whole prompts, no
-  chunking; the stream group (fixed SM split) is chosen from the decode batch size; the
-  prefill batch is cut by layers, ``prefill_layers_per_round`` per round, each round running
-  one decode step beside the next layers, so one prefill batch spans several iterations.
+* ``PdmuxPolicy`` (SGLang ``--enable-pdmux``; the "PD multiplexing" notebook, docs/design.md
+  "Sources"): whole prompts, no chunking; the stream group (fixed SM split) is chosen from the
+  decode batch size; the prefill batch is cut by layers, ``prefill_layers_per_round`` per round,
+  each round running one decode step beside the next layers, so one prefill batch spans several
+  iterations.
 
 How a prefill that is only partly through its layers is represented: the scheduler pins the
 batch (``Plan.prefill_layers`` set) and hands it out again every round without advancing its
