@@ -11,26 +11,12 @@ import socket
 import sys
 from pathlib import Path
 
+from duetserve.argtypes import non_empty, positive_duration
 from duetserve.bench import cli as bench_cli
 from duetserve.calibrate import cli as calibrate_cli
-from duetserve.config import ATTENTION_BACKENDS, POLICIES, EngineConfig, parse_duration
+from duetserve.config import ATTENTION_BACKENDS, POLICIES, EngineConfig
 from duetserve.partition.base import BACKENDS as PARTITION_BACKENDS
 from duetserve.sim import cli as sim_cli
-
-
-def _duration(flag: str):
-    """Parser of a positive duration flag; a bare number is milliseconds (as in simulate and bench)."""
-    def parse(text: str) -> float:
-        try:
-            seconds = parse_duration(text, "ms")
-        except ValueError as exc:
-            raise argparse.ArgumentTypeError(str(exc)) from exc
-        if seconds <= 0:
-            raise argparse.ArgumentTypeError(f"{flag} must be positive, got {text!r}")
-        return seconds
-    parse.__name__ = flag
-    return parse
-
 
 # The offline tools: subcommand, module (``configure_parser`` and ``run``), one-line help.
 TOOLS = (("bench", bench_cli, "replay a trace against an OpenAI-compatible server"),
@@ -61,15 +47,6 @@ def _positive_float(flag: str):
     return parse
 
 
-def _non_empty(flag: str):
-    def parse(text: str) -> str:
-        if not text.strip():
-            raise argparse.ArgumentTypeError("must not be empty")
-        return text
-    parse.__name__ = flag
-    return parse
-
-
 class _DefaultsOnceFormatter(argparse.ArgumentDefaultsHelpFormatter):
     """Appends "(default: X)" only where the help does not already say the default and X is not None."""
 
@@ -84,13 +61,13 @@ def _add_serve(sub) -> None:
                        formatter_class=_DefaultsOnceFormatter)
     p.add_argument("--model", default=None,
                    help="Hugging Face folder or .gguf file; default: the embedded SmolLM2-135M-Instruct")
-    p.add_argument("--served-model-name", type=_non_empty("--served-model-name"), default=None,
+    p.add_argument("--served-model-name", type=non_empty, default=None,
                    help="model name in the API (default: from --model)")
     p.add_argument("--load-format", choices=("auto", "dummy"), default="auto",
                    help="dummy: random weights with the config's shapes")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on")
     p.add_argument("--port", type=_port, default=8000, help="port to listen on")
-    p.add_argument("--tbt-slo", type=_duration("--tbt-slo"), default="100ms",
+    p.add_argument("--tbt-slo", type=positive_duration("ms"), default="100ms",
                    help="TBT SLO, e.g. 100ms or 0.1s (a bare number is milliseconds, as in simulate and bench)")
     p.add_argument("--policy", choices=POLICIES, default="duet", help="scheduling policy")
     p.add_argument("--max-num-seqs", type=int, default=64, help="most sequences per iteration")

@@ -1,9 +1,11 @@
 """``duetserve serve`` rejects bad flags before loading anything, naming the flag."""
 from __future__ import annotations
 
+import argparse
+
 import pytest
 
-from duetserve.cli import _positive_float, main
+from duetserve.cli import _add_serve, _positive_float, main
 
 
 @pytest.mark.parametrize("argv, flag", [
@@ -80,10 +82,11 @@ def test_bench_help_is_for_users_and_lists_exit_codes(capsys):
 
 def test_serve_tbt_slo_bare_number_is_milliseconds():
     """As in simulate and bench: 100 is 100 ms, not 100 s; the default is 100 ms."""
-    from duetserve.cli import _duration
-
-    parse = _duration("--tbt-slo")
-    assert parse("100") == pytest.approx(0.1) and parse("100ms") == pytest.approx(0.1) and parse("0.25s") == 0.25
+    parser = argparse.ArgumentParser()
+    _add_serve(parser.add_subparsers())
+    for text, seconds in (("100", 0.1), ("100ms", 0.1), ("0.25s", 0.25)):
+        assert parser.parse_args(["serve", "--tbt-slo", text]).tbt_slo == pytest.approx(seconds)
+    assert parser.parse_args(["serve"]).tbt_slo == pytest.approx(0.1)
 
 
 def test_serve_refuses_a_busy_port_before_loading(capsys):

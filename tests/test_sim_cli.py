@@ -5,6 +5,7 @@ import json
 
 import pytest
 
+from duetserve import argtypes
 from duetserve.cli import main
 from duetserve.sim import cli as sim_cli
 
@@ -92,12 +93,12 @@ def test_all_without_partition_backend_leaves_pdmux_out(capsys):
 def test_unwritable_outputs_fail_before_simulating(flag, tmp_path, monkeypatch, capsys):
     simulated = []
     monkeypatch.setattr(sim_cli, "simulate", lambda *a, **k: simulated.append(a))
-    for path, words in [(tmp_path / "no" / "out", f"argument {flag}: folder {tmp_path / 'no'} does not exist"),
+    for path, words in [(tmp_path / "no" / "out", f"argument {flag}: no such folder: {tmp_path / 'no'}"),
                         (tmp_path, f"argument {flag}: {tmp_path} is a folder")]:
         with pytest.raises(SystemExit) as exc:
             main([*SMALL, "--qps", "2", flag, str(path)])
         assert exc.value.code == 2 and words in capsys.readouterr().err
-    monkeypatch.setattr(sim_cli.os, "access", lambda path, mode: False)  # as if not root and read-only
+    monkeypatch.setattr(argtypes.os, "access", lambda path, mode: False)  # as if not root and read-only
     with pytest.raises(SystemExit):
         main([*SMALL, "--qps", "2", flag, str(tmp_path / "out")])
     assert f"argument {flag}: folder {tmp_path} is not writable" in capsys.readouterr().err

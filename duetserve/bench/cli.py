@@ -26,20 +26,31 @@ import shutil
 import sys
 from dataclasses import fields, is_dataclass, replace
 from datetime import datetime, timezone
-from functools import wraps
 from pathlib import Path
-from typing import Any, TypeVar
-from collections.abc import Callable
+from typing import Any
 
+from duetserve.argtypes import (
+    add_length_options,
+    argtype,
+    cv,
+    existing_file,
+    number,
+    output_file,
+    pair,
+    positive_duration,
+    positive_int,
+    rate,
+    rates,
+    window,
+)
 from duetserve.bench.launch import LaunchConfig, ServerProcess
 from duetserve.bench.metrics import Slos, compute_metrics, format_comparison, format_report
 from duetserve.bench.plot import plot_results, read_iteration_log
 from duetserve.bench.prompts import Tokenizer
 from duetserve.bench.runner import BenchConfig, BenchRun, run_benchmark
 from duetserve.config import parse_duration
-from duetserve.traces import TraceSpec, load_trace, parse_length
+from duetserve.traces import TraceSpec, load_trace
 
-T = TypeVar("T")
 _GOODPUT_KEYS = ("ttft", "tpot", "e2el")
 
 
@@ -62,99 +73,26 @@ def parse_goodput(items: list[str]) -> Slos:
     return Slos(**{f"{k}_s": v for k, v in slos.items()})
 
 
-def _pair(text: str, parse: Callable[[str], T]) -> tuple[T, T]:
-    low, sep, high = text.partition(":")
-    if not sep:
-        raise ValueError(f"expected A:B, got {text!r}")
-    return parse(low), parse(high)
-
-
-def _argtype(parse: Callable[[str], Any]) -> Callable[[str], Any]:
-    """``parse`` with its ValueError turned into argparse's error message."""
-
-    @wraps(parse)
-    def wrapped(text: str) -> Any:
-        try:
-            return parse(text)
-        except ValueError as e:
-            raise argparse.ArgumentTypeError(str(e)) from e
-
-    return wrapped
-
-
-def _number(text: str, convert: Callable[[str], T]) -> T:
-    try:
-        return convert(text)
-    except ValueError:
-        kind = "an integer" if convert is int else "a number"
-        raise ValueError(f"expected {kind}, got {text!r}") from None
-
-
-def _positive_int(text: str) -> int:
-    value = _number(text, int)
-    if value < 1:
-        raise ValueError(f"must be a positive integer, got {text!r}")
-    return value
-
-
-def _rate(text: str) -> float:
-    """A request rate: a positive number or ``inf``."""
-    value = _number(text, float)
-    if not value > 0:  # also refuses nan
-        raise ValueError(f"must be a positive rate (req/s) or inf, got {text!r}")
-    return value
-
-
-def _rates(text: str) -> list[float]:
-    values = [_rate(x.strip()) for x in text.split(",") if x.strip()]
-    if not values:
-        raise ValueError("give one or more rates, e.g. 2,4,8")
-    return values
-
-
-def _cv(text: str) -> float:
-    value = _number(text, float)
-    if not (math.isfinite(value) and value >= 0):
-        raise ValueError(f"must be a finite number >= 0, got {text!r}")
-    return value
-
-
 def _percentiles(text: str) -> list[float]:
-    values = [_number(x.strip(), float) for x in text.split(",") if x.strip()]
+    values = [number(x.strip(), float) for x in text.split(",") if x.strip()]
     if not values or not all(0 <= v <= 100 for v in values):
         raise ValueError(f"expected percentiles in [0, 100], e.g. 90,99, got {text!r}")
     return values
 
 
 def _token_id_range(text: str) -> tuple[int, int]:
-    low, high = _pair(text, lambda x: _number(x, int))
+    low, high = pair(text, lambda x: number(x, int), "LOW:HIGH")
     if not 0 <= low < high:
         raise ValueError(f"expected 0 <= LOW < HIGH, got {text!r}")
     return low, high
 
 
-def _positive_duration(bare_unit: str) -> Callable[[str], float]:
-    """Parser of a duration > 0 whose bare numbers are in ``bare_unit``."""
-    def parse(text: str) -> float:
-        value = parse_duration(text, bare_unit)
-        if not value > 0:
-            raise ValueError(f"must be a positive duration, got {text!r}")
-        return value
-    parse.__name__ = "duration"
-    return parse
-
-
 def _window(text: str) -> tuple[float, float]:
-    start, end = _pair(text, parse_duration)
+    """``window`` that refuses START not before END now, not only when the trace is read."""
+    start, end = window(text)
     if not start < end:
         raise ValueError(f"START must be before END, got {text!r}")
     return start, end
-
-
-def _existing_file(text: str) -> Path:
-    if not Path(text).is_file():
-        raise ValueError(f"no such file: {text}")
-    return Path(text)
 
 
 def _existing_folder(text: str) -> str:
@@ -173,16 +111,6 @@ def _command(text: str) -> str:
     return text
 
 
-def _output_file(text: str) -> Path:
-    """A file to write at the end of a run: refused now if its folder is missing (not after the run)."""
-    path = Path(text)
-    if path.is_dir():
-        raise ValueError(f"{text} is a folder")
-    if not path.parent.is_dir():
-        raise ValueError(f"no such folder: {path.parent}")
-    return path
-
-
 def configure_parser(p: argparse.ArgumentParser) -> None:
     """Add every ``duetserve bench`` option to ``p``."""
     t = p.add_argument_group("trace")
@@ -192,19 +120,16 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
     t.add_argument("--arrival", default="trace", choices=["trace", "scale", "poisson"],
                    help="trace: keep timestamps; scale: stretch to --qps; poisson: re-draw at "
                         "--qps with gamma gaps of CV --cv (default: trace)")
-    t.add_argument("--qps", type=_argtype(_rate), help="request rate, req/s ('inf': all at once)")
-    t.add_argument("--cv", type=_argtype(_cv), default=1.0,
+    t.add_argument("--qps", type=rate, help="request rate, req/s ('inf': all at once)")
+    t.add_argument("--cv", type=cv, default=1.0,
                    help="CV of generated inter-arrival gaps (1 = Poisson)")
-    t.add_argument("--window", type=_argtype(_window),
+    t.add_argument("--window", type=argtype(_window),
                    metavar="START:END", help="keep arrivals in [START, END) s of the trace")
-    t.add_argument("--num-requests", type=_argtype(_positive_int), metavar="N",
+    t.add_argument("--num-requests", type=positive_int, metavar="N",
                    help="first N requests (synthetic: how many)")
-    t.add_argument("--max-input-len", type=_argtype(_positive_int), metavar="TOKENS", help="cap prompt lengths")
-    t.add_argument("--max-output-len", type=_argtype(_positive_int), metavar="TOKENS", help="cap output lengths")
-    t.add_argument("--input-len", type=_argtype(parse_length), default=parse_length("512"),
-                   metavar="SPEC", help="synthetic: N, LOW:HIGH or lognormal:MEAN:SIGMA")
-    t.add_argument("--output-len", type=_argtype(parse_length), default=parse_length("128"),
-                   metavar="SPEC", help="synthetic: N, LOW:HIGH or lognormal:MEAN:SIGMA")
+    t.add_argument("--max-input-len", type=positive_int, metavar="TOKENS", help="cap prompt lengths")
+    t.add_argument("--max-output-len", type=positive_int, metavar="TOKENS", help="cap output lengths")
+    add_length_options(t)
     t.add_argument("--seed", type=int, default=0, help="seed for lengths, arrivals and prompts")
 
     s = p.add_argument_group("server")
@@ -213,36 +138,36 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
                    help="/v1/completions (token-id prompts) or /v1/chat/completions (text)")
     s.add_argument("--model", help="model name (default: first id of /v1/models)")
     s.add_argument("--api-key", help="sent as 'Authorization: Bearer KEY'")
-    s.add_argument("--max-concurrency", type=_argtype(_positive_int), help="most requests in flight")
-    s.add_argument("--request-timeout", type=_argtype(_positive_duration("s")), default=600.0,
+    s.add_argument("--max-concurrency", type=positive_int, help="most requests in flight")
+    s.add_argument("--request-timeout", type=positive_duration("s"), default=600.0,
                    metavar="DURATION", help="limit per request (default 600s)")
-    s.add_argument("--tokenizer", type=_argtype(_existing_folder), metavar="PATH",
+    s.add_argument("--tokenizer", type=argtype(_existing_folder), metavar="PATH",
                    help="tokenizer (HF folder) that chat text prompts are checked against")
-    s.add_argument("--token-id-range", type=_argtype(_token_id_range),
+    s.add_argument("--token-id-range", type=argtype(_token_id_range),
                    default=(1000, 32000), metavar="LOW:HIGH",
                    help="ids of token-id prompts are drawn from [LOW, HIGH) (default 1000:32000)")
-    s.add_argument("--launch", type=_argtype(_command), metavar="CMD",
+    s.add_argument("--launch", type=argtype(_command), metavar="CMD",
                    help="start this server command first (it must listen at --base-url), "
                         "wait for /health, stop it after")
-    s.add_argument("--launch-timeout", type=_argtype(_positive_duration("s")), default=600.0,
+    s.add_argument("--launch-timeout", type=positive_duration("s"), default=600.0,
                    metavar="DURATION", help="longest wait for /health (default 600s)")
-    s.add_argument("--launch-log", type=_argtype(_output_file), metavar="PATH", help="server output file")
+    s.add_argument("--launch-log", type=output_file, metavar="PATH", help="server output file")
 
     r = p.add_argument_group("results")
     r.add_argument("--goodput", nargs="+", default=[], metavar="KEY:MS",
                    help="goodput SLOs, e.g. ttft:500 tpot:100ms e2el:10s (bare numbers: ms)")
-    r.add_argument("--tbt-slo", type=_argtype(_positive_duration("ms")),
+    r.add_argument("--tbt-slo", type=positive_duration("ms"),
                    metavar="DURATION", help="TBT SLO for tbt_slo_attainment, e.g. 100ms")
-    r.add_argument("--percentiles", type=_argtype(_percentiles), default=[90.0, 99.0],
+    r.add_argument("--percentiles", type=argtype(_percentiles), default=[90.0, 99.0],
                    metavar="P,P", help="reported percentiles (default 90,99)")
-    r.add_argument("--result-file", type=_argtype(_output_file), metavar="PATH",
+    r.add_argument("--result-file", type=output_file, metavar="PATH",
                    help="save results as JSON (with --sweep-qps: one PATH_qps{Q}.json per load)")
-    r.add_argument("--sweep-qps", type=_argtype(_rates), metavar="Q,Q,...",
+    r.add_argument("--sweep-qps", type=rates, metavar="Q,Q,...",
                    help="one run per rate (needs --arrival scale|poisson for trace files)")
-    r.add_argument("--plot", type=_argtype(_output_file), metavar="PNG", help="draw TTFT/TBT CDFs, TBT over time")
+    r.add_argument("--plot", type=output_file, metavar="PNG", help="draw TTFT/TBT CDFs, TBT over time")
     r.add_argument("--iteration-log", type=Path, metavar="JSONL",  # may be written by the --launch server
                    help='server iteration log {"t": unix_s, "spatial": bool} to mark in --plot')
-    r.add_argument("--compare", nargs=2, type=_argtype(_existing_file), metavar=("A.json", "B.json"),
+    r.add_argument("--compare", nargs=2, type=existing_file, metavar=("A.json", "B.json"),
                    help="print two saved results side by side (no run)")
     r.add_argument("--no-progress", action="store_true", help="hide the progress bar")
 

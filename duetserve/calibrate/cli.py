@@ -26,6 +26,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from duetserve.argtypes import argtype, existing_file, non_empty, output_file
 from duetserve.calibrate.host import fit_host_overheads, read_iteration_log
 from duetserve.calibrate.report import (
     format_curves,
@@ -41,34 +42,6 @@ from duetserve.planner.cost_model import ModelShape
 from duetserve.planner.hardware import HardwareProfile, available_profiles, load_profile
 
 
-def _base_profile(text: str) -> HardwareProfile:
-    try:
-        return load_profile(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from exc
-
-
-def _writable_file(text: str) -> Path:
-    path = Path(text)
-    if path.is_dir():
-        raise argparse.ArgumentTypeError(f"{text} is a folder")
-    if not path.parent.is_dir():
-        raise argparse.ArgumentTypeError(f"no such folder: {path.parent}")
-    return path
-
-
-def _name(text: str) -> str:
-    if not text.strip():
-        raise argparse.ArgumentTypeError("must not be empty")
-    return text
-
-
-def _existing_file(text: str) -> str:
-    if not Path(text).is_file():
-        raise argparse.ArgumentTypeError(f"no such file: {text}")
-    return text
-
-
 def _model_path(text: str) -> Path:
     path = Path(text)
     if not (path / "config.json" if path.is_dir() else path).is_file():
@@ -78,9 +51,9 @@ def _model_path(text: str) -> Path:
 
 def configure_parser(p: argparse.ArgumentParser) -> None:
     """Add every ``duetserve calibrate`` option to ``p``."""
-    p.add_argument("--gpu-name", required=True, type=_name, metavar="NAME", help="name of the profile written")
-    p.add_argument("--out", required=True, type=_writable_file, metavar="PROFILE.json", help="profile to write")
-    p.add_argument("--base", type=_base_profile, default="h200", metavar="NAME|PATH",
+    p.add_argument("--gpu-name", required=True, type=non_empty, metavar="NAME", help="name of the profile written")
+    p.add_argument("--out", required=True, type=output_file, metavar="PROFILE.json", help="profile to write")
+    p.add_argument("--base", type=argtype(load_profile), default="h200", metavar="NAME|PATH",
                    help=f"profile of the unmeasured fields and baseline of the comparison: "
                         f"{', '.join(available_profiles())} or a JSON file (default h200)")
     p.add_argument("--model", type=_model_path, metavar="CONFIG_OR_FOLDER",
@@ -92,10 +65,10 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
                    help="streams of S SMs for BW(S), Pi(S) and split decode (none: all SMs only)")
     p.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default="auto")
     p.add_argument("--device", default="cuda", help="cuda or cuda:N")
-    p.add_argument("--plot", type=_writable_file, metavar="OUT.png", help="draw predicted against measured")
+    p.add_argument("--plot", type=output_file, metavar="OUT.png", help="draw predicted against measured")
     p.add_argument("--quick", action="store_true",
                    help="8 timed repeats instead of 20, one decode batch on split SM levels")
-    p.add_argument("--iteration-log", type=_existing_file, metavar="LOG.jsonl",
+    p.add_argument("--iteration-log", type=existing_file, metavar="LOG.jsonl",
                    help="fit only the serving host time to this `serve --iteration-log` file of a server "
                         "that planned with --base (no GPU needed)")
 

@@ -12,14 +12,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
-import os
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
-from duetserve.config import POLICIES, parse_duration
+from duetserve import argtypes
+from duetserve.config import POLICIES
 from duetserve.engine.policy import policy_by_name
 from duetserve.partition.base import BACKENDS as PARTITION_BACKENDS
 from duetserve.planner.cost_model import ModelShape
@@ -31,62 +29,16 @@ from duetserve.traces import (
     TraceRequest,
     TraceSpec,
     load_trace,
-    parse_length,
     resolve_format,
 )
 
 
-def _argtype(parse: Callable[[str], Any], name: str) -> Callable[[str], Any]:
-    """``parse`` with ValueError/OSError turned into argparse's message (which names the flag)."""
-
-    def wrapped(text: str) -> Any:
-        try:
-            return parse(text)
-        except (ValueError, OSError) as exc:
-            raise argparse.ArgumentTypeError(str(exc)) from exc
-
-    wrapped.__name__ = name
-    return wrapped
-
-
-def _positive(convert: Callable[[str], float | int]) -> Callable[[str], Any]:
-    def parse(text: str) -> float | int:
-        value = convert(text)
-        if not value > 0:
-            raise ValueError(f"must be positive, got {text!r}")
-        return value
-
-    return parse
-
-
 def _fraction(text: str) -> float:
     """A number in (0, 1]."""
-    value = float(text)
+    value = argtypes.number(text, float)
     if not 0 < value <= 1:
         raise ValueError(f"must be in (0, 1], got {text!r}")
     return value
-
-
-def _cv(text: str) -> float:
-    """A finite number >= 0 (nan made the gap sampler loop forever)."""
-    value = float(text)
-    if not (math.isfinite(value) and value >= 0):
-        raise ValueError(f"must be a finite number >= 0, got {text!r}")
-    return value
-
-
-def _qps_list(text: str) -> list[float]:
-    values = [_positive(float)(x) for x in text.split(",") if x.strip()]
-    if not values:
-        raise ValueError("give one or more rates, e.g. 2,4,8")
-    return values
-
-
-def _window(text: str) -> tuple[float, float]:
-    start, sep, end = text.partition(":")
-    if not sep:
-        raise ValueError(f"expected START:END, got {text!r}")
-    return parse_duration(start), parse_duration(end)
 
 
 def _model_shape(text: str) -> ModelShape:
@@ -99,82 +51,60 @@ def _model_shape(text: str) -> ModelShape:
     return ModelShape.preset(text)
 
 
-def _existing_file(text: str) -> Path:
-    if not Path(text).is_file():
-        raise ValueError(f"no such file: {text}")
-    return Path(text)
-
-
-def _output_file(text: str) -> Path:
-    """A file path whose folder exists and is writable (checked before any simulation runs)."""
-    path = Path(text)
-    folder = path.parent
-    if path.is_dir():
-        raise ValueError(f"{text} is a folder")
-    if not folder.is_dir():
-        raise ValueError(f"{folder} is not a folder" if folder.exists() else f"folder {folder} does not exist")
-    if not os.access(folder, os.W_OK):
-        raise ValueError(f"folder {folder} is not writable")
-    return path
-
-
 def configure_parser(p: argparse.ArgumentParser) -> None:
     """Add every ``duetserve simulate`` option to ``p``."""
     t = p.add_argument_group("trace")
-    t.add_argument("--trace", type=_argtype(_existing_file, "--trace"), metavar="FILE",
+    t.add_argument("--trace", type=argtypes.existing_file, metavar="FILE",
                    help="Azure .csv or Mooncake .jsonl trace; omit with --format synthetic")
     t.add_argument("--format", default="auto", choices=["auto", "azure", "mooncake", "synthetic"],
                    help="trace format (auto: by suffix; synthetic without --trace)")
-    t.add_argument("--qps", required=True, type=_argtype(_qps_list, "--qps"), metavar="Q[,Q2,...]",
+    t.add_argument("--qps", required=True, type=argtypes.rates, metavar="Q[,Q2,...]",
                    help="request rates to sweep, req/s")
     t.add_argument("--arrival", default="poisson", choices=["poisson", "scale"],
                    help="poisson: re-draw arrivals at each QPS (gaps of CV --cv); scale: stretch the trace's own")
-    t.add_argument("--cv", type=_argtype(_cv, "--cv"), default=1.0, help="CV of Poisson/gamma gaps")
-    t.add_argument("--window", type=_argtype(_window, "--window"), metavar="START:END",
+    t.add_argument("--cv", type=argtypes.cv, default=1.0, help="CV of Poisson/gamma gaps")
+    t.add_argument("--window", type=argtypes.window, metavar="START:END",
                    help="keep requests arriving in [START, END) of the trace, e.g. 0:10min")
-    t.add_argument("--num-requests", type=_argtype(_positive(int), "--num-requests"), metavar="N",
+    t.add_argument("--num-requests", type=argtypes.positive_int, metavar="N",
                    help="first N requests (synthetic: how many)")
-    t.add_argument("--max-input-len", type=_argtype(_positive(int), "--max-input-len"), metavar="TOKENS")
-    t.add_argument("--max-output-len", type=_argtype(_positive(int), "--max-output-len"), metavar="TOKENS")
-    t.add_argument("--input-len", type=_argtype(parse_length, "--input-len"), default=parse_length("512"),
-                   metavar="SPEC", help="synthetic: N, LOW:HIGH or lognormal:MEAN:SIGMA (default 512)")
-    t.add_argument("--output-len", type=_argtype(parse_length, "--output-len"), default=parse_length("128"),
-                   metavar="SPEC", help="synthetic: N, LOW:HIGH or lognormal:MEAN:SIGMA (default 128)")
+    t.add_argument("--max-input-len", type=argtypes.positive_int, metavar="TOKENS")
+    t.add_argument("--max-output-len", type=argtypes.positive_int, metavar="TOKENS")
+    argtypes.add_length_options(t)
     t.add_argument("--seed", type=int, default=0, help="seed for lengths and arrivals")
 
     m = p.add_argument_group("model and GPU")
-    m.add_argument("--model-config", type=_argtype(_model_shape, "--model-config"), default="qwen3-8b",
+    m.add_argument("--model-config", type=argtypes.argtype(_model_shape), default="qwen3-8b",
                    metavar="PRESET|PATH", help="model shape: a preset (qwen3-8b, qwen3-14b, llama3-8b, "
                                                "smollm2-135m) or a config.json (default qwen3-8b)")
-    m.add_argument("--gpu", "--profile", type=_argtype(load_profile, "--gpu"), default="h200", metavar="NAME|PATH",
+    m.add_argument("--gpu", "--profile", type=argtypes.argtype(load_profile), default="h200",
+                   metavar="NAME|PATH",
                    help=f"hardware profile: {', '.join(available_profiles())} or a JSON file (default h200)")
-    m.add_argument("--tp", type=_argtype(_positive(int), "--tp"), default=1, help="tensor-parallel GPUs")
+    m.add_argument("--tp", type=argtypes.positive_int, default=1, help="tensor-parallel GPUs")
     m.add_argument("--partition-backend", choices=PARTITION_BACKENDS, default="greenctx",
                    help="SM partitioning: greenctx (8-SM steps on Hopper), tpcmask (2-SM steps), none")
-    m.add_argument("--gpu-memory-utilization", type=_argtype(_fraction, "--gpu-memory-utilization"), default=0.9,
+    m.add_argument("--gpu-memory-utilization", type=argtypes.argtype(_fraction), default=0.9,
                    help="share of HBM for weights and KV cache (default 0.9)")
-    m.add_argument("--kv-cache-tokens", type=_argtype(_positive(int), "--kv-cache-tokens"), metavar="TOKENS",
+    m.add_argument("--kv-cache-tokens", type=argtypes.positive_int, metavar="TOKENS",
                    help="KV capacity (default: from the profile's HBM minus the weights)")
 
     s = p.add_argument_group("scheduling")
-    s.add_argument("--policy", type=_argtype(_policies, "--policy"), default="all", metavar="POLICY[,POLICY...]",
+    s.add_argument("--policy", type=argtypes.argtype(_policies), default="all", metavar="POLICY[,POLICY...]",
                    help=f"policies to simulate, comma-separated, from {', '.join(POLICIES)}; or all")
-    s.add_argument("--tbt-slo", type=_argtype(_positive(lambda x: parse_duration(x, "ms")), "--tbt-slo"),
-                   default=0.1, metavar="DURATION", help="TBT SLO, e.g. 100ms (bare numbers: ms)")
-    s.add_argument("--trim-margin", type=_argtype(_fraction, "--trim-margin"), default=None, metavar="FRACTION",
+    s.add_argument("--tbt-slo", type=argtypes.positive_duration("ms"), default=0.1, metavar="DURATION",
+                   help="TBT SLO, e.g. 100ms (bare numbers: ms)")
+    s.add_argument("--trim-margin", type=argtypes.argtype(_fraction), default=None, metavar="FRACTION",
                    help="duet: prefer a temporal batch trimmed to FRACTION x the SLO when its predicted token "
                         "rate beats the split (as `serve --trim-margin`; default off)")
-    s.add_argument("--max-num-batched-tokens", type=_argtype(_positive(int), "--max-num-batched-tokens"),
-                   default=8192, help="token budget per iteration (default 8192; 2048 suits A100)")
-    s.add_argument("--max-num-seqs", type=_argtype(_positive(int), "--max-num-seqs"), default=256)
-    s.add_argument("--block-size", type=_argtype(_positive(int), "--block-size"), default=16)
-    s.add_argument("--max-model-len", type=_argtype(_positive(int), "--max-model-len"), metavar="TOKENS",
+    s.add_argument("--max-num-batched-tokens", type=argtypes.positive_int, default=8192,
+                   help="token budget per iteration (default 8192; 2048 suits A100)")
+    s.add_argument("--max-num-seqs", type=argtypes.positive_int, default=256)
+    s.add_argument("--block-size", type=argtypes.positive_int, default=16)
+    s.add_argument("--max-model-len", type=argtypes.positive_int, metavar="TOKENS",
                    help="context limit (default: the trace's longest request)")
 
     r = p.add_argument_group("results")
-    r.add_argument("--json", type=_argtype(_output_file, "--json"), metavar="OUT.json",
-                   help="save the rows as a JSON list")
-    r.add_argument("--plot", type=_argtype(_output_file, "--plot"), metavar="OUT.png",
+    r.add_argument("--json", type=argtypes.output_file, metavar="OUT.json", help="save the rows as a JSON list")
+    r.add_argument("--plot", type=argtypes.output_file, metavar="OUT.png",
                    help="plot TBT, TTFT and throughput against QPS")
     r.add_argument("--no-progress", action="store_true", help="hide the progress bar")
 

@@ -1,0 +1,149 @@
+"""Argparse ``type=`` helpers shared by the command lines (serve, bench, simulate, calibrate).
+
+The types raise ``argparse.ArgumentTypeError``, whose message argparse prints after
+``argument --flag:``, so every message says what was expected and what was given.
+``number`` and ``pair`` are building blocks that raise ValueError, for parsers wrapped by ``argtype``.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import os
+from collections.abc import Callable
+from functools import wraps
+from pathlib import Path
+from typing import TypeVar
+
+from duetserve.config import parse_duration
+from duetserve.traces import parse_length
+
+T = TypeVar("T")
+
+
+def argtype(parse: Callable[[str], T]) -> Callable[[str], T]:
+    """``parse`` as an argparse type: its ValueError or OSError becomes ArgumentTypeError with the same message."""
+
+    @wraps(parse)
+    def wrapped(text: str) -> T:
+        try:
+            return parse(text)
+        except (ValueError, OSError) as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from exc
+
+    return wrapped
+
+
+def number(text: str, convert: Callable[[str], T]) -> T:
+    """``convert(text)`` (``int`` or ``float``); ValueError "expected an integer|a number, got 'TEXT'"."""
+    try:
+        return convert(text)
+    except ValueError:
+        kind = "an integer" if convert is int else "a number"
+        raise ValueError(f"expected {kind}, got {text!r}") from None
+
+
+def _positive(value: T, text: str, what: str) -> T:
+    """``value`` if it is > 0 (nan is not); else ValueError "must be a positive WHAT, got 'TEXT'"."""
+    if not value > 0:
+        raise ValueError(f"must be a positive {what}, got {text!r}")
+    return value
+
+
+@argtype
+def positive_int(text: str) -> int:
+    """An integer >= 1; else "must be a positive integer, got 'TEXT'"."""
+    return _positive(number(text, int), text, "integer")
+
+
+@argtype
+def rate(text: str) -> float:
+    """A request rate in req/s: a number > 0, or ``inf`` (all at once); nan is refused."""
+    return _positive(number(text, float), text, "rate (req/s) or inf")
+
+
+@argtype
+def rates(text: str) -> list[float]:
+    """Comma-separated rates (see ``rate``), e.g. ``2,4,8``; empty items are skipped, none at all is an error."""
+    values = [rate(x.strip()) for x in text.split(",") if x.strip()]
+    if not values:
+        raise ValueError("give one or more rates, e.g. 2,4,8")
+    return values
+
+
+@argtype
+def cv(text: str) -> float:
+    """A coefficient of variation of arrival gaps: finite and >= 0 (nan made the gap sampler loop forever)."""
+    value = number(text, float)
+    if not (math.isfinite(value) and value >= 0):
+        raise ValueError(f"must be a finite number >= 0, got {text!r}")
+    return value
+
+
+def positive_duration(bare_unit: str) -> Callable[[str], float]:
+    """Type of a duration > 0 in seconds, e.g. ``100ms``, ``0.1s``, ``2min``; a bare number is in ``bare_unit``.
+
+    Errors: parse_duration's "bad duration 'TEXT': ...", or "must be a positive duration, got 'TEXT'".
+    """
+
+    @argtype
+    def duration(text: str) -> float:
+        return _positive(parse_duration(text, bare_unit), text, "duration")
+
+    return duration
+
+
+def pair(text: str, parse: Callable[[str], T], form: str) -> tuple[T, T]:
+    """``A:B`` as ``(parse(A), parse(B))``; ValueError "expected FORM, got 'TEXT'" without a colon."""
+    low, sep, high = text.partition(":")
+    if not sep:
+        raise ValueError(f"expected {form}, got {text!r}")
+    return parse(low), parse(high)
+
+
+@argtype
+def window(text: str) -> tuple[float, float]:
+    """``START:END`` durations (bare numbers: seconds) as ``(start_s, end_s)``; the order is not checked."""
+    return pair(text, parse_duration, "START:END")
+
+
+@argtype
+def non_empty(text: str) -> str:
+    """Any text but empty or blank ("must not be empty")."""
+    if not text.strip():
+        raise ValueError("must not be empty")
+    return text
+
+
+@argtype
+def existing_file(text: str) -> Path:
+    """The path of an existing file; else "no such file: TEXT"."""
+    if not Path(text).is_file():
+        raise ValueError(f"no such file: {text}")
+    return Path(text)
+
+
+@argtype
+def output_file(text: str) -> Path:
+    """A file to write later, checked now: not a folder itself, in an existing, writable folder.
+
+    Errors: "TEXT is a folder", "no such folder: F", "F is not a folder", "folder F is not writable".
+    """
+    path = Path(text)
+    folder = path.parent
+    if path.is_dir():
+        raise ValueError(f"{text} is a folder")
+    if not folder.is_dir():
+        raise ValueError(f"{folder} is not a folder" if folder.exists() else f"no such folder: {folder}")
+    if not os.access(folder, os.W_OK):
+        raise ValueError(f"folder {folder} is not writable")
+    return path
+
+
+def add_length_options(group: argparse._ArgumentGroup) -> None:
+    """``--input-len`` and ``--output-len`` (bench and simulate): lengths of synthetic requests, in tokens.
+
+    A value is parse_length's N, LOW:HIGH or lognormal:MEAN:SIGMA; its ValueError becomes the flag's error.
+    """
+    for flag, default in (("--input-len", "512"), ("--output-len", "128")):
+        group.add_argument(flag, type=argtype(parse_length), default=default, metavar="SPEC",
+                           help=f"synthetic: N, LOW:HIGH or lognormal:MEAN:SIGMA (default {default})")

@@ -1,0 +1,128 @@
+"""The argparse types the command lines share: what each accepts, and the exact message for bad input."""
+from __future__ import annotations
+
+import argparse
+import math
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from duetserve import argtypes
+from duetserve.argtypes import argtype, number, output_file, positive_duration, positive_int, rate, rates
+from duetserve.traces import parse_length
+
+
+def refused(parse: Callable[[str], object], text: str) -> str:
+    """The ArgumentTypeError message of ``parse(text)``."""
+    with pytest.raises(argparse.ArgumentTypeError) as exc:
+        parse(text)
+    return str(exc.value)
+
+
+def test_argtype_turns_value_and_os_errors_into_argparse_errors():
+    def parse(text: str) -> str:
+        if text == "os":
+            raise FileNotFoundError("gone")
+        return str(int(text))
+
+    wrapped = argtype(parse)
+    assert wrapped("7") == "7" and wrapped.__name__ == "parse"
+    assert refused(wrapped, "x") == "invalid literal for int() with base 10: 'x'"
+    assert refused(wrapped, "os") == "gone"
+
+
+def test_number_says_which_kind_was_expected():
+    assert number("3", int) == 3 and number("2.5", float) == 2.5
+    with pytest.raises(ValueError, match=r"^expected an integer, got '2.5'$"):
+        number("2.5", int)
+    with pytest.raises(ValueError, match=r"^expected a number, got 'two'$"):
+        number("two", float)
+
+
+def test_positive_int():
+    assert positive_int("1") == 1 and positive_int(" 64 ") == 64
+    assert refused(positive_int, "0") == "must be a positive integer, got '0'"
+    assert refused(positive_int, "-3") == "must be a positive integer, got '-3'"
+    assert refused(positive_int, "1.5") == "expected an integer, got '1.5'"
+
+
+def test_rate_and_rates():
+    assert rate("2.5") == 2.5 and rate("inf") == math.inf
+    assert refused(rate, "0") == "must be a positive rate (req/s) or inf, got '0'"
+    assert refused(rate, "nan") == "must be a positive rate (req/s) or inf, got 'nan'"
+    assert refused(rate, "fast") == "expected a number, got 'fast'"
+    assert rates("2, 4,8,") == [2.0, 4.0, 8.0] and rates("inf") == [math.inf]
+    assert refused(rates, "2,-1") == "must be a positive rate (req/s) or inf, got '-1'"
+    assert refused(rates, " , ") == "give one or more rates, e.g. 2,4,8"
+
+
+def test_cv():
+    assert argtypes.cv("0") == 0.0 and argtypes.cv("1.5") == 1.5
+    assert refused(argtypes.cv, "nan") == "must be a finite number >= 0, got 'nan'"
+    assert refused(argtypes.cv, "inf") == "must be a finite number >= 0, got 'inf'"
+    assert refused(argtypes.cv, "-1") == "must be a finite number >= 0, got '-1'"
+    assert refused(argtypes.cv, "x") == "expected a number, got 'x'"
+
+
+def test_positive_duration_bare_numbers_are_in_the_given_unit():
+    ms, s = positive_duration("ms"), positive_duration("s")
+    assert ms("100") == pytest.approx(0.1) and ms("0.5s") == 0.5 and s("600") == 600.0 and s("2min") == 120.0
+    assert refused(ms, "0") == "must be a positive duration, got '0'"
+    assert refused(s, "0s") == "must be a positive duration, got '0s'"
+    assert refused(ms, "-5ms") == "bad duration '-5ms': a duration cannot be negative"
+    assert refused(ms, "soon") == "bad duration 'soon': expected e.g. 100ms, 0.1s, 2min"
+
+
+def test_pair_splits_at_the_colon_and_names_the_form():
+    assert argtypes.pair("1000:32000", int, "LOW:HIGH") == (1000, 32000)
+    with pytest.raises(ValueError, match=r"^expected LOW:HIGH, got '5'$"):
+        argtypes.pair("5", int, "LOW:HIGH")
+
+
+def test_window_is_two_durations_in_seconds():
+    assert argtypes.window("0:10min") == (0.0, 600.0) and argtypes.window("1.5:2500ms") == (1.5, 2.5)
+    assert argtypes.window("5:1") == (5.0, 1.0)  # the order is the caller's to check
+    assert refused(argtypes.window, "10") == "expected START:END, got '10'"
+    assert refused(argtypes.window, "0:soon") == "bad duration 'soon': expected e.g. 100ms, 0.1s, 2min"
+
+
+def test_non_empty():
+    assert argtypes.non_empty("h200-lent") == "h200-lent"
+    assert refused(argtypes.non_empty, "") == "must not be empty"
+    assert refused(argtypes.non_empty, "  ") == "must not be empty"
+
+
+def test_existing_file(tmp_path: Path):
+    file = tmp_path / "trace.csv"
+    file.write_text("x")
+    assert argtypes.existing_file(str(file)) == file
+    assert refused(argtypes.existing_file, str(tmp_path)) == f"no such file: {tmp_path}"
+    assert refused(argtypes.existing_file, str(tmp_path / "none.csv")) == f"no such file: {tmp_path / 'none.csv'}"
+
+
+def test_output_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    (tmp_path / "plain").write_text("x")
+    assert output_file(str(tmp_path / "out.json")) == tmp_path / "out.json"
+    assert refused(output_file, str(tmp_path)) == f"{tmp_path} is a folder"
+    assert refused(output_file, str(tmp_path / "no" / "out.json")) == f"no such folder: {tmp_path / 'no'}"
+    assert refused(output_file, str(tmp_path / "plain" / "out.json")) == f"{tmp_path / 'plain'} is not a folder"
+    monkeypatch.setattr(argtypes.os, "access", lambda path, mode: False)  # as if not root and read-only
+    assert refused(output_file, str(tmp_path / "out.json")) == f"folder {tmp_path} is not writable"
+
+
+def test_length_options_parse_their_defaults_too():
+    parser = argparse.ArgumentParser()
+    argtypes.add_length_options(parser.add_argument_group("trace"))
+    args = parser.parse_args(["--input-len", "100:200"])
+    assert args.input_len == parse_length("100:200") and args.output_len == parse_length("128")
+    assert "(default 512)" in " ".join(parser.format_help().split())  # undo the line wrapping
+
+
+def test_a_parser_names_the_flag(capsys: pytest.CaptureFixture[str]):
+    parser = argparse.ArgumentParser(prog="tool")
+    parser.add_argument("--qps", type=rates)
+    with pytest.raises(SystemExit) as exc:
+        parser.parse_args(["--qps", "0"])
+    assert exc.value.code == 2
+    assert "tool: error: argument --qps: must be a positive rate (req/s) or inf, got '0'\n" in capsys.readouterr().err
