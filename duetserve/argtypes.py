@@ -102,8 +102,12 @@ def pair(text: str, parse: Callable[[str], T], form: str) -> tuple[T, T]:
 
 @argtype
 def window(text: str) -> tuple[float, float]:
-    """``START:END`` durations (bare numbers: seconds) as ``(start_s, end_s)``; the order is not checked."""
-    return pair(text, parse_duration, "START:END")
+    """``START:END`` durations (bare numbers: seconds) as ``(start_s, end_s)``, START before END;
+    else "expected START:END, got 'TEXT'" or "START must be before END, got 'TEXT'"."""
+    start, end = pair(text, parse_duration, "START:END")
+    if not start < end:
+        raise ValueError(f"START must be before END, got {text!r}")
+    return start, end
 
 
 @argtype

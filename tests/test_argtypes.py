@@ -82,7 +82,8 @@ def test_pair_splits_at_the_colon_and_names_the_form():
 
 def test_window_is_two_durations_in_seconds():
     assert argtypes.window("0:10min") == (0.0, 600.0) and argtypes.window("1.5:2500ms") == (1.5, 2.5)
-    assert argtypes.window("5:1") == (5.0, 1.0)  # the order is the caller's to check
+    assert refused(argtypes.window, "5:1") == "START must be before END, got '5:1'"
+    assert refused(argtypes.window, "2s:2000ms") == "START must be before END, got '2s:2000ms'"
     assert refused(argtypes.window, "10") == "expected START:END, got '10'"
     assert refused(argtypes.window, "0:soon") == "bad duration 'soon': expected e.g. 100ms, 0.1s, 2min"
 
