@@ -17,11 +17,6 @@ actual context: a sequence's key tiles are dealt to its first ``cdiv(tiles, cdiv
 num_splits))`` splits, and the others (most, for a short context in a graph sized for
 the longest) exit at once, unwritten; the merge reads only the splits that ran.
 
-While CUDA graphs are recorded (``layers.graph_kernels``) on Hopper, both kernels are launched
-with programmatic dependent launch, as the fused ops are (``triton_fused.use_pdl``): a kernel may
-start while the previous one drains and waits for it before touching memory (the keys the
-previous kernel just wrote included).
-
 On a machine without a GPU the kernels run under Triton's interpreter (``TRITON_INTERPRET=1``
 set before this module is imported).
 """
@@ -34,7 +29,6 @@ import triton
 import triton.language as tl
 
 from duetserve.model.attention import AttentionMetadata, write_kv
-from duetserve.model.triton_fused import pdl_wait, use_pdl
 
 _LOG2E = 1.4426950408889634
 MAX_SPLITS = 32
@@ -92,9 +86,8 @@ def _paged_attention_kernel(
         stride_qt, stride_qh, stride_ot, stride_oh, stride_os, stride_kb, stride_ks, stride_kh, stride_bt,
         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr, PAGE: tl.constexpr, NUM_SPLITS: tl.constexpr, DECODE: tl.constexpr,
-        DOT_PRECISION: tl.constexpr, PDL: tl.constexpr):
+        DOT_PRECISION: tl.constexpr):
     """Grid ``(sequence (DECODE) or query-tile slot, KV head, key split)``; see the module docstring."""
-    pdl_wait(PDL)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     BLOCK_Q: tl.constexpr = BLOCK_M // GROUP
@@ -158,10 +151,9 @@ def _paged_attention_kernel(
 @triton.jit
 def _combine_splits_kernel(part_ptr, lse_ptr, out_ptr, context_lens, stride_pt, stride_ph, stride_ot, stride_oh,
                            HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-                           NUM_SPLITS: tl.constexpr, PDL: tl.constexpr):
+                           NUM_SPLITS: tl.constexpr):
     """Merge the split partial outputs of one decode (token, head): weights ``exp2(lse_s - max lse)``
     over the splits that had key tiles (the attention kernel's split of ``cdiv(ctx, BLOCK_N)`` tiles)."""
-    pdl_wait(PDL)
     tok = tl.program_id(0)
     head = tl.program_id(1)
     splits = tl.arange(0, NUM_SPLITS)
@@ -204,20 +196,17 @@ def _launch(q, k_cache, v_cache, out, block_tables, context_lens, query_start_lo
         target = torch.empty(q.shape[0], hq, num_splits, head_dim, dtype=torch.float32, device=q.device)
         lse = torch.empty(q.shape[0], hq, num_splits, dtype=torch.float32, device=q.device)
     block_d = max(16, triton.next_power_of_2(head_dim))  # tl.dot needs K >= 16
-    pdl = use_pdl(q)
     _paged_attention_kernel[(grid0, hkv, num_splits)](
         q, k_cache, v_cache, target, lse, block_tables, context_lens, query_start_loc, context_lens.shape[0],
         scale * _LOG2E, q.stride(0), q.stride(1), target.stride(0), target.stride(1),
         target.stride(2) if num_splits > 1 else 0, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0), GROUP=hq // hkv, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=block_m,
         BLOCK_N=block_n, PAGE=k_cache.shape[1], NUM_SPLITS=num_splits, DECODE=decode,
-        DOT_PRECISION="tf32x3" if q.dtype == torch.float32 else "tf32", PDL=pdl, num_warps=num_warps,
-        launch_pdl=pdl)
+        DOT_PRECISION="tf32x3" if q.dtype == torch.float32 else "tf32", num_warps=num_warps)
     if num_splits > 1:
         _combine_splits_kernel[(q.shape[0], hq)](
             target, lse, out, context_lens, target.stride(0), target.stride(1), out.stride(0), out.stride(1),
-            HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=block_n, NUM_SPLITS=num_splits, PDL=pdl, num_warps=4,
-            launch_pdl=pdl)
+            HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=block_n, NUM_SPLITS=num_splits, num_warps=4)
     return out
 
 

@@ -37,14 +37,13 @@ def _warps(elements: int) -> int:
     return max(1, min(8, elements // 256))
 
 
-def use_pdl(x: torch.Tensor) -> bool:
-    """Whether kernels on ``x`` are launched with programmatic dependent launch (module docstring;
-    ``triton_attention`` follows the same rule)."""
+def _pdl(x: torch.Tensor) -> bool:
+    """Whether kernels on ``x`` are launched with programmatic dependent launch (module docstring)."""
     return graph_kernels_enabled() and pdl_supported(x)
 
 
 @triton.jit
-def pdl_wait(PDL: tl.constexpr):
+def _pdl_wait(PDL: tl.constexpr):
     """With ``PDL``: wait for the previous kernel to finish, then let the next one launch."""
     if PDL:
         gdc_wait()
@@ -55,7 +54,7 @@ def pdl_wait(PDL: tl.constexpr):
 def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, stride_x, stride_r, stride_o, stride_ro, n, eps,
                      HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
     """One row: ``s = x (+ residual)`` in the input dtype, then ``w * (s * rsqrt(mean(s^2) + eps))``."""
-    pdl_wait(PDL)
+    _pdl_wait(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < n
@@ -89,7 +88,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     res_out = torch.empty_like(x) if residual is not None else x
     res = residual if residual is not None else x
     block = triton.next_power_of_2(n)
-    pdl = use_pdl(x)
+    pdl = _pdl(x)
     _rms_norm_kernel[(x.shape[0],)](x, res, weight, out, res_out, x.stride(0), res.stride(0), out.stride(0),
                                     res_out.stride(0), n, eps, HAS_RESIDUAL=residual is not None, BLOCK=block,
                                     PDL=pdl, num_warps=_warps(block), launch_pdl=pdl)
@@ -145,7 +144,7 @@ def _rope_kernel(q_ptr, k_ptr, v_ptr, q_out, k_out, v_out, slot_ptr, pos_ptr, co
     paged cache ``k_out``, where the same program also copies the token's values into ``v_out``
     (both caches ``stride_ot``/``stride_oh`` per slot/head).
     """
-    pdl_wait(PDL)
+    _pdl_wait(PDL)
     t = tl.program_id(0).to(tl.int64)
     tile = tl.program_id(1)
     offs_d = tl.arange(0, BLOCK_D)
@@ -181,7 +180,7 @@ def _launch_rope(positions, q, k, cos, sin, q_weight, k_weight, eps, k_out, v=No
     grid = (t, triton.cdiv(hq, block_h) + triton.cdiv(hkv, block_h))
     norm, cache = q_weight is not None, v is not None
     v, v_out, slot_mapping = (v, v_out, slot_mapping) if cache else (k, k_out, positions)
-    pdl = use_pdl(q)
+    pdl = _pdl(q)
     _rope_kernel[grid](q, k, v, q_out, k_out, v_out, slot_mapping, positions, cos, sin,
                        q_weight if norm else q, k_weight if norm else k, q.stride(0), q.stride(1), k.stride(0),
                        k.stride(1), v.stride(0), v.stride(1), k_out.stride(0), k_out.stride(1), cos.stride(0), hq,
@@ -241,7 +240,7 @@ def apply_rope_and_cache(positions: torch.Tensor, q: torch.Tensor, k: torch.Tens
 @triton.jit
 def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, n, BLOCK: tl.constexpr, PDL: tl.constexpr):
     """Program ``(t, j)``: ``silu(gate) * up`` for columns ``j*BLOCK..`` of token ``t``, silu rounded first."""
-    pdl_wait(PDL)
+    _pdl_wait(PDL)
     t = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
@@ -257,7 +256,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     n = x.shape[-1] // 2
     out = torch.empty((x.shape[0], n), dtype=x.dtype, device=x.device)
     grid = (x.shape[0], triton.cdiv(n, _SILU_BLOCK))
-    pdl = use_pdl(x)
+    pdl = _pdl(x)
     _silu_and_mul_kernel[grid](x, out, x.stride(0), out.stride(0), n, BLOCK=_SILU_BLOCK, PDL=pdl, num_warps=4,
                                launch_pdl=pdl)
     return out
