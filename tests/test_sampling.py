@@ -57,6 +57,22 @@ def test_greedy_and_seeded_sampling_repeat():
     assert b == Sampler(torch.device("cpu"))(logits[1:2], [5], [seeded])[0]
 
 
+def test_race_on_logits_picks_the_probability_race_token():
+    """``argmax(z - log E)`` on the scaled, filtered logits picks, draw for draw, the token of the
+    textbook race ``argmax(softmax(z) / E)`` (same ``E`` from the same seed)."""
+    logits = torch.randn(64, 300, generator=torch.Generator().manual_seed(3)) * 3
+    params = [SamplingParams(temperature=0.7), SamplingParams(temperature=1.3, top_k=20)] * 32
+    got = Sampler(torch.device("cpu"), seed=11)(logits, list(range(64)), params)
+    z = logits / torch.tensor([0.7, 1.3] * 32)[:, None]
+    kth = z.sort(dim=-1, descending=True).values[:, 19:20]
+    z[1::2] = z[1::2].masked_fill(z[1::2] < kth[1::2], float("-inf"))
+    race = torch.empty_like(z).exponential_(generator=torch.Generator().manual_seed(11))
+    expected = (z.softmax(dim=-1) / race).argmax(dim=-1)
+    assert got == expected.tolist()
+    assert len(set(got)) > 20  # random draws, not the argmax everywhere
+    assert got != logits.argmax(-1).tolist()
+
+
 def test_sampling_follows_distribution():
     sampler = Sampler(torch.device("cpu"), seed=0)
     probs = torch.tensor([0.7, 0.2, 0.1])
