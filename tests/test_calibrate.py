@@ -39,7 +39,7 @@ from duetserve.calibrate.workload import (
 )
 from duetserve.engine.kv_cache import BlockManager
 from duetserve.planner.cost_model import CostModel, ModelShape
-from duetserve.planner.hardware import load_profile, roofline_only
+from duetserve.planner.hardware import NARROW_DECODE, load_profile, roofline_only
 
 H200 = roofline_only(load_profile("h200"))
 QWEN = ModelShape.preset("qwen3-8b")
@@ -216,16 +216,20 @@ G, H = 3e-6, 15e-6
 class FakeBench:
     """Rates from the shipped H200 profile (gemv 10% above copy); iteration times from the H200
     roofline plus per-kernel overheads ``G`` and ``H`` (decode 28 kernels per layer + 3 outside,
-    prefill 30 + 4); decode replayed from CUDA graphs except on the 16-SM level; failures
+    prefill 30 + 4, and with ``narrow`` > 0 graph-replayed decodes of at most ``narrow``
+    sequences 26 + 3); decode replayed from CUDA graphs except on the 16-SM level; failures
     where asked."""
 
-    def __init__(self, facts=FACTS, fail=(), layers=36):
-        self.facts, self.fail, self.layers = facts, set(fail), layers
-        self.truth = CostModel(QWEN, replace(H200, kernel_gpu_s=G, launch_cpu_s=H,
-                                             kernels_per_layer={"decode": 28, "prefill": 30},
-                                             kernels_per_forward={"decode": 3, "prefill": 4},
+    def __init__(self, facts=FACTS, fail=(), layers=36, narrow=8):
+        self.facts, self.fail, self.layers, self.narrow = facts, set(fail), layers, narrow
+        counts = ({"decode": 28, "prefill": 30}, {"decode": 3, "prefill": 4})
+        if narrow:
+            counts = ({**counts[0], NARROW_DECODE: 26}, {**counts[1], NARROW_DECODE: 3})
+        self.truth = CostModel(QWEN, replace(H200, kernel_gpu_s=G, launch_cpu_s=H, kernels_per_layer=counts[0],
+                                             kernels_per_forward=counts[1], narrow_decode_batch=narrow,
                                              provenance={**H200.provenance, **dict.fromkeys(OVERHEAD_FIELDS, "measured")}))
         self.loaded = None
+        self.counted = []
 
     def primitive_rate(self, name, sms):
         if (name, sms) in self.fail:
@@ -240,10 +244,16 @@ class FakeBench:
     def runs_graphs(self, shape):
         return shape.kind == "decode" and shape.sms != 16
 
-    def kernel_names(self, shape):
-        if "kernels" in self.fail:
+    def narrow_decode_batch(self):
+        return self.narrow
+
+    def kernel_names(self, shape, replay=False):
+        if "kernels" in self.fail or (replay and "narrow kernels" in self.fail):
             raise RuntimeError("CUPTI unavailable")
-        per_layer = ["gemm"] * 4 + ["norm"] * 2 + ["attn"] + ["add"] * (21 if shape.kind == "decode" else 23)
+        self.counted.append((shape.label, replay))
+        narrow = replay and self.runs_graphs(shape) and shape.batch <= self.narrow
+        adds = 19 if narrow else 21 if shape.kind == "decode" else 23
+        per_layer = ["gemm"] * 4 + ["norm"] * 2 + ["attn"] + ["add"] * adds
         return per_layer * self.layers + ["embed", "norm", "gemm"] + ([] if shape.kind == "decode" else ["index"])
 
     def iteration_seconds(self, shape):
@@ -277,9 +287,13 @@ def test_run_calibration_measures_writes_and_reports_failures(tmp_path):
     written = json.loads((tmp_path / "p.json").read_text())
     assert written["calibration"] == result.rows and len(result.rows) == 14 + 4 + 9 - 2
     assert load_profile(tmp_path / "p.json") == result.profile
-    # kernels: 28 / 30 per layer, the final norm, lm_head and embedding (+ an index for prefill) outside
-    assert result.kernel_counts == {"decode": (28, 3), "prefill": (30, 4)}
-    assert result.profile.kernels_per_layer == {"decode": 28, "prefill": 30}
+    # kernels: 28 / 30 per layer, the final norm, lm_head and embedding (+ an index for prefill) outside;
+    # graphs of at most 8 decodes 26 (the first decode shape, 1 x 512, counted again from its graph)
+    assert result.kernel_counts == {"decode": (28, 3), "prefill": (30, 4), NARROW_DECODE: (26, 3)}
+    assert bench.counted == [("decode 1x512 @132", False), ("prefill 1x512 @132", False),
+                             ("decode 1x512 @132", True)]
+    assert result.narrow_decode_batch == result.profile.narrow_decode_batch == 8
+    assert result.profile.kernels_per_layer == {"decode": 28, "prefill": 30, NARROW_DECODE: 26}
     assert result.profile.provenance["kernel_gpu_s"] == "measured"
     # Same curves at the measured S as the H200's (compute differs only below 24 SMs, which
     # decode on 16 SMs, bandwidth bound, barely feels), so both fits recover the constants
@@ -295,8 +309,25 @@ def test_run_calibration_measures_writes_and_reports_failures(tmp_path):
     assert {r["split"] for r in result.rows} == {"fit", "holdout"}
     split_16 = [r for r in result.rows if r["sms"] == 16]
     assert [r["graphs"] for r in split_16] == [False, False] and split_16[0]["kernels"] == 36 * 28 + 3
+    kernels = {(r["batch"], r["graphs"]) for r in result.rows if r["kind"] == "decode" and r["kernels"] == 36 * 26 + 3}
+    assert kernels == {(1, True), (8, True)}  # graph replays of at most 8 decodes, on 132 SMs and split levels
     base = error_stats(result.rows, "base_predicted_s")  # the shipped H200: a pure roofline
     assert base["decode"].median == pytest.approx(roofline["decode"].median)
+
+
+@pytest.mark.parametrize("narrow, fail", [(0, ()), (8, ("narrow kernels",))])
+def test_without_a_narrow_count_every_decode_counts_alike(tmp_path, narrow, fail):
+    """An engine without the narrow path (``narrow_decode_batch`` 0), or whose narrow count fails
+    (reported): decode and prefill counts only, and the fit charges every decode 28 a layer."""
+    bench = FakeBench(narrow=narrow, fail=fail)
+    result = run_calibration(bench, options(tmp_path), lambda _: None)
+    assert result.kernel_counts == {"decode": (28, 3), "prefill": (30, 4)}
+    assert result.narrow_decode_batch == result.profile.narrow_decode_batch == 0
+    assert [e for e in result.errors if "kernel count" in e] == \
+        (["kernel count of decode 1x512 @132 (graphs): RuntimeError('CUPTI unavailable')"] if fail else [])
+    assert {r["kernels"] for r in result.rows if r["kind"] == "decode"} == {36 * 28 + 3}
+    if not narrow:  # the truth has no narrow path either: the fit recovers the constants
+        assert (result.fit.kernel_gpu_s, result.fit.launch_cpu_s) == (pytest.approx(G), pytest.approx(H))
 
 
 def test_failed_kernel_count_leaves_the_roofline(tmp_path):
@@ -443,4 +474,7 @@ def test_cuda_bench_rates_and_iterations(tiny_qwen3_folder):
         names = bench.kernel_names(shape)
         per_layer, _ = split_kernel_counts(names, 2)  # the tiny model's 2 layers
         assert per_layer >= 5 and bench.engine.runner.graphs is not None
+    assert bench.narrow_decode_batch() == 16  # triton_gemm.MAX_M, within the 128-sequence graphs
+    replayed, _ = split_kernel_counts(bench.kernel_names(shapes[0], replay=True), 2)
+    assert 5 <= replayed <= split_kernel_counts(bench.kernel_names(shapes[0]), 2)[0]
     assert bench.engine.block_manager.num_free_blocks == cap.kv_blocks

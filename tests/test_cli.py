@@ -28,7 +28,8 @@ from duetserve.cli import _add_serve, _positive_float, main
 ])
 def test_bad_serve_flags_exit_2_naming_the_flag(argv, flag, capsys):
     with pytest.raises(SystemExit) as exc:
-        main(["serve", "--device", "cpu", *argv] if "--device" not in argv else ["serve", *argv])
+        # --port 0 (any free port) unless argv names one: port 8000 may be taken where tests run
+        main(["serve", "--port", "0", *(["--device", "cpu"] if "--device" not in argv else []), *argv])
     assert exc.value.code == 2
     assert flag in capsys.readouterr().err
 

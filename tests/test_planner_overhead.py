@@ -55,6 +55,30 @@ def test_graph_replayed_decode_adds_n_times_g(gpu):
     assert (bd.linear, bd.attention, bd.lm_head) == (roof.linear, roof.attention, roof.lm_head)
 
 
+def test_narrow_graph_decodes_count_their_own_kernels(gpu):
+    """With ``narrow_decode_batch`` 4 and a narrow count of 40 a layer + 6 (86 kernels against
+    110), graph-replayed decodes of up to 4 requests cost 86 x 2 us; 5 requests, an eager decode
+    and a prefill keep their counts; a column per batch in one call agrees."""
+    narrow = with_overheads(gpu, narrow_decode_batch=4,
+                            kernels_per_layer={"decode": 50, "prefill": 60, "narrow_decode": 40},
+                            kernels_per_forward={"decode": 10, "prefill": 12, "narrow_decode": 6})
+    cm, wide, roof = CostModel(SHAPE, narrow), CostModel(SHAPE, with_overheads(gpu)), CostModel(SHAPE, gpu)
+    assert narrow.kernel_count("narrow_decode", 2) == 86
+    assert [narrow.count_kind(True, True, b) for b in (1, 4, 5)] == ["narrow_decode", "narrow_decode", "decode"]
+    assert (narrow.count_kind(True, False, 2), narrow.count_kind(False, True, 2)) == ("decode", "prefill")
+    assert cm.predict(DECODE, 100).overhead == pytest.approx(86 * 2e-6)
+    five = DECODE + [(1, 1023)]
+    assert cm.predict(five, 100).overhead == pytest.approx(110 * 2e-6)
+    assert float(cm.predict_total(DECODE, 100, graphs=False)) == pytest.approx(1.1e-3)  # eager: 110 x 10 us
+    assert cm.predict(PREFILL, 100).overhead == pytest.approx(132 * 2e-6)
+    assert wide.predict(DECODE, 100).overhead == pytest.approx(110 * 2e-6)
+    # variants of 1 fixed + 0..4 more decodes (request j joins from variant j + 1): batches 1..5
+    q = (np.arange(5)[None, :] > np.arange(4)[:, None]).astype(np.int64)  # q[j, m] = 1 for m > j
+    c = np.full(4, 1023)
+    columns = cm.predict_variants([(1, 1023)], q, c, 100) - roof.predict_variants([(1, 1023)], q, c, 100)
+    assert columns == pytest.approx([86 * 2e-6] * 4 + [110 * 2e-6])
+
+
 def test_eager_is_the_slower_of_gpu_and_host(gpu):
     cm = CostModel(SHAPE, with_overheads(gpu))
     roof = CostModel(SHAPE, gpu)
@@ -161,6 +185,10 @@ def test_profile_round_trip_with_overheads(tmp_path):
     ({"kernels_per_layer": {"decode": 50}}, "need kernels_per_layer for"),
     ({"kernels_per_forward": {"decode": 1, "prefill": 2, "mixed": 3}}, "kernels_per_forward maps"),
     ({"kernels_per_layer": {"decode": 1.5, "prefill": 2}}, "kernel counts >= 0"),
+    ({"narrow_decode_batch": 16}, "'narrow_decode' count exactly when narrow_decode_batch > 0"),
+    ({"narrow_decode_batch": -1}, "narrow_decode_batch must be an integer >= 0"),
+    ({"kernels_per_layer": {"decode": 50, "prefill": 60, "narrow_decode": 40}},
+     "'narrow_decode' count exactly when narrow_decode_batch > 0 \\(it is 0\\)"),
 ])
 def test_invalid_overheads_are_rejected(change, message):
     with pytest.raises(ValueError, match=message):

@@ -147,7 +147,7 @@ def test_serve_names_policy_for_pdmux_without_backend(capsys):
     from duetserve.cli import main
 
     with pytest.raises(SystemExit) as exc:
-        main(["serve", "--policy", "pdmux", "--partition-backend", "none", "--device", "cpu"])
+        main(["serve", "--policy", "pdmux", "--partition-backend", "none", "--device", "cpu", "--port", "0"])
     assert exc.value.code == 2
     assert "--policy pdmux needs an SM partition backend" in capsys.readouterr().err
 

@@ -167,17 +167,18 @@ class CudaBench:
         graphs = runner.graphs if shape.sms == self.facts.num_sms else runner.split_graphs.get(shape.sms)
         return shape.kind == "decode" and graphs is not None and graphs.bucket(shape.batch) is not None
 
-    def kernel_names(self, shape: Shape) -> list[str]:
+    def kernel_names(self, shape: Shape, replay: bool = False) -> list[str]:
         """Names of the GPU activities (kernels, memcpy, memset) of one iteration of ``shape`` on
-        all SMs, run eagerly, from ``torch.profiler`` after one unprofiled warm-up run. For a
-        decode shape that is about what its graph records, plus the input copies: a graph of at
-        most ``triton_gemm.MAX_M`` decodes records two kernels a layer fewer (the Triton decode GEMM
-        has no split-K reduce; ``layers.graph_kernels``), which the count does not see."""
+        all SMs, from ``torch.profiler`` after one unprofiled warm-up run: run eagerly (about
+        what a graph of more than ``narrow_decode_batch`` decodes records, plus the input
+        copies), or with ``replay`` from the decode CUDA graphs."""
         from torch.autograd import DeviceType
         from torch.profiler import ProfilerActivity, profile
 
         runner = self.engine.runner
-        graphs, runner.graphs = runner.graphs, None
+        graphs = runner.graphs
+        if not replay:
+            runner.graphs = None
         try:
             with self._temporal(shape) as out:
                 list(runner.execute(out))
@@ -189,6 +190,18 @@ class CudaBench:
             runner.graphs = graphs
         return [e.name for e in prof.events()
                 if e.device_type == DeviceType.CUDA and not getattr(e, "is_user_annotation", False)]
+
+    def narrow_decode_batch(self) -> int:
+        """``triton_gemm.MAX_M`` (capped at the largest decode graph) where the decode graphs
+        record the Triton decode GEMM (``layers.graph_kernels_enabled`` when recording: the
+        ``DUETSERVE_DECODE_GEMM`` switch on ``triton`` and triton importable), else 0."""
+        from duetserve.model import layers
+
+        graphs = self.engine.runner.graphs
+        gemm = layers._gemm_kernels()
+        if graphs is None or gemm is None or layers.decode_gemm_mode() != "triton":
+            return 0
+        return min(gemm.MAX_M, graphs.buckets[-1])
 
     @contextlib.contextmanager
     def _temporal(self, shape: Shape, extra_tokens: int = 0):

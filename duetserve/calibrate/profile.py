@@ -24,7 +24,7 @@ Curve = dict[int, float]
 
 MEASURED_FIELDS = ("num_sms", "num_tpcs", "compute_capability_major", "compute_points", "bandwidth_points",
                    "hbm_bytes")
-OVERHEAD_FIELDS = ("kernel_gpu_s", "launch_cpu_s", "kernels_per_layer", "kernels_per_forward")
+OVERHEAD_FIELDS = ("kernel_gpu_s", "launch_cpu_s", "kernels_per_layer", "kernels_per_forward", "narrow_decode_batch")
 """``HardwareProfile``'s per-kernel overhead fields, fitted by calibration (``overhead`` module)."""
 
 
@@ -95,13 +95,15 @@ def build_profile(base: HardwareProfile, name: str, facts: DeviceFacts, compute:
     return profile
 
 
-def with_overheads(profile: HardwareProfile, fit: OverheadFit, counts: Mapping[str, tuple[int, int]]
-                   ) -> HardwareProfile:
+def with_overheads(profile: HardwareProfile, fit: OverheadFit, counts: Mapping[str, tuple[int, int]],
+                   narrow_decode_batch: int = 0) -> HardwareProfile:
     """``profile`` with the fitted constants and the engine's kernel counts (``counts``: per
-    iteration kind, ``(per layer, per forward outside the layers)``), all marked measured."""
+    iteration kind, ``(per layer, per forward outside the layers)``; a ``NARROW_DECODE`` count
+    goes with ``narrow_decode_batch`` > 0), all marked measured."""
     fields = {"kernel_gpu_s": fit.kernel_gpu_s, "launch_cpu_s": fit.launch_cpu_s,
               "kernels_per_layer": {kind: c[0] for kind, c in counts.items()},
-              "kernels_per_forward": {kind: c[1] for kind, c in counts.items()}}
+              "kernels_per_forward": {kind: c[1] for kind, c in counts.items()},
+              "narrow_decode_batch": narrow_decode_batch}
     return dataclasses.replace(profile, **fields,
                                provenance={**profile.provenance, **dict.fromkeys(OVERHEAD_FIELDS, "measured")})
 

@@ -3,7 +3,9 @@
 1. ``BW(S)`` and ``Pi(S)``: copy, decode gemv and GEMM rates on S SMs, for the SM levels of
    ``workload.sm_levels``; the profile is written as soon as they are in.
 2. Kernel counts of one decode and one prefill iteration of the served model, split into
-   per layer and per forward (``overhead.split_kernel_counts``).
+   per layer and per forward (``overhead.split_kernel_counts``), and of one graph-replayed
+   decode of at most ``Bench.narrow_decode_batch`` sequences where the engine records those
+   with fewer kernels (``hardware.NARROW_DECODE``).
 3. Iteration latencies of the served model over ``workload.plan_shapes``, each noting whether
    the engine replayed it from CUDA graphs.
 4. The per-kernel overheads ``kernel_gpu_s`` and ``launch_cpu_s`` fitted to the measured
@@ -48,7 +50,7 @@ from duetserve.calibrate.workload import (
     sm_levels,
 )
 from duetserve.planner.cost_model import CostModel, ModelShape
-from duetserve.planner.hardware import ITERATION_KINDS, HardwareProfile
+from duetserve.planner.hardware import ITERATION_KINDS, NARROW_DECODE, HardwareProfile
 
 PRIMITIVES = ("copy", "gemv", "gemm")
 """``copy``: bf16 tensor copy, bytes read + written per second; ``gemv``: bf16
@@ -77,9 +79,15 @@ class Bench(Protocol):
         """Whether the engine replays ``shape``'s iterations from CUDA graphs."""
         ...
 
-    def kernel_names(self, shape: Shape) -> list[str]:
+    def kernel_names(self, shape: Shape, replay: bool = False) -> list[str]:
         """Names of the GPU activities (kernels, copies) of one iteration of ``shape`` on all
-        SMs, one entry per launch. Raises on any failure."""
+        SMs, one entry per launch: run eagerly, or with ``replay`` from the decode CUDA graphs.
+        Raises on any failure."""
+        ...
+
+    def narrow_decode_batch(self) -> int:
+        """Largest decode batch whose CUDA graphs record the narrow decode path (fewer kernels,
+        ``hardware.NARROW_DECODE``); 0 where the engine has none."""
         ...
 
 
@@ -114,8 +122,11 @@ class Calibration:
         profile: the calibrated profile, as written to ``Options.out``.
         curves: measured rates by primitive and SM count (bytes/s or FLOP/s).
         rows: measured iteration latencies with the predictions (``report`` module's rows).
-        kernel_counts: per iteration kind, ``(kernels per layer, per forward outside the
-            layers)``; None when counting failed (then nothing is fitted).
+        kernel_counts: per iteration kind (``NARROW_DECODE`` included where the engine has
+            it), ``(kernels per layer, per forward outside the layers)``; None when counting
+            failed (then nothing is fitted).
+        narrow_decode_batch: ``Bench.narrow_decode_batch`` where ``kernel_counts`` has
+            ``NARROW_DECODE``, else 0.
         fit: the overheads fitted on every shape (written to the profile), or None.
         holdout_fit: the overheads fitted on the fit half, or None.
         skipped: shapes that do not fit the engine, with the reason.
@@ -126,6 +137,7 @@ class Calibration:
     curves: dict[str, Curve]
     rows: list[dict] = field(default_factory=list)
     kernel_counts: dict[str, tuple[int, int]] | None = None
+    narrow_decode_batch: int = 0
     fit: OverheadFit | None = None
     holdout_fit: OverheadFit | None = None
     skipped: list[str] = field(default_factory=list)
@@ -176,29 +188,41 @@ def prediction_row(shape: Shape, measured_s: float, graphs: bool, kernels: int |
 
 
 def count_kernels(bench: Bench, shapes: list[Shape], layers: int, errors: list[str],
-                  log: Callable[[str], None] = print) -> dict[str, tuple[int, int]] | None:
-    """Kernels of the first decode and the first prefill shape on all SMs, as
-    ``{kind: (per layer, per forward outside the layers)}``; None (and an entry in
-    ``errors``) when either cannot be counted."""
+                  log: Callable[[str], None] = print) -> tuple[dict[str, tuple[int, int]] | None, int]:
+    """Kernels of the first decode and the first prefill shape on all SMs, run eagerly, and
+    where ``bench.narrow_decode_batch()`` > 0 of the first decode shape within it replayed from
+    CUDA graphs (``NARROW_DECODE``), as ``{kind: (per layer, per forward outside the layers)}``,
+    with the narrow batch (0 without that count). ``(None, 0)``, and an entry in ``errors``,
+    when the decode or prefill count fails; a failed narrow count is only reported."""
+    narrow = bench.narrow_decode_batch()
+    wanted = [(kind, lambda s, kind=kind: s.kind == kind, False) for kind in ITERATION_KINDS]
+    if narrow:
+        wanted.append((NARROW_DECODE, lambda s: s.kind == "decode" and s.batch <= narrow, True))
     counts = {}
-    for kind in ITERATION_KINDS:
-        shape = next((s for s in shapes if s.kind == kind and s.k == 1), None)
+    for kind, fits, replay in wanted:
+        shape = next((s for s in shapes if fits(s) and s.k == 1 and s.sms == bench.facts.num_sms), None)
+        names = None
         if shape is None:
             errors.append(f"kernel count: no {kind} shape fits the engine")
-            return None
-        names = _attempt(errors, f"kernel count of {shape.label}", partial(bench.kernel_names, shape), log)
+        else:
+            label = f"kernel count of {shape.label}{' (graphs)' if replay else ''}"
+            names = _attempt(errors, label, partial(bench.kernel_names, shape, replay), log)
+            if names == []:
+                errors.append(f"{label}: the profiler saw no GPU activity")
+                names = None
         if names is None:
-            return None
-        if not names:
-            errors.append(f"kernel count of {shape.label}: the profiler saw no GPU activity")
-            return None
+            if kind == NARROW_DECODE:
+                return counts, 0
+            return None, 0
         counts[kind] = split_kernel_counts(names, layers)
-        log(f"{shape.label}: {len(names)} kernels, {counts[kind][0]} per layer + {counts[kind][1]} outside")
-    return counts
+        log(f"{shape.label}{' (graphs)' if replay else ''}: {len(names)} kernels, {counts[kind][0]} per layer + "
+            f"{counts[kind][1]} outside")
+    return counts, narrow if NARROW_DECODE in counts else 0
 
 
 def apply_fit(shapes: list[Shape], rows: list[dict], profile: HardwareProfile, model_shape: ModelShape,
-              counts: dict[str, tuple[int, int]]) -> tuple[HardwareProfile, OverheadFit, OverheadFit]:
+              counts: dict[str, tuple[int, int]], narrow_decode_batch: int = 0
+              ) -> tuple[HardwareProfile, OverheadFit, OverheadFit]:
     """Fit the overheads to ``rows`` (measured ``shapes``, with their kernel counts) and fill
     in each row's ``split`` (``fit`` or ``holdout``), ``predicted_s`` (overheads fitted on
     every row) and ``holdout_predicted_s`` (fitted on the fit rows; held-out rows only).
@@ -214,9 +238,9 @@ def apply_fit(shapes: list[Shape], rows: list[dict], profile: HardwareProfile, m
                              [r["graphs"] for r in sel], [r["measured_s"] for r in sel])
 
     full, half = fit(rows), fit([r for r, h in zip(rows, held) if not h])
-    calibrated = with_overheads(profile, full, counts)
-    full_model, half_model = CostModel(model_shape, calibrated), CostModel(model_shape, with_overheads(profile, half,
-                                                                                                      counts))
+    calibrated = with_overheads(profile, full, counts, narrow_decode_batch)
+    full_model = CostModel(model_shape, calibrated)
+    half_model = CostModel(model_shape, with_overheads(profile, half, counts, narrow_decode_batch))
     for shape, r, h in zip(shapes, rows, held):
         r["split"] = "holdout" if h else "fit"
         args = (shape.reqs, shape.sms)
@@ -254,20 +278,22 @@ def run_calibration(bench: Bench, opts: Options, log: Callable[[str], None] = pr
     split_levels = [s for s in facts.levels if s >= min_sms]
     shapes, skipped = plan_shapes(capacity, split_levels, opts.quick)
     result.skipped = [f"{shape.label}: {why}" for shape, why in skipped]
-    counts = count_kernels(bench, shapes, opts.model_shape.layers, errors, log)
-    result.kernel_counts = counts
+    counts, narrow = count_kernels(bench, shapes, opts.model_shape.layers, errors, log)
+    result.kernel_counts, result.narrow_decode_batch = counts, narrow
     roofline, base = CostModel(opts.model_shape, profile), CostModel(opts.model_shape, opts.base)
-    counted = with_overheads(profile, OverheadFit(0.0, 0.0), counts) if counts else None
+    counted = with_overheads(profile, OverheadFit(0.0, 0.0), counts, narrow) if counts else None
     measured = []
     for shape in shapes:
         seconds = _attempt(errors, shape.label, partial(bench.iteration_seconds, shape), log)
         if seconds is not None:
-            kernels = counted.kernel_count(shape.kind, opts.model_shape.layers) if counted else None
+            graphs = bench.runs_graphs(shape)
+            kind = counted.count_kind(shape.kind == "decode", graphs, shape.batch) if counted else None
+            kernels = counted.kernel_count(kind, opts.model_shape.layers) if counted else None
             measured.append(shape)
-            result.rows.append(prediction_row(shape, seconds, bench.runs_graphs(shape), kernels, roofline, base))
+            result.rows.append(prediction_row(shape, seconds, graphs, kernels, roofline, base))
             log(f"{shape.label}: {seconds * 1e3:.3f} ms (roofline {result.rows[-1]['roofline_s'] * 1e3:.3f} ms)")
     if counts and result.rows:
         result.profile, result.fit, result.holdout_fit = apply_fit(measured, result.rows, profile, opts.model_shape,
-                                                                   counts)
+                                                                   counts, narrow)
     write_profile({**asdict(result.profile), "calibration": result.rows}, opts.out)
     return result

@@ -37,7 +37,7 @@ measurement says so"). On the H200 the roofline under-predicted every CUDA-graph
 by about 6 ms and eager iterations by far more (docs/benchmarks.md, 2026-11-30): the engine
 launches ~60 small kernels per layer, each costing a few microseconds of GPU time even inside
 a graph, and ~15 us of host time when launched eagerly. With ``n`` kernels in the iteration
-(``HardwareProfile.kernel_count``), ``g = kernel_gpu_s`` and ``h = launch_cpu_s``:
+(``HardwareProfile.kernel_count`` of its ``count_kind``), ``g = kernel_gpu_s`` and ``h = launch_cpu_s``:
 
 * replayed from CUDA graphs: ``t = roofline + n g``;
 * eager: ``t = max(roofline + n g, n h)``; the GPU runs while the host launches, so the
@@ -46,7 +46,9 @@ a graph, and ~15 us of host time when launched eagerly. With ``n`` kernels in th
 The engine replays decode-only batches from graphs (buckets up to ``max_num_seqs``, also on
 split SM levels); iterations with prefill tokens run eagerly. So by default (``graphs=None``)
 an iteration whose requests all have ``q <= 1`` counts as graph-replayed with the profile's
-``"decode"`` kernel count, any other as eager with the ``"prefill"`` count; ``cuda_graphs=False``
+``"decode"`` kernel count (the ``"narrow_decode"`` count when it has at most the profile's
+``narrow_decode_batch`` requests: those graphs record fewer kernels, see
+``HardwareProfile.count_kind``), any other as eager with the ``"prefill"`` count; ``cuda_graphs=False``
 (an engine with ``enforce_eager``) makes every iteration eager, and ``predict`` /
 ``predict_total`` take ``graphs`` to say it per call. The counts are measured at the
 calibrated TP degree; all-reduce kernels added by other degrees are not counted. With the
@@ -73,7 +75,7 @@ from typing import Literal
 import numpy as np
 from numpy.typing import ArrayLike
 
-from duetserve.planner.hardware import ITERATION_KINDS, HardwareProfile
+from duetserve.planner.hardware import ITERATION_KINDS, NARROW_DECODE, HardwareProfile
 
 Request = tuple[int, int]
 """One request in a batch: (q new/query tokens, c cached tokens). q=1 decode, c=0 prefill."""
@@ -203,7 +205,7 @@ class CostModel:
         self.shape, self.profile, self.tp = shape, profile, tp
         self.dtype_bytes, self.causal, self.lm_head, self.decode_margin = dtype_bytes, causal, lm_head, decode_margin
         self.cuda_graphs = cuda_graphs
-        self._kernels = {kind: profile.kernel_count(kind, shape.layers) for kind in ITERATION_KINDS}
+        self._kernels = {kind: profile.kernel_count(kind, shape.layers) for kind in (*ITERATION_KINDS, NARROW_DECODE)}
 
         b, d, dh = dtype_bytes, shape.hidden, shape.head_dim
         self._hq = shape.q_heads // tp
@@ -311,23 +313,26 @@ class CostModel:
         communication = self.shape.layers * self._allreduce_time(n, pi)
         roofline = np.vstack([linear, attention, norm_act, communication, lm_head])
         decode_only = sum(np.count_nonzero(q > 1, axis=0) for q, _ in groups) == 0
-        requests = sum(np.count_nonzero(q, axis=0) for q, _ in groups) if host else 0
-        overhead = self._overhead(roofline.sum(axis=0), decode_only, n > 0, graphs, requests)
+        requests = sum(np.count_nonzero(q, axis=0) for q, _ in groups)
+        overhead = self._overhead(roofline.sum(axis=0), decode_only, requests, graphs, host)
         return np.vstack([roofline, overhead])
 
-    def _overhead(self, roofline: np.ndarray, decode_only: np.ndarray, nonempty: np.ndarray,
-                  graphs: bool | None, requests: np.ndarray | int) -> np.ndarray:
+    def _overhead(self, roofline: np.ndarray, decode_only: np.ndarray, requests: np.ndarray,
+                  graphs: bool | None, host: bool) -> np.ndarray:
         """Seconds the per-kernel and host model adds to each column's ``roofline`` seconds
         (module docstring): ``n g`` replayed from graphs, ``max(roofline + n g, n h) - roofline``
-        eager, plus the host time of ``requests`` requests (0: none); an empty column launches
-        nothing."""
+        eager, with ``n`` the count of the column's kind (``HardwareProfile.count_kind``: graph
+        decodes of at most ``narrow_decode_batch`` requests have their own), plus with ``host``
+        the host time of the column's ``requests``; an empty column launches nothing."""
         p = self.profile
-        kernels = np.where(decode_only, self._kernels["decode"], self._kernels["prefill"]) * nonempty
         replayed = decode_only & self.cuda_graphs if graphs is None else np.full(decode_only.shape, graphs)
+        narrow = decode_only & replayed & (requests <= p.narrow_decode_batch)
+        kernels = np.where(narrow, self._kernels[NARROW_DECODE],
+                           np.where(decode_only, self._kernels["decode"], self._kernels["prefill"])) * (requests > 0)
         gpu = roofline + kernels * p.kernel_gpu_s
         launch = np.where(replayed, gpu, np.maximum(gpu, kernels * p.launch_cpu_s)) - roofline
-        host = (requests * p.host_per_request_s + ~replayed * p.host_eager_s) * (np.asarray(requests) > 0)
-        return launch + host
+        served = requests * host
+        return launch + (served * p.host_per_request_s + ~replayed * p.host_eager_s) * (served > 0)
 
     def _attention_time(self, q: np.ndarray, c: np.ndarray, pi: np.ndarray, bw: np.ndarray) -> np.ndarray:
         """One layer: the sum over requests (rows) of max(F_r/Pi, B_r/BW), per column.

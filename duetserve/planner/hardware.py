@@ -59,6 +59,10 @@ PROVENANCE_VALUES = ("measured", "datasheet")
 ITERATION_KINDS = ("decode", "prefill")
 """Keys of ``kernels_per_layer`` and ``kernels_per_forward``: a decode-only iteration (replayed
 from CUDA graphs when the engine has them) and one with prefill tokens (always eager)."""
+NARROW_DECODE = "narrow_decode"
+"""Optional third key: a decode-only iteration of at most ``narrow_decode_batch`` sequences
+replayed from CUDA graphs. Such graphs take the Triton decode GEMM (``layers.graph_kernels``),
+which needs no split-K reduce kernels: on the H200, Qwen3-8B, 10 kernels a layer against 12."""
 
 
 @dataclass(frozen=True)
@@ -77,6 +81,9 @@ class HardwareProfile:
     ``kernel_gpu_s`` and ``launch_cpu_s`` (seconds per kernel, >= 0) and ``kernels_per_layer``
     and ``kernels_per_forward`` (kernel counts by ``ITERATION_KINDS``) are the optional
     per-kernel overhead model (module docstring); nonzero constants need counts for both kinds.
+    ``narrow_decode_batch`` (sequences, >= 0; 0: none) goes with counts for ``NARROW_DECODE`` in
+    both maps: graph-replayed decodes of at most that many sequences count those instead of
+    ``"decode"``'s (``count_kind``).
     ``host_per_request_s`` and ``host_eager_s`` (seconds, >= 0): the serving host time of a
     temporal iteration (module docstring).
 
@@ -120,6 +127,7 @@ class HardwareProfile:
     attention_efficiency: float = 1.0
     host_per_request_s: float = 0.0
     host_eager_s: float = 0.0
+    narrow_decode_batch: int = 0
 
     def __post_init__(self) -> None:
         self._check_points("compute_points", self.compute_points, self.peak_flops)
@@ -150,17 +158,31 @@ class HardwareProfile:
         if min(self.kernel_gpu_s, self.launch_cpu_s, self.host_per_request_s, self.host_eager_s) < 0:
             raise ValueError(f"{self.name}: kernel_gpu_s, launch_cpu_s, host_per_request_s and host_eager_s "
                              f"must be >= 0 seconds")
+        kinds = (*ITERATION_KINDS, NARROW_DECODE)
+        if int(self.narrow_decode_batch) != self.narrow_decode_batch or self.narrow_decode_batch < 0:
+            raise ValueError(f"{self.name}: narrow_decode_batch must be an integer >= 0, got {self.narrow_decode_batch}")
         for label in ("kernels_per_layer", "kernels_per_forward"):
             counts = getattr(self, label)
-            if not set(counts) <= set(ITERATION_KINDS) or any(int(n) != n or n < 0 for n in counts.values()):
-                raise ValueError(f"{self.name}: {label} maps {ITERATION_KINDS} to kernel counts >= 0, got {counts}")
-            if (self.kernel_gpu_s or self.launch_cpu_s) and set(counts) != set(ITERATION_KINDS):
+            if not set(counts) <= set(kinds) or any(int(n) != n or n < 0 for n in counts.values()):
+                raise ValueError(f"{self.name}: {label} maps {kinds} to kernel counts >= 0, got {counts}")
+            if (self.kernel_gpu_s or self.launch_cpu_s) and not set(ITERATION_KINDS) <= set(counts):
                 raise ValueError(f"{self.name}: per-kernel overheads need {label} for {ITERATION_KINDS}")
+            if (NARROW_DECODE in counts) != (self.narrow_decode_batch > 0):
+                raise ValueError(f"{self.name}: {label} has a {NARROW_DECODE!r} count exactly when "
+                                 f"narrow_decode_batch > 0 (it is {self.narrow_decode_batch})")
+
+    def count_kind(self, decode_only: bool, replayed: bool, batch: int) -> str:
+        """The kernel-count key of an iteration of ``batch`` requests: ``NARROW_DECODE`` for a
+        decode-only one replayed from CUDA graphs with at most ``narrow_decode_batch`` requests,
+        else ``"decode"`` for decode-only, ``"prefill"`` otherwise."""
+        if decode_only and replayed and batch <= self.narrow_decode_batch:
+            return NARROW_DECODE
+        return "decode" if decode_only else "prefill"
 
     def kernel_count(self, kind: str, layers: int) -> int:
         """Kernels of one forward of a ``layers``-layer model in an iteration of ``kind``
-        (``ITERATION_KINDS``): ``layers * kernels_per_layer + kernels_per_forward``; 0 where the
-        profile has no counts."""
+        (``ITERATION_KINDS`` or ``NARROW_DECODE``): ``layers * kernels_per_layer +
+        kernels_per_forward``; 0 where the profile has no counts."""
         return layers * self.kernels_per_layer.get(kind, 0) + self.kernels_per_forward.get(kind, 0)
 
     def _check_points(self, label: str, points: Points, peak: float) -> None:
@@ -215,7 +237,7 @@ class HardwareProfile:
 
 
 _OPTIONAL_PROVENANCE_FIELDS = ("kernel_gpu_s", "launch_cpu_s", "kernels_per_layer", "kernels_per_forward",
-                               "attention_efficiency", "host_per_request_s", "host_eager_s")
+                               "attention_efficiency", "host_per_request_s", "host_eager_s", "narrow_decode_batch")
 _PROVENANCE_FIELDS = tuple(
     f.name
     for f in fields(HardwareProfile)
@@ -288,4 +310,5 @@ def roofline_only(profile: HardwareProfile) -> HardwareProfile:
     efficiency: the pure roofline of docs/design.md section 3."""
     provenance = {k: v for k, v in profile.provenance.items() if k not in _OPTIONAL_PROVENANCE_FIELDS}
     return replace(profile, kernel_gpu_s=0.0, launch_cpu_s=0.0, kernels_per_layer={}, kernels_per_forward={},
-                   attention_efficiency=1.0, host_per_request_s=0.0, host_eager_s=0.0, provenance=provenance)
+                   attention_efficiency=1.0, host_per_request_s=0.0, host_eager_s=0.0, narrow_decode_batch=0,
+                   provenance=provenance)
