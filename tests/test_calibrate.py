@@ -475,6 +475,7 @@ def test_cuda_bench_rates_and_iterations(tiny_qwen3_folder):
         per_layer, _ = split_kernel_counts(names, 2)  # the tiny model's 2 layers
         assert per_layer >= 5 and bench.engine.runner.graphs is not None
     assert bench.narrow_decode_batch() == 16  # triton_gemm.MAX_M, within the 128-sequence graphs
-    replayed, _ = split_kernel_counts(bench.kernel_names(shapes[0], replay=True), 2)
-    assert 5 <= replayed <= split_kernel_counts(bench.kernel_names(shapes[0]), 2)[0]
+    # the replay is the graph's: the Triton decode GEMM, which eager passes never launch
+    assert any(name.startswith("_gemm_kernel") for name in bench.kernel_names(shapes[0], replay=True))
+    assert not any(name.startswith("_gemm_kernel") for name in bench.kernel_names(shapes[0]))
     assert bench.engine.block_manager.num_free_blocks == cap.kv_blocks

@@ -140,16 +140,21 @@ class CudaBench:
 
     def load_model(self, folder: Path, load_format: str) -> Capacity:
         """Build the engine (bf16, CUDA graphs, KV cache filled with random values) for ``folder``,
-        on this bench's partition backend (decode graphs recorded per split level, as serve does)."""
+        on this bench's partition backend (decode graphs recorded per split level, as serve does),
+        with room for ``MAX_CONTEXT`` tokens a sequence or the model's own limit if smaller (the
+        shapes beyond it are then skipped, ``Capacity.misfit``)."""
+        from transformers import AutoConfig
+
         from duetserve.config import EngineConfig
         from duetserve.engine.engine import LLMEngine
 
         self._primitives.clear()
         torch.cuda.empty_cache()
+        limit = getattr(AutoConfig.from_pretrained(str(folder)), "max_position_embeddings", None) or MAX_CONTEXT
         config = EngineConfig(model=str(folder), load_format=load_format, device=str(self.device), dtype="bfloat16",
                               max_num_seqs=max(DECODE_BATCHES),
                               max_num_batched_tokens=max(b * n for b, n in PREFILLS),
-                              kv_cache_memory_fraction=0.75, max_model_len=MAX_CONTEXT,
+                              kv_cache_memory_fraction=0.75, max_model_len=min(MAX_CONTEXT, limit),
                               attention_backend=self.attention_backend, partition_backend=self.backend.name)
         self.engine = LLMEngine(config)
         for k, v in self.engine.runner.kv_caches:
