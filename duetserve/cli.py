@@ -90,7 +90,8 @@ def _add_serve(sub) -> None:
                    "a shipped name or a JSON file from duetserve calibrate")
     p.add_argument("--partition-backend", choices=("auto", *PARTITION_BACKENDS), default="auto",
                    help="SM partitioning for spatial plans: auto = green contexts on CUDA (self-tested at "
-                        "start, falls back to none), none on the CPU")
+                        "start, falls back to none), none on the CPU; greenctx or tpcmask that cannot run "
+                        "here, or fails its self-test, is an error")
     p.add_argument("--libsmctrl", default=None, metavar="PATH",
                    help="use this libsmctrl.so for --partition-backend tpcmask instead of the built-in shim")
     p.add_argument("--iteration-log", default=None, metavar="PATH",

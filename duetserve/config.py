@@ -54,7 +54,8 @@ class EngineConfig:
             ``duet`` and ``pdmux`` plan with; on CPU its predictions describe that GPU.
         partition_backend: SM partitioning the planner may use, one of ``PARTITION_BACKENDS``;
             ``none`` (the engine runs no spatial plans yet) keeps plans temporal and refuses
-            ``pdmux``.
+            ``pdmux``; ``auto`` falls back to ``none``, while an explicit backend that cannot
+            run makes ``LLMEngine`` raise.
         seed: seed for dummy weights and for unseeded sampling.
         attention_backend: one of ``ATTENTION_BACKENDS`` (see ``duetserve.model.backends``).
         enforce_eager: never replay CUDA graphs (decode runs eagerly).

@@ -178,3 +178,18 @@ def test_serve_refuses_a_bad_kernel_switch_before_loading(monkeypatch, capsys, e
         decode_gemm_mode.cache_clear()
     assert exc.value.code == 2
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("backend", ["greenctx", "tpcmask"])
+def test_serve_refuses_an_explicit_partition_backend_without_cuda_before_loading(monkeypatch, capsys, backend):
+    import duetserve.engine.engine as engine_module
+
+    def no_loading(*_, **__):
+        raise AssertionError("the model was loaded before --partition-backend was checked")
+
+    monkeypatch.setattr(engine_module, "load_model", no_loading)
+    with pytest.raises(SystemExit) as exc:
+        main(["serve", "--device", "cpu", "--port", "0", "--partition-backend", backend])
+    assert exc.value.code == 2
+    assert capsys.readouterr().err.endswith(
+        f"duetserve serve: error: --partition-backend {backend} needs a CUDA device, not cpu; use auto or none\n")

@@ -19,6 +19,43 @@ def test_cpu_gets_no_partition():
         make_partition_backend("mig", "cpu")
 
 
+class _Loading(Exception):
+    """Raised where the engine would start loading the model: the partition check passed."""
+
+
+def _engine_with_backend(monkeypatch, name: str, backend) -> None:
+    """Build an engine on ``cuda`` for ``--partition-backend name`` whose selection returns ``backend``."""
+    import duetserve.engine.engine as engine_module
+    from duetserve.config import EngineConfig
+
+    def loading(*_, **__):
+        raise _Loading
+
+    monkeypatch.setattr(engine_module, "make_partition_backend", lambda *_: backend)
+    monkeypatch.setattr(engine_module, "make_attention_backend", loading)
+    engine_module.LLMEngine(EngineConfig(device="cuda", partition_backend=name))
+
+
+class _GreenCtxFallback:
+    name, fallback_reason = "greenctx", "tpcmask: self-test failed: level 32: decode used 40/32 SMs"
+
+
+@pytest.mark.parametrize("name, backend, reason", [
+    ("greenctx", NoPartition(132, "greenctx: self-test failed: level 8: decode used 16/8 SMs"),
+     "greenctx: self-test failed: level 8: decode used 16/8 SMs"),
+    ("tpcmask", _GreenCtxFallback(), "tpcmask: self-test failed: level 32: decode used 40/32 SMs"),
+])
+def test_engine_refuses_an_explicit_backend_that_fails_before_loading(monkeypatch, name, backend, reason):
+    with pytest.raises(ValueError) as exc:
+        _engine_with_backend(monkeypatch, name, backend)
+    assert str(exc.value) == f"--partition-backend {name} does not work on cuda ({reason}); use auto or none"
+
+
+def test_engine_auto_falls_back_quietly(monkeypatch):
+    with pytest.raises(_Loading):
+        _engine_with_backend(monkeypatch, "auto", NoPartition(132, "greenctx: self-test failed"))
+
+
 def test_mask_offsets_by_driver_version():
     assert mask_offset(13000) == 0x51C
     assert mask_offset(12080) == 0x4FC and mask_offset(12070) == 0x4FC

@@ -25,7 +25,7 @@ from duetserve.engine.scheduler import ScheduledSeq, Scheduler
 from duetserve.engine.sequence import Sequence
 from duetserve.model.backends import make_attention_backend
 from duetserve.model.loader import load_model
-from duetserve.partition import make_partition_backend
+from duetserve.partition import PartitionBackend, make_partition_backend
 from duetserve.planner.cost_model import CostModel, ModelShape
 from duetserve.planner.hardware import load_profile
 from duetserve.sampling import ParamError, SamplingParams
@@ -98,6 +98,7 @@ class LLMEngine:
         if dtype == "auto":
             dtype = "bfloat16" if self.device.type == "cuda" else "float32"
         self.dtype = _DTYPES[dtype]
+        self.partition = self._partition_backend()  # before the model: an explicit backend may fail
         torch.manual_seed(config.seed)
         backend = make_attention_backend(config.attention_backend, self.device, config.block_size)
         loaded = load_model(config.model, backend, self.dtype, self.device, config.load_format,
@@ -122,10 +123,6 @@ class LLMEngine:
         # One extra block, owned by no sequence: CUDA-graph padding rows write their K/V there.
         kv = allocate_kv_cache(self.model, num_blocks + 1, config.block_size, self.dtype, self.device)
         self.sampler = Sampler(self.device, config.seed)
-        self.partition = make_partition_backend(config.partition_backend, self.device)
-        if self.partition.name == "none" and config.partition_backend not in ("none", "auto"):
-            log.warning("--partition-backend %s unavailable, spatial plans disabled: %s",
-                        config.partition_backend, self.partition.reason)
         policy = make_policy(dataclasses.replace(config, partition_backend=self.partition.name), loaded.config.to_dict())
         self.graphs, split_graphs = self._capture_graphs(kv, num_blocks, policy)
         # The served model's cost model on the configured profile, whatever the policy: the
@@ -141,6 +138,22 @@ class LLMEngine:
         self._requests: dict[str, _Request] = {}
         self._ids = itertools.count()
         self.last_stats: StepStats | None = None
+
+    def _partition_backend(self) -> PartitionBackend:
+        """The SM partition backend: ``auto`` falls back quietly, an explicit one must work.
+
+        Raises:
+            ValueError: ``--partition-backend greenctx`` or ``tpcmask`` cannot run here (no CUDA
+                device, or the backend failed to start or failed its self-test).
+        """
+        name = self.config.partition_backend
+        backend = make_partition_backend(name, self.device)
+        if name in ("auto", "none") or backend.name == name:
+            return backend
+        if self.device.type != "cuda":
+            raise ValueError(f"--partition-backend {name} needs a CUDA device, not {self.device}; use auto or none")
+        reason = getattr(backend, "reason", "") or backend.fallback_reason
+        raise ValueError(f"--partition-backend {name} does not work on {self.device} ({reason}); use auto or none")
 
     def _capture_graphs(self, kv, scratch_block: int, policy) -> tuple[DecodeGraphs | None, dict[int, DecodeGraphs]]:
         """Decode graphs for all SMs, and one set per split level the policy can pick (recorded
