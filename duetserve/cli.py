@@ -47,6 +47,17 @@ def _positive_float(flag: str):
     return parse
 
 
+def _model_file_error(model: str) -> str | None:
+    """Why ``--model`` names a file that cannot be a model, or None (a folder, a ``.gguf`` file or
+    no such path: the loader checks those)."""
+    path = Path(model).expanduser()
+    if not path.is_file():
+        return None
+    if path.suffix != ".gguf":
+        return f"--model {model}: neither a model folder (with config.json) nor a .gguf file"
+    return None
+
+
 class _DefaultsOnceFormatter(argparse.ArgumentDefaultsHelpFormatter):
     """Appends "(default: X)" only where the help does not already say the default and X is not None."""
 
@@ -152,6 +163,8 @@ def _serve(args, parser: argparse.ArgumentParser) -> int:
         load_profile(args.profile)
     except (ValueError, FileNotFoundError) as exc:
         parser.error(f"--profile {args.profile}: {exc}")
+    if args.model is not None and (problem := _model_file_error(args.model)):
+        parser.error(problem)
     if args.iteration_log:  # fail now, not after loading the model
         try:
             open(args.iteration_log, "a").close()

@@ -193,3 +193,13 @@ def test_serve_refuses_an_explicit_partition_backend_without_cuda_before_loading
     assert exc.value.code == 2
     assert capsys.readouterr().err.endswith(
         f"duetserve serve: error: --partition-backend {backend} needs a CUDA device, not cpu; use auto or none\n")
+
+
+def test_serve_refuses_a_model_file_that_is_no_gguf(tmp_path, capsys):
+    readme = tmp_path / "README.md"
+    readme.write_text("# not a model\n")
+    with pytest.raises(SystemExit) as exc:
+        main(["serve", "--device", "cpu", "--port", "0", "--model", str(readme)])
+    assert exc.value.code == 2
+    assert capsys.readouterr().err.endswith(
+        f"duetserve serve: error: --model {readme}: neither a model folder (with config.json) nor a .gguf file\n")
