@@ -48,13 +48,20 @@ def _positive_float(flag: str):
 
 
 def _model_file_error(model: str) -> str | None:
-    """Why ``--model`` names a file that cannot be a model, or None (a folder, a ``.gguf`` file or
-    no such path: the loader checks those)."""
+    """Why ``--model`` names a file that cannot be a model, or None (a folder or no such path:
+    the loader checks those). A ``.gguf`` file is converted here, once (the engine loads the
+    cached folder), so that a file that is no GGUF is reported with the flag."""
+    from duetserve.model.loader import gguf_to_folder
+
     path = Path(model).expanduser()
     if not path.is_file():
         return None
     if path.suffix != ".gguf":
         return f"--model {model}: neither a model folder (with config.json) nor a .gguf file"
+    try:
+        gguf_to_folder(path)
+    except Exception as exc:  # whatever transformers' GGUF reader raises on a file that is no GGUF
+        return f"--model {model}: {exc}"
     return None
 
 
@@ -163,8 +170,6 @@ def _serve(args, parser: argparse.ArgumentParser) -> int:
         load_profile(args.profile)
     except (ValueError, FileNotFoundError) as exc:
         parser.error(f"--profile {args.profile}: {exc}")
-    if args.model is not None and (problem := _model_file_error(args.model)):
-        parser.error(problem)
     if args.iteration_log:  # fail now, not after loading the model
         try:
             open(args.iteration_log, "a").close()
@@ -174,6 +179,8 @@ def _serve(args, parser: argparse.ArgumentParser) -> int:
         if not Path(args.libsmctrl).is_file():
             parser.error(f"--libsmctrl {args.libsmctrl}: no such file")
         os.environ["DUETSERVE_LIBSMCTRL"] = args.libsmctrl
+    if args.model is not None and (problem := _model_file_error(args.model)):
+        parser.error(problem)
     try:
         config = EngineConfig(model=args.model, load_format=args.load_format, device=device, dtype=args.dtype,
                               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=budget,

@@ -203,3 +203,18 @@ def test_serve_refuses_a_model_file_that_is_no_gguf(tmp_path, capsys):
     assert exc.value.code == 2
     assert capsys.readouterr().err.endswith(
         f"duetserve serve: error: --model {readme}: neither a model folder (with config.json) nor a .gguf file\n")
+
+
+@pytest.mark.parametrize("content, message", [
+    (b"junk" * 8, "{path} does not start with the GGUF magic bytes, so it is not a GGUF file."),
+    (b"", "cannot mmap an empty file"),
+])
+def test_serve_names_the_flag_for_a_gguf_file_that_is_no_gguf(tmp_path, monkeypatch, capsys, content, message):
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(content)
+    monkeypatch.setenv("DUETSERVE_CACHE", str(tmp_path / "cache"))
+    with pytest.raises(SystemExit) as exc:
+        main(["serve", "--device", "cpu", "--port", "0", "--model", str(bad)])
+    assert exc.value.code == 2
+    assert capsys.readouterr().err.endswith(
+        f"duetserve serve: error: --model {bad}: {message.format(path=bad)}\n")
