@@ -237,6 +237,11 @@ def test_body_must_be_a_json_object(server):
         assert r.status_code == 400, r.text
         hint = " (it was sent as text/plain: send it with Content-Type: application/json)" if ctype == "text/plain" else ""
         assert r.json()["error"]["message"] == "the request body must be a JSON object" + hint, r.text
+    r = httpx.post(f"{server}/v1/completions", headers={**AUTH, "Content-Type": "application/json"}, content=b"",
+                   timeout=60)
+    assert r.status_code == 400 and r.json()["error"] == {
+        "message": "the request body is empty: expected a JSON object", "type": "BadRequestError", "param": None,
+        "code": 400}, r.text
 
 
 def test_bad_inputs_get_400_while_a_stream_completes(server):

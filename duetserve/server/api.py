@@ -57,6 +57,8 @@ def create_app(engine: AsyncEngine, metrics: ServerMetrics, model_name: str, api
         message = first.get("msg", "invalid request")
         if first.get("type") == "json_invalid":
             return error_response(400, f"request body is not valid JSON: {message}")
+        if not loc and first.get("type") == "missing":  # FastAPI's reading of a body of zero bytes
+            return error_response(400, "the request body is empty: expected a JSON object")
         if not loc and first.get("type") in ("model_attributes_type", "dict_type"):  # e.g. a text/plain body
             content_type = request.headers.get("content-type", "")
             hint = "" if not content_type or "json" in content_type else \
