@@ -244,6 +244,14 @@ def test_body_must_be_a_json_object(server):
         "code": 400}, r.text
 
 
+def test_default_max_tokens_is_named_when_the_prompt_leaves_no_room_for_it(server):
+    for extra, note in (({}, " (the default for /v1/completions)"), ({"max_tokens": 16}, "")):
+        r = httpx.post(f"{server}/v1/completions", headers=AUTH, json={"prompt": [504] * 8185, **extra}, timeout=60)
+        assert r.status_code == 400 and r.json()["error"] == {
+            "message": f"max_tokens=16{note} plus the prompt's 8185 tokens exceeds the maximum context length of "
+                       "8192 tokens", "type": "BadRequestError", "param": "max_tokens", "code": 400}, r.text
+
+
 def test_bad_inputs_get_400_while_a_stream_completes(server):
     async def run():
         async with httpx.AsyncClient(timeout=300) as client:

@@ -148,7 +148,14 @@ def create_app(engine: AsyncEngine, metrics: ServerMetrics, model_name: str, api
             prompt_ids = await tokenize(prompt, "prompt", lambda: tokenizer.encode(prompt))
         else:
             prompt_ids = list(prompt)
-        return await _respond(request, body, prompt_ids, params, chat=False)
+        try:
+            return await _respond(request, body, prompt_ids, params, chat=False)
+        except ParamError as exc:  # say where a max_tokens the client never sent came from
+            if exc.param == "max_tokens" and body.max_tokens is None:
+                default = f"max_tokens={params.max_tokens}"
+                message = str(exc).replace(default, f"{default} (the default for /v1/completions)", 1)
+                raise ParamError(message, "max_tokens") from exc
+            raise
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, request: Request):
