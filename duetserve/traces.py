@@ -179,12 +179,43 @@ def read_azure_csv(path: str | Path) -> list[TraceRequest]:
     return [TraceRequest((s - s0) + (f - f0), i, o) for (s, f), i, o in rows]
 
 
+_MOONCAKE_FIELDS = ("timestamp", "input_length", "output_length")
+
+
+def _mooncake_record(text: str) -> TraceRequest:
+    """One line of a Mooncake trace.
+
+    Raises:
+        ValueError: the line is not a JSON object, lacks a field of ``_MOONCAKE_FIELDS``, or
+            holds a value that is not a number (``hash_ids``: not a list of integers).
+    """
+    try:
+        rec = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"not JSON ({e.msg} at column {e.colno})") from e
+    if not isinstance(rec, dict):
+        raise ValueError(f"not a JSON object but {type(rec).__name__}")
+    missing = [name for name in _MOONCAKE_FIELDS if name not in rec]
+    if missing:
+        raise ValueError(f"missing fields {missing}")
+    try:
+        return TraceRequest(
+            arrival_s=float(rec["timestamp"]) / 1000.0,
+            input_len=int(rec["input_length"]),
+            output_len=int(rec["output_length"]),
+            hash_ids=[int(h) for h in rec["hash_ids"]] if "hash_ids" in rec else None,
+        )
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{type(e).__name__}: {e}") from e
+
+
 def read_mooncake_jsonl(path: str | Path) -> list[TraceRequest]:
     """Read a Mooncake FAST'25 JSONL trace (``timestamp`` in ms from 0, lengths, ``hash_ids``).
 
     Raises:
         OSError: the file cannot be read.
-        ValueError: invalid JSON, a missing field, or a length < 1 (with the line number).
+        ValueError: invalid JSON, a missing field, or a length < 1 (with the line number); a
+            first record that fails says the file is not a Mooncake trace.
     """
     out = []
     with open(path) as f:
@@ -193,15 +224,10 @@ def read_mooncake_jsonl(path: str | Path) -> list[TraceRequest]:
                 continue
             where = f"{path}:{line}"
             try:
-                rec = json.loads(text)
-                req = TraceRequest(
-                    arrival_s=float(rec["timestamp"]) / 1000.0,
-                    input_len=int(rec["input_length"]),
-                    output_len=int(rec["output_length"]),
-                    hash_ids=[int(h) for h in rec["hash_ids"]] if "hash_ids" in rec else None,
-                )
-            except (KeyError, TypeError, ValueError) as e:
-                raise ValueError(f"{where}: {type(e).__name__}: {e}") from e
+                req = _mooncake_record(text)
+            except ValueError as e:
+                kind = "" if out else "not a Mooncake trace (JSON lines): "
+                raise ValueError(f"{where}: {kind}{e}") from e
             _check_lengths(req.input_len, req.output_len, where)
             out.append(req)
     return out

@@ -86,6 +86,21 @@ def test_mooncake_reader(tmp_path: Path) -> None:
         read_mooncake_jsonl(write(tmp_path, "m2.jsonl", '{"timestamp": 0}\n'))
 
 
+@pytest.mark.parametrize("text, message", [
+    (AZURE, "a.csv:1: not a Mooncake trace (JSON lines): not JSON (Expecting value at column 1)"),
+    ('{"timestamp": 0}\n', "a.csv:1: not a Mooncake trace (JSON lines): missing fields ['input_length', "
+                            "'output_length']"),
+    ("[1, 2]\n", "a.csv:1: not a Mooncake trace (JSON lines): not a JSON object but list"),
+    ('{"timestamp": 0, "input_length": 5, "output_length": 2}\n{"timestamp": "x", "input_length": 5, '
+     '"output_length": 2}\n', "a.csv:2: ValueError: could not convert string to float: 'x'"),
+])
+def test_mooncake_reader_says_what_failed(tmp_path: Path, text: str, message: str) -> None:
+    path = write(tmp_path, "a.csv", text)
+    with pytest.raises(ValueError) as exc:
+        load_trace(path, TraceSpec(format="mooncake"))
+    assert str(exc.value) == f"{tmp_path}/{message}"
+
+
 def test_window_first_n_and_caps(tmp_path: Path) -> None:
     path = write(tmp_path, "a.csv", AZURE)
     reqs = load_trace(path, TraceSpec(window_s=(0.5, 61.0)))
