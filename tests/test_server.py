@@ -244,6 +244,20 @@ def test_body_must_be_a_json_object(server):
         "code": 400}, r.text
 
 
+def test_streamed_completion_sends_no_empty_text_chunks(server):
+    """Text held back for a possible stop string sends no chunk; the last chunk, the usage and
+    [DONE] still come."""
+    body = {"prompt": "The capital of France is", "max_tokens": 4, "temperature": 0, "stream": True,
+            "stop": ["Question number"], "stream_options": {"include_usage": True}}
+    r = httpx.post(f"{server}/v1/completions", headers=AUTH, json=body, timeout=120)
+    lines = [line[6:] for line in r.text.splitlines() if line.startswith("data: ")]
+    chunks = [json.loads(line) for line in lines[:-1]]
+    assert lines[-1] == "[DONE]"
+    assert [(c["choices"][0]["text"], c["choices"][0]["finish_reason"]) for c in chunks[:-1]] == \
+        [(" Paris.\n\n", "length")]
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 4
+
+
 def test_default_max_tokens_is_named_when_the_prompt_leaves_no_room_for_it(server):
     for extra, note in (({}, " (the default for /v1/completions)"), ({"max_tokens": 16}, "")):
         r = httpx.post(f"{server}/v1/completions", headers=AUTH, json={"prompt": [504] * 8185, **extra}, timeout=60)

@@ -223,7 +223,9 @@ def create_app(engine: AsyncEngine, metrics: ServerMetrics, model_name: str, api
                                                  "logprobs": None, "finish_reason": None}]})
             out = first
             while True:
-                if out.new_token_ids or out.finished:
+                # A completions client sees only text: no chunk for tokens whose text is held back
+                # (a possible stop string, an unfinished UTF-8 character)
+                if (out.new_token_ids if chat else out.new_text) or out.finished:
                     yield _sse({**head, "choices": [_choice(chat, out.new_text, out.finish_reason, True)]})
                 last = out
                 if out.finished:
