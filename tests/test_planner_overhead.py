@@ -64,8 +64,10 @@ def test_narrow_graph_decodes_count_their_own_kernels(gpu):
                             kernels_per_forward={"decode": 10, "prefill": 12, "narrow_decode": 6})
     cm, wide, roof = CostModel(SHAPE, narrow), CostModel(SHAPE, with_overheads(gpu)), CostModel(SHAPE, gpu)
     assert narrow.kernel_count("narrow_decode", 2) == 86
-    assert [narrow.count_kind(True, True, b) for b in (1, 4, 5)] == ["narrow_decode", "narrow_decode", "decode"]
-    assert (narrow.count_kind(True, False, 2), narrow.count_kind(False, True, 2)) == ("decode", "prefill")
+    # (decode only, replayed, batch): graphs of 1, 4 and 2 decodes narrow; 5 decodes or an eager one not
+    assert narrow.iteration_kernels(2, [True] * 5, [True, True, True, False, True], [1, 4, 5, 2, 2]).tolist() \
+        == [86, 86, 110, 110, 86]
+    assert narrow.iteration_kernels(2, False, True, 2) == 132
     assert cm.predict(DECODE, 100).overhead == pytest.approx(86 * 2e-6)
     five = DECODE + [(1, 1023)]
     assert cm.predict(five, 100).overhead == pytest.approx(110 * 2e-6)

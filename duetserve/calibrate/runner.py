@@ -287,8 +287,8 @@ def run_calibration(bench: Bench, opts: Options, log: Callable[[str], None] = pr
         seconds = _attempt(errors, shape.label, partial(bench.iteration_seconds, shape), log)
         if seconds is not None:
             graphs = bench.runs_graphs(shape)
-            kind = counted.count_kind(shape.kind == "decode", graphs, shape.batch) if counted else None
-            kernels = counted.kernel_count(kind, opts.model_shape.layers) if counted else None
+            kernels = int(counted.iteration_kernels(opts.model_shape.layers, shape.kind == "decode", graphs,
+                                                    shape.batch)) if counted else None
             measured.append(shape)
             result.rows.append(prediction_row(shape, seconds, graphs, kernels, roofline, base))
             log(f"{shape.label}: {seconds * 1e3:.3f} ms (roofline {result.rows[-1]['roofline_s'] * 1e3:.3f} ms)")

@@ -37,7 +37,7 @@ measurement says so"). On the H200 the roofline under-predicted every CUDA-graph
 by about 6 ms and eager iterations by far more (docs/benchmarks.md, 2026-11-30): the engine
 launches ~60 small kernels per layer, each costing a few microseconds of GPU time even inside
 a graph, and ~15 us of host time when launched eagerly. With ``n`` kernels in the iteration
-(``HardwareProfile.kernel_count`` of its ``count_kind``), ``g = kernel_gpu_s`` and ``h = launch_cpu_s``:
+(``HardwareProfile.iteration_kernels``), ``g = kernel_gpu_s`` and ``h = launch_cpu_s``:
 
 * replayed from CUDA graphs: ``t = roofline + n g``;
 * eager: ``t = max(roofline + n g, n h)``; the GPU runs while the host launches, so the
@@ -48,7 +48,7 @@ split SM levels); iterations with prefill tokens run eagerly. So by default (``g
 an iteration whose requests all have ``q <= 1`` counts as graph-replayed with the profile's
 ``"decode"`` kernel count (the ``"narrow_decode"`` count when it has at most the profile's
 ``narrow_decode_batch`` requests: those graphs record fewer kernels, see
-``HardwareProfile.count_kind``), any other as eager with the ``"prefill"`` count; ``cuda_graphs=False``
+``HardwareProfile.iteration_kernels``), any other as eager with the ``"prefill"`` count; ``cuda_graphs=False``
 (an engine with ``enforce_eager``) makes every iteration eager, and ``predict`` /
 ``predict_total`` take ``graphs`` to say it per call. The counts are measured at the
 calibrated TP degree; all-reduce kernels added by other degrees are not counted. With the
@@ -75,7 +75,7 @@ from typing import Literal
 import numpy as np
 from numpy.typing import ArrayLike
 
-from duetserve.planner.hardware import ITERATION_KINDS, NARROW_DECODE, HardwareProfile
+from duetserve.planner.hardware import HardwareProfile
 
 Request = tuple[int, int]
 """One request in a batch: (q new/query tokens, c cached tokens). q=1 decode, c=0 prefill."""
@@ -205,7 +205,6 @@ class CostModel:
         self.shape, self.profile, self.tp = shape, profile, tp
         self.dtype_bytes, self.causal, self.lm_head, self.decode_margin = dtype_bytes, causal, lm_head, decode_margin
         self.cuda_graphs = cuda_graphs
-        self._kernels = {kind: profile.kernel_count(kind, shape.layers) for kind in (*ITERATION_KINDS, NARROW_DECODE)}
 
         b, d, dh = dtype_bytes, shape.hidden, shape.head_dim
         self._hq = shape.q_heads // tp
@@ -321,14 +320,12 @@ class CostModel:
                   graphs: bool | None, host: bool) -> np.ndarray:
         """Seconds the per-kernel and host model adds to each column's ``roofline`` seconds
         (module docstring): ``n g`` replayed from graphs, ``max(roofline + n g, n h) - roofline``
-        eager, with ``n`` the count of the column's kind (``HardwareProfile.count_kind``: graph
+        eager, with ``n`` the column's count (``HardwareProfile.iteration_kernels``: graph
         decodes of at most ``narrow_decode_batch`` requests have their own), plus with ``host``
         the host time of the column's ``requests``; an empty column launches nothing."""
         p = self.profile
         replayed = decode_only & self.cuda_graphs if graphs is None else np.full(decode_only.shape, graphs)
-        narrow = decode_only & replayed & (requests <= p.narrow_decode_batch)
-        kernels = np.where(narrow, self._kernels[NARROW_DECODE],
-                           np.where(decode_only, self._kernels["decode"], self._kernels["prefill"])) * (requests > 0)
+        kernels = p.iteration_kernels(self.shape.layers, decode_only, replayed, requests) * (requests > 0)
         gpu = roofline + kernels * p.kernel_gpu_s
         launch = np.where(replayed, gpu, np.maximum(gpu, kernels * p.launch_cpu_s)) - roofline
         served = requests * host

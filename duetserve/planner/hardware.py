@@ -83,7 +83,7 @@ class HardwareProfile:
     per-kernel overhead model (module docstring); nonzero constants need counts for both kinds.
     ``narrow_decode_batch`` (sequences, >= 0; 0: none) goes with counts for ``NARROW_DECODE`` in
     both maps: graph-replayed decodes of at most that many sequences count those instead of
-    ``"decode"``'s (``count_kind``).
+    ``"decode"``'s (``iteration_kernels``).
     ``host_per_request_s`` and ``host_eager_s`` (seconds, >= 0): the serving host time of a
     temporal iteration (module docstring).
 
@@ -171,13 +171,16 @@ class HardwareProfile:
                 raise ValueError(f"{self.name}: {label} has a {NARROW_DECODE!r} count exactly when "
                                  f"narrow_decode_batch > 0 (it is {self.narrow_decode_batch})")
 
-    def count_kind(self, decode_only: bool, replayed: bool, batch: int) -> str:
-        """The kernel-count key of an iteration of ``batch`` requests: ``NARROW_DECODE`` for a
-        decode-only one replayed from CUDA graphs with at most ``narrow_decode_batch`` requests,
-        else ``"decode"`` for decode-only, ``"prefill"`` otherwise."""
-        if decode_only and replayed and batch <= self.narrow_decode_batch:
-            return NARROW_DECODE
-        return "decode" if decode_only else "prefill"
+    def iteration_kernels(self, layers: int, decode_only: ArrayLike, replayed: ArrayLike,
+                          batch: ArrayLike) -> np.ndarray:
+        """Kernels of iterations of a ``layers``-layer model (arrays broadcast): the
+        ``NARROW_DECODE`` count for a decode-only one replayed from CUDA graphs with at most
+        ``narrow_decode_batch`` requests (``batch``), the ``"decode"`` count for other decode-only
+        ones, the ``"prefill"`` count otherwise (``kernel_count``)."""
+        decode_only = np.asarray(decode_only, dtype=bool)
+        narrow = decode_only & np.asarray(replayed, dtype=bool) & (np.asarray(batch) <= self.narrow_decode_batch)
+        return np.where(narrow, self.kernel_count(NARROW_DECODE, layers),
+                        np.where(decode_only, self.kernel_count("decode", layers), self.kernel_count("prefill", layers)))
 
     def kernel_count(self, kind: str, layers: int) -> int:
         """Kernels of one forward of a ``layers``-layer model in an iteration of ``kind``
