@@ -47,24 +47,6 @@ def _positive_float(flag: str):
     return parse
 
 
-def _model_file_error(model: str) -> str | None:
-    """Why ``--model`` names a file that cannot be a model, or None (a folder or no such path:
-    the loader checks those). A ``.gguf`` file is converted here, once (the engine loads the
-    cached folder), so that a file that is no GGUF is reported with the flag."""
-    from duetserve.model.loader import gguf_to_folder
-
-    path = Path(model).expanduser()
-    if not path.is_file():
-        return None
-    if path.suffix != ".gguf":
-        return f"--model {model}: neither a model folder (with config.json) nor a .gguf file"
-    try:
-        gguf_to_folder(path)
-    except Exception as exc:  # whatever transformers' GGUF reader raises on a file that is no GGUF
-        return f"--model {model}: {exc}"
-    return None
-
-
 class _DefaultsOnceFormatter(argparse.ArgumentDefaultsHelpFormatter):
     """Appends "(default: X)" only where the help does not already say the default and X is not None."""
 
@@ -134,12 +116,11 @@ def _serve(args, parser: argparse.ArgumentParser) -> int:
 
     from duetserve.engine.async_engine import AsyncEngine
     from duetserve.engine.engine import LLMEngine
+    from duetserve.model.fused_ops import fused_mode
+    from duetserve.model.layers import decode_gemm_mode
     from duetserve.planner.hardware import load_profile
     from duetserve.server.api import create_app
     from duetserve.server.metrics import ServerMetrics
-
-    from duetserve.model.fused_ops import fused_mode
-    from duetserve.model.layers import decode_gemm_mode
 
     try:  # read later otherwise: at graph capture, or by every request (DUETSERVE_FUSED)
         decode_gemm_mode()
@@ -179,8 +160,6 @@ def _serve(args, parser: argparse.ArgumentParser) -> int:
         if not Path(args.libsmctrl).is_file():
             parser.error(f"--libsmctrl {args.libsmctrl}: no such file")
         os.environ["DUETSERVE_LIBSMCTRL"] = args.libsmctrl
-    if args.model is not None and (problem := _model_file_error(args.model)):
-        parser.error(problem)
     try:
         config = EngineConfig(model=args.model, load_format=args.load_format, device=device, dtype=args.dtype,
                               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=budget,

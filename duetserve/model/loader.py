@@ -99,7 +99,9 @@ def resolve_model(model: str | None) -> tuple[Path, str]:
     """Local folder to load and the served model name, for ``--model`` (None: embedded).
 
     Raises:
-        FileNotFoundError: the path does not exist or the embedded model is missing.
+        FileNotFoundError: the path does not exist, is a file but no ``.gguf``, is a folder
+            without ``config.json``, or the embedded model is missing.
+        ValueError: a ``.gguf`` file that does not convert (not GGUF, empty, unknown version).
     """
     if model is None:
         return gguf_to_folder(embedded_model_path()), EMBEDDED_NAME
@@ -107,7 +109,12 @@ def resolve_model(model: str | None) -> tuple[Path, str]:
     if not path.exists():
         raise FileNotFoundError(f"--model {model}: no such file or folder (nothing is downloaded)")
     if path.suffix == ".gguf":
-        return gguf_to_folder(path), path.stem
+        try:
+            return gguf_to_folder(path), path.stem
+        except Exception as exc:  # whatever transformers' GGUF reader raises on a file that is no GGUF
+            raise ValueError(f"--model {model}: {exc}") from exc
+    if path.is_file():
+        raise FileNotFoundError(f"--model {model}: neither a model folder (with config.json) nor a .gguf file")
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"--model {model}: the folder has no config.json")
     return path, path.name
