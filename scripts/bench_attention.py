@@ -127,13 +127,15 @@ def run_decode(batch: int, ctx: int, ta) -> dict:
                                      for _ in range(rotation_sets(kv_bytes) - 1)]
     scale = HEAD_DIM ** -0.5
     out = torch.full_like(q, float("nan"))
+    counters = torch.zeros(batch * HKV, dtype=torch.int32, device=q.device)  # one buffer, as the engine's graphs
     sms = torch.cuda.get_device_properties(q.device).multi_processor_count
     auto = ta.default_num_splits(batch, HKV, meta.block_tables.shape[1] * BLOCK_SIZE, sms)
     sweep = [2 ** i for i in range(ta.MAX_SPLITS.bit_length())] if batch in SWEEP_BATCHES else []
     times, err = {}, 0.0
     for splits in sorted({auto, *sweep}):
         fns = [lambda kc=kc, vc=vc, s=splits: ta.paged_decode_attention(
-            q, kc, vc, meta.block_tables, meta.context_lens, scale, out=out, num_splits=s) for kc, vc in caches]
+            q, kc, vc, meta.block_tables, meta.context_lens, scale, out=out, num_splits=s, counters=counters)
+               for kc, vc in caches]
         out.fill_(float("nan"))
         fns[0]()
         err = max(err, check(out, q, k_cache, v_cache, meta, scale, decode=True))

@@ -24,6 +24,7 @@ from duetserve.model.backends import FlashAttnBackend, make_attention_backend
 DEVICE = torch.device("cuda" if CUDA else "cpu")
 needs_cuda = pytest.mark.skipif(not CUDA, reason="needs CUDA")
 FP32_TOL, BF16_TOL = 1e-3, 1e-2
+HALF = torch.bfloat16 if CUDA else torch.float16  # Triton's interpreter gets bf16 dots wrong
 
 ta = import_triton_module("duetserve.model.triton_attention")
 pytestmark = pytest.mark.usefixtures("triton_interpreter")
@@ -107,13 +108,14 @@ def assert_close(out: torch.Tensor, b: Batch, tol: float) -> None:
             assert err < tol, f"rows {lo}:{hi}: relative error {err:.2e}"
 
 
-def run_decode(ctxs, hq, hkv, head_dim, block_size, dtype, num_splits, tol) -> None:
+def run_decode(ctxs, hq, hkv, head_dim, block_size, dtype, num_splits, tol, counters=None) -> torch.Tensor:
     b = make_batch([1] * len(ctxs), ctxs, hq, hkv, head_dim, block_size, dtype, num_decodes=len(ctxs))
     out = torch.full_like(b.q, math.nan)
     m = b.meta
     ta.paged_decode_attention(b.q, b.k_cache, b.v_cache, m.block_tables, m.context_lens, b.scale, out=out,
-                              num_splits=num_splits)
+                              num_splits=num_splits, counters=counters)
     assert_close(out, b, tol)
+    return out
 
 
 def run_prefill(qlens, ctxs, hq, hkv, head_dim, block_size, dtype, tol) -> None:
@@ -157,6 +159,23 @@ def test_decode_skips_empty_splits(monkeypatch):
                               num_splits=ta.MAX_SPLITS)
     monkeypatch.undo()
     assert_close(out, b, FP32_TOL)
+
+
+@pytest.mark.parametrize("merge_elements", [None, 256])
+def test_decode_counters_reset_and_reused(monkeypatch, merge_elements):
+    """The last split of each (sequence, KV head) merges and sets its counter back to 0: two calls
+    on one counters buffer (larger than needed) give the output of fresh counters, the reference's,
+    and leave every counter at 0. Contexts of 1 to 5 key tiles (16-bit tiles hold 64 keys): one
+    split runs for some sequences (no counter), two to five for the others. The merge takes all
+    splits in one step, or (256 elements: 2 splits of 4 heads of 32) in several."""
+    if merge_elements:
+        monkeypatch.setattr(ta, "_MERGE_ELEMENTS", merge_elements)
+    ctxs, hkv = [3, 70, 300, 64, 200], 2
+    counters = torch.zeros(len(ctxs) * hkv + 3, dtype=torch.int32, device=DEVICE)
+    for splits in (4, 8):
+        outs = [run_decode(ctxs, 8, hkv, 32, 16, HALF, splits, BF16_TOL, c) for c in (counters, counters, None)]
+        assert not counters.any()
+        assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
 
 
 @pytest.mark.parametrize("num_seqs,max_context,splits", [
@@ -232,6 +251,12 @@ def test_argument_errors():
         ta.paged_decode_attention(b.q.double(), b.k_cache, b.v_cache, m.block_tables, m.context_lens, b.scale)
     with pytest.raises(ValueError, match="query heads"):
         ta.paged_decode_attention(b.q[:, :3], b.k_cache, b.v_cache, m.block_tables, m.context_lens, b.scale)
+    # nd * Hkv = 2 counters: too few, int64, on another device, not 1-D
+    for bad in (torch.zeros(1, dtype=torch.int32, device=DEVICE), torch.zeros(2, dtype=torch.int64, device=DEVICE),
+                torch.zeros(2, dtype=torch.int32, device="meta"), torch.zeros(2, 1, dtype=torch.int32, device=DEVICE)):
+        with pytest.raises(ValueError, match="counters must be"):
+            ta.paged_decode_attention(b.q, b.k_cache, b.v_cache, m.block_tables, m.context_lens, b.scale,
+                                      num_splits=2, counters=bad)
     with pytest.raises(ValueError, match="query_start_loc"):
         ta.paged_prefill_attention(b.q, b.k_cache, b.v_cache, m.block_tables, m.query_start_loc[:1],
                                    m.context_lens, b.scale)
@@ -303,10 +328,13 @@ GPU_SHAPES = [(*heads, block_size) for heads in [(32, 8, 128), (32, 32, 128), (1
 @pytest.mark.parametrize("hq,hkv,head_dim,block_size", GPU_SHAPES)
 def test_decode_gpu(hq, hkv, head_dim, block_size):
     gen = torch.Generator().manual_seed(hq * block_size)
+    counters = torch.zeros(129 * hkv, dtype=torch.int32, device=DEVICE)  # shared: each call leaves it at 0
     for num_seqs, splits in ((1, None), (33, None), (7, 1), (3, ta.MAX_SPLITS)):
         ctxs = torch.randint(1, 3000, (num_seqs,), generator=gen).tolist()
-        run_decode(ctxs, hq, hkv, head_dim, block_size, torch.bfloat16, splits, BF16_TOL)
-    run_decode(list(range(1, 130)), hq, hkv, head_dim, block_size, torch.bfloat16, 2, BF16_TOL)  # every tile edge
+        run_decode(ctxs, hq, hkv, head_dim, block_size, torch.bfloat16, splits, BF16_TOL, counters)
+    run_decode(list(range(1, 130)), hq, hkv, head_dim, block_size, torch.bfloat16, 2, BF16_TOL,  # every tile edge
+               counters)
+    assert not counters.any()
 
 
 @pytest.mark.gpu
@@ -323,15 +351,17 @@ def test_prefill_gpu(hq, hkv, head_dim, block_size):
 @pytest.mark.gpu
 @needs_cuda
 def test_decode_cuda_graph_replay():
-    """Recorded once, replayed over other context lengths, block tables and caches: still exact."""
+    """Recorded once, replayed over other context lengths, block tables and caches: still exact;
+    the split counters (in no memset node) are zero after every replay."""
     shape = {"hq": 32, "hkv": 8, "head_dim": 128, "block_size": 16, "dtype": torch.bfloat16, "num_decodes": 8}
     static = make_batch([1] * 8, [4000] * 8, **shape)
     q, k_cache, v_cache = static.q, static.k_cache, static.v_cache
     tables, ctxs = static.meta.block_tables.clone(), static.meta.context_lens.clone()
     out = torch.empty_like(q)
+    counters = torch.zeros(8 * shape["hkv"], dtype=torch.int32, device=DEVICE)
 
     def step():
-        ta.paged_decode_attention(q, k_cache, v_cache, tables, ctxs, static.scale, out=out)
+        ta.paged_decode_attention(q, k_cache, v_cache, tables, ctxs, static.scale, out=out, counters=counters)
 
     step()  # compiles outside the capture
     graph = torch.cuda.CUDAGraph()
@@ -348,6 +378,7 @@ def test_decode_cuda_graph_replay():
         out.fill_(math.nan)
         graph.replay()
         assert_close(out, b, BF16_TOL)
+        assert not counters.any()
 
 
 @pytest.mark.gpu

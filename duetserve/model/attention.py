@@ -23,6 +23,10 @@ class AttentionMetadata:
         block_tables: ``[B, max_blocks]`` int32, KV blocks of each sequence (padded with 0).
         num_decodes: the first ``num_decodes`` sequences are decodes (one token each).
         query_lens_cpu / context_lens_cpu: the same lengths as Python lists (no device sync).
+        split_counters: ``[>= num_decodes * num_kv_heads]`` int32 zeros, the Triton decode
+            attention's split counters (``paged_decode_attention``'s ``counters``: zero again
+            after each call, never shared by two calls that may run at once); None: allocated
+            per call. Other backends ignore it.
     """
 
     slot_mapping: torch.Tensor
@@ -32,6 +36,7 @@ class AttentionMetadata:
     num_decodes: int
     query_lens_cpu: list[int]
     context_lens_cpu: list[int]
+    split_counters: torch.Tensor | None = None
 
 
 class AttentionBackend(Protocol):
