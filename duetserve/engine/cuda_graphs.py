@@ -39,11 +39,17 @@ class DecodeGraphs:
         stream: stream to record on; a graph keeps the SM restriction of the (green-context)
             stream it was recorded on (docs/design.md section 5), so each split level records its own.
             None: a side stream on all SMs.
+        split_counters: ``[>= max_batch * num_kv_heads]`` int32 zeros, decode attention's split
+            counters, recorded into every graph (``allocate_split_counters``; zero again after
+            each replay, so the engine's graphs and eager steps share one buffer). None: each
+            attention call allocates its own, a memset recorded per layer.
     """
 
     def __init__(self, model: CausalLM, kv_caches, max_batch: int, max_blocks: int, scratch_slot: int,
-                 device: torch.device, stream: torch.cuda.Stream | None = None):
+                 device: torch.device, stream: torch.cuda.Stream | None = None,
+                 split_counters: torch.Tensor | None = None):
         self.stream = stream
+        self.split_counters = split_counters
         self.model, self.kv_caches = model, kv_caches
         self.buckets = graph_buckets(max_batch)
         self.scratch_slot = scratch_slot
@@ -63,7 +69,8 @@ class DecodeGraphs:
     def _meta(self, b: int) -> AttentionMetadata:
         return AttentionMetadata(slot_mapping=self.slot_mapping[:b], query_start_loc=self.query_start_loc[:b + 1],
                                  context_lens=self.context_lens[:b], block_tables=self.block_tables[:b],
-                                 num_decodes=b, query_lens_cpu=[1] * b, context_lens_cpu=[])
+                                 num_decodes=b, query_lens_cpu=[1] * b, context_lens_cpu=[],
+                                 split_counters=self.split_counters)
 
     def _step(self, b: int) -> torch.Tensor:
         hidden = self.model(self.input_ids[:b], self.positions[:b], self.kv_caches, self._meta(b))

@@ -17,6 +17,7 @@ from duetserve.engine.kv_cache import BlockManager
 from duetserve.engine.model_runner import (
     ModelRunner,
     allocate_kv_cache,
+    allocate_split_counters,
     kv_bytes_per_block,
 )
 from duetserve.engine.policy import Plan, make_policy
@@ -124,13 +125,17 @@ class LLMEngine:
         kv = allocate_kv_cache(self.model, num_blocks + 1, config.block_size, self.dtype, self.device)
         self.sampler = Sampler(self.device, config.seed)
         policy = make_policy(dataclasses.replace(config, partition_backend=self.partition.name), loaded.config.to_dict())
-        self.graphs, split_graphs = self._capture_graphs(kv, num_blocks, policy)
+        # One buffer of decode attention split counters for the graphs and the eager steps: no two
+        # decode attention calls run at once (allocate_split_counters says why).
+        counters = allocate_split_counters(self.model, config.max_num_seqs, self.device)
+        self.graphs, split_graphs = self._capture_graphs(kv, num_blocks, policy, counters)
         # The served model's cost model on the configured profile, whatever the policy: the
         # iteration log's predictions for policies that do not plan with one (chunked).
         self.cost_model = CostModel(ModelShape.from_hf_config(loaded.config.to_dict()),
                                     load_profile(config.hardware_profile), cuda_graphs=self.graphs is not None)
         self.runner = ModelRunner(self.model, kv, config.block_size, self.device, self.sampler, self.graphs,
-                                  self.partition, split_graphs, scratch_slot=num_blocks * config.block_size)
+                                  self.partition, split_graphs, scratch_slot=num_blocks * config.block_size,
+                                  split_counters=counters)
         self.scheduler = Scheduler(policy, self.block_manager, config.max_num_seqs,
                                    config.max_num_batched_tokens, self.max_model_len,
                                    decode_steps=config.num_decode_steps)
@@ -155,9 +160,10 @@ class LLMEngine:
         reason = getattr(backend, "reason", "") or backend.fallback_reason
         raise ValueError(f"--partition-backend {name} does not work on {self.device} ({reason}); use auto or none")
 
-    def _capture_graphs(self, kv, scratch_block: int, policy) -> tuple[DecodeGraphs | None, dict[int, DecodeGraphs]]:
+    def _capture_graphs(self, kv, scratch_block: int, policy, split_counters: torch.Tensor
+                        ) -> tuple[DecodeGraphs | None, dict[int, DecodeGraphs]]:
         """Decode graphs for all SMs, and one set per split level the policy can pick (recorded
-        on that level's decode stream), all in one memory pool."""
+        on that level's decode stream), all in one memory pool, all on ``split_counters``."""
         backend = self.model.model.layers[0].self_attn.backend
         if self.device.type != "cuda" or self.config.enforce_eager or not getattr(backend, "cuda_graph_safe", False):
             return None, {}
@@ -165,7 +171,7 @@ class LLMEngine:
 
         def record(stream=None) -> DecodeGraphs:
             graphs = DecodeGraphs(self.model, kv, self.config.max_num_seqs, -(-self.max_model_len // bs),
-                                  scratch_block * bs, self.device, stream)
+                                  scratch_block * bs, self.device, stream, split_counters)
             graphs.capture(pool)
             return graphs
 

@@ -40,6 +40,20 @@ def allocate_kv_cache(model: CausalLM, num_blocks: int, block_size: int, dtype: 
     return [(cache[i, 0], cache[i, 1]) for i in range(d.num_layers)]
 
 
+def allocate_split_counters(model: CausalLM, max_num_seqs: int, device: torch.device) -> torch.Tensor:
+    """``[max_num_seqs * num_kv_heads]`` int32 zeros: the Triton decode attention's split counters
+    (``AttentionMetadata.split_counters``), one buffer for every layer, step and decode graph.
+
+    Each call leaves them at zero, so calls may share them as long as no two run at the same
+    time, and no two do here: the spatial (duet) and layer-split (pdmux) paths run the prefill
+    batch beside the decodes with ``num_decodes=0`` (``_prepare(out.prefills, 0, ...)``: prefill
+    attention only, which reads no counter), and all of an iteration's decode steps, eager or
+    replayed from a graph, run on its one decode stream, which the main stream joins before the
+    next iteration. Tiny, so allocated whatever the backend (others ignore it).
+    """
+    return torch.zeros(max_num_seqs * model.dims.num_kv_heads, dtype=torch.int32, device=device)
+
+
 def kv_bytes_per_block(model: CausalLM, block_size: int, dtype: torch.dtype) -> int:
     """Bytes of K and V for one block across all layers."""
     d = model.dims
@@ -174,11 +188,16 @@ class ModelRunner:
             of a spatial plan one after the other on the current stream (same tokens).
         split_graphs: decode graphs recorded on each split level's decode stream, by decode SMs.
         scratch_slot: a KV slot no sequence owns.
+        split_counters: decode attention's split counters (``allocate_split_counters``), put into
+            every batch's ``AttentionMetadata``, the same buffer as the graphs'; None: allocated
+            per attention call.
     """
 
     def __init__(self, model: CausalLM, kv_caches, block_size: int, device: torch.device, sampler: Sampler,
                  graphs: DecodeGraphs | None = None, partition: PartitionBackend | None = None,
-                 split_graphs: dict[int, DecodeGraphs] | None = None, scratch_slot: int = 0):
+                 split_graphs: dict[int, DecodeGraphs] | None = None, scratch_slot: int = 0,
+                 split_counters: torch.Tensor | None = None):
+        self.split_counters = split_counters
         self.split_graphs = split_graphs or {}
         self.scratch_slot = scratch_slot  # a KV slot no sequence owns (look-ahead steps past a request's end)
         self.model = model
@@ -413,7 +432,7 @@ class ModelRunner:
         starts_t, ctxs_t, tables_t = upload([starts, ctxs, tables.reshape(-1)], torch.int32, self.device)
         meta = AttentionMetadata(slot_mapping=slots_t, query_start_loc=starts_t, context_lens=ctxs_t,
                                  block_tables=tables_t.view(tables.shape), num_decodes=num_decodes,
-                                 query_lens_cpu=qlens, context_lens_cpu=ctxs)
+                                 query_lens_cpu=qlens, context_lens_cpu=ctxs, split_counters=self.split_counters)
         if sampling is None:
             sampling = self.sampler.prepare([s.seq_id for s in sample_seqs], [s.params for s in sample_seqs],
                                             self.model.dims.vocab_size)
