@@ -2,17 +2,17 @@
 
 1. Each weight GEMM at M = 1, 8, 16 rows (the Triton GEMM's range, ``triton_gemm.MAX_M``): qkv
    4096->6144, o 4096->4096, gate_up 4096->2x12288, down 12288->4096 and lm_head 4096->151936
-   (lm_head is wider than ``triton_gemm.MAX_N``: cuBLAS in the engine), timed inside a CUDA graph
-   of back-to-back launches over enough weight copies that L2 (50 MB) holds none of them; cuBLAS
+   (gate_up and lm_head are wider than ``triton_gemm.MAX_N``: cuBLAS in the engine), timed inside a
+   CUDA graph of
+   back-to-back launches over enough weight copies that L2 (50 MB) holds none of them; cuBLAS
    once, Triton over a small sweep of tile configs (one that fails to compile or launch is
    skipped with its error printed; the sweep stops at ``--budget-s``).
-2. A layer chain: 36 Qwen3-8B ``decoder.DecoderLayer``s of distinct weights with the attention
-   left out (the queries stand in for its output), in one graph: cuBLAS everywhere
-   (``DUETSERVE_DECODE_GEMM=cublas``: add+RMSNorm, qkv, q/k-norm+RoPE+KV write, o, add+RMSNorm,
-   gate_up, SiLU-and-mul, down), the default (every projection on Triton + PDL, the norms and
-   residual adds folded into them), the same without PDL, with the sweep's best tiles per shape
-   and M, and "unfolded" (gate_up on cuBLAS, so the norm kernels stay: the sixth session's
-   default); ms per 36 layers and % of the weight-read floor (bytes / 4.19 TB/s).
+2. A layer chain: one decoder layer's kernels (add+RMSNorm, qkv, q/k-norm+RoPE+KV write, o,
+   add+RMSNorm, gate_up, SiLU-and-mul, down, through ``layers``; no attention) for 36 layers of
+   distinct weights, in one graph: cuBLAS everywhere (``DUETSERVE_DECODE_GEMM=cublas``), the
+   default (Triton + PDL up to ``MAX_N`` rows), the same without PDL, with the sweep's best tiles
+   per shape and M, and with the Triton GEMM on gate_up too (no ``MAX_N``); ms per 36 layers and
+   % of the weight-read floor (bytes / 4.19 TB/s).
 
 Writes JSON to ``--out``; prints a short table last.
 """
@@ -25,16 +25,13 @@ import os
 import sys
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
 
-from duetserve.model import layers
+from duetserve.model import fused_ops, layers
 from duetserve.model import triton_fused as tf
 from duetserve.model import triton_gemm as tg
-from duetserve.model.decoder import DecoderLayer, ModelDims
-from duetserve.model.layers import RotaryEmbedding
 
 COPY_BW = 4.19e12
 L2_BYTES = 50 << 20
@@ -109,36 +106,31 @@ def sweep(budget_s: float) -> list[dict]:
     return rows
 
 
-class _NoAttention:
-    """Attention backend stand-in: returns the queries (the chain times the layers' other kernels)."""
-
-    def forward(self, q, k, v, k_cache, v_cache, meta, scale):
-        return q
-
-
-def chain_layers() -> list[DecoderLayer]:
-    """``LAYERS`` Qwen3-8B decoder layers (``decoder.DecoderLayer``) in bf16 with distinct random
-    weights and ``_NoAttention``."""
-    dims = ModelDims(hidden_size=HIDDEN, num_layers=LAYERS, num_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=HEAD_DIM,
-                     intermediate_size=INTER, vocab_size=VOCAB, rms_norm_eps=1e-6, max_position_embeddings=4096,
-                     tie_word_embeddings=False, qk_norm=True, attention_bias=False, mlp_bias=False)
-    rotary = RotaryEmbedding(SimpleNamespace(rope_theta=1e6), HEAD_DIM, 4096).cuda()
-    built = []
-    for _ in range(LAYERS):
-        layer = DecoderLayer(dims, rotary, _NoAttention()).cuda().bfloat16()
-        for name, p in layer.named_parameters():
-            p.data.uniform_(0.5, 1.5) if "norm" in name else p.data.normal_(0, p.shape[-1] ** -0.5)
-        built.append(layer)
-    return built
+def chain_weights() -> list[dict]:
+    """Distinct bf16 weights of ``LAYERS`` Qwen3-8B decoder layers."""
+    def rand(shape: str):
+        n, k = SHAPES[shape]
+        return torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * k ** -0.5
+    return [{"qkv": rand("qkv"), "o": rand("o"), "gate_up": rand("gate_up"), "down": rand("down"),
+             "norm1": torch.rand(HIDDEN, device="cuda", dtype=torch.bfloat16) + 0.5,
+             "norm2": torch.rand(HIDDEN, device="cuda", dtype=torch.bfloat16) + 0.5,
+             "qn": torch.ones(HEAD_DIM, device="cuda", dtype=torch.bfloat16),
+             "kn": torch.ones(HEAD_DIM, device="cuda", dtype=torch.bfloat16)} for _ in range(LAYERS)]
 
 
-def chain(x, built: list[DecoderLayer], rope) -> torch.Tensor:
-    """The layers without attention (the queries stand in for its output), as the decoder runs them."""
-    positions, kv_cache, meta = rope
-    state = (x, None)
-    for layer in built:
-        state = layer(*state, positions, kv_cache, meta)
-    return state[0] if state[1] is None else state[0] + state[1]
+def chain(x, weights, rope) -> torch.Tensor:
+    """``LAYERS`` decoder layers without attention (its output stands in for the attention output)."""
+    positions, cos, sin, k_cache, v_cache, slots = rope
+    m, residual = x.shape[0], None
+    for w in weights:
+        h, residual = fused_ops.rms_norm(x, w["norm1"], 1e-6, residual)
+        q, k, v = layers.linear(h, w["qkv"]).split([HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM], -1)
+        q = fused_ops.apply_rope_and_cache(positions, q.view(m, HEADS, HEAD_DIM), k.view(m, KV_HEADS, HEAD_DIM),
+                                           v.view(m, KV_HEADS, HEAD_DIM), cos, sin, k_cache, v_cache, slots,
+                                           w["qn"], w["kn"], 1e-6)
+        h, residual = fused_ops.rms_norm(layers.linear(q.view(m, -1), w["o"]), w["norm2"], 1e-6, residual)
+        x = layers.linear(fused_ops.silu_and_mul(layers.linear(h, w["gate_up"])), w["down"])
+    return x
 
 
 def set_mode(mode: str) -> None:
@@ -149,33 +141,32 @@ def set_mode(mode: str) -> None:
 
 def layer_chain(best: dict) -> list[dict]:
     """Section 2: ms per ``LAYERS`` layers for each variant and M; ``best`` maps (rows, K, M) to tiles."""
-    built = chain_layers()
-    floor_ms = sum(p.numel() * 2 for layer in built for p in layer.parameters()) / COPY_BW * 1e3
-    cache = tuple(torch.zeros(8, 16, KV_HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    weights = chain_weights()
+    floor_ms = sum(t.numel() * 2 for w in weights for t in w.values()) / COPY_BW * 1e3
+    freqs = torch.outer(torch.arange(4096.0), 1e6 ** (-torch.arange(0, HEAD_DIM, 2) / HEAD_DIM)).cuda()
+    cache = [torch.zeros(8, 16, KV_HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16) for _ in range(2)]
     gemm, pdl, max_n = tg.decode_gemm, tg.pdl_supported, tg.MAX_N
 
-    def tuned(x, w, bias=None, config=None, **kw):
-        return gemm(x, w, bias, config or best.get((w.shape[0], w.shape[1], x.shape[0])), **kw)
+    def tuned(x, w, bias=None, config=None):
+        return gemm(x, w, bias, config or best.get((w.shape[0], w.shape[1], x.shape[0])))
 
-    # name: (mode, GEMM, PDL test, MAX_N); the default folds the norms and residual adds into the
-    # GEMMs (all four on Triton), "unfolded" keeps gate_up on cuBLAS and so the separate norm kernels
+    # name: (mode, GEMM, PDL test, MAX_N)
     variants = {"cublas": ("cublas", gemm, pdl, max_n), "default": ("triton", gemm, pdl, max_n),
                 "default, no pdl": ("triton", gemm, lambda x: False, max_n),
-                "default, tuned": ("triton", tuned, pdl, max_n), "unfolded": ("triton", gemm, pdl, 16384)}
+                "default, tuned": ("triton", tuned, pdl, max_n), "triton on gate_up": ("triton", gemm, pdl, 1 << 30)}
     rows = []
     with layers.graph_kernels():  # as the engine records its decode graphs
         for m in ROWS:
             x = torch.randn(m, HIDDEN, device="cuda", dtype=torch.bfloat16)
             positions = torch.arange(m, device="cuda") + 100
-            meta = SimpleNamespace(slot_mapping=torch.arange(m, device="cuda"))
-            rope = (positions, cache, meta)
+            rope = (positions, freqs.cos(), freqs.sin(), *cache, torch.arange(m, device="cuda"))
             outputs = {}
             for name, (mode, variant_gemm, variant_pdl, variant_max_n) in variants.items():
                 set_mode(mode)
                 tg.decode_gemm, tg.pdl_supported, tf.pdl_supported, tg.MAX_N = (variant_gemm, variant_pdl, variant_pdl,
                                                                                 variant_max_n)
                 try:
-                    ms = graph_us(lambda i: outputs.__setitem__(name, chain(x, built, rope)), 1) / 1e3
+                    ms = graph_us(lambda i: outputs.__setitem__(name, chain(x, weights, rope)), 1) / 1e3
                     pct = 100 * floor_ms / ms
                     rows.append({"m": m, "variant": name, "ms": ms, "floor_ms": floor_ms, "pct_of_floor": pct})
                     print(f"chain m={m:<3} {name:<18} {ms:6.3f} ms  {pct:5.1f}% of the {floor_ms:.3f} ms floor",

@@ -4,8 +4,7 @@ Parameter names follow Hugging Face (``model.layers.N.self_attn.o_proj.weight``,
 that q/k/v and gate/up projections are merged into one GEMM each (``qkv_proj``, ``gate_up_proj``);
 ``CausalLM.checkpoint_tensors`` maps the checkpoint names onto them, so safetensors checkpoints
 load by name. Qwen3 adds a per-head RMSNorm on queries and keys. Residual adds are fused into the
-following norm (vLLM's layout), or in small decode graphs into the GEMMs (``DecoderLayer``): each
-layer takes and returns ``(hidden, residual)``.
+following norm (vLLM's layout): each layer takes and returns ``(hidden, residual)``.
 """
 from __future__ import annotations
 
@@ -15,14 +14,7 @@ import torch
 from torch import nn
 
 from duetserve.model.attention import AttentionBackend, AttentionMetadata
-from duetserve.model.layers import (
-    Linear,
-    MergedLinear,
-    RMSNorm,
-    RotaryEmbedding,
-    SwiGLU,
-    use_decode_gemm,
-)
+from duetserve.model.layers import Linear, MergedLinear, RMSNorm, RotaryEmbedding, SwiGLU
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen3", "mistral")
 
@@ -89,20 +81,17 @@ class Attention(nn.Module):
         self.backend = backend
         self.scale = hd ** -0.5
 
-    def forward(self, x, positions, kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
-                norm: RMSNorm | None = None, residual: torch.Tensor | None = None):
-        """``x`` ``[T, hidden]`` at ``positions`` ``[T]``: write K/V to ``kv_cache``, return ``[T, hidden]``,
-        the attention of ``norm(x)`` (x itself without ``norm``) plus ``residual`` when given (both
-        folded into the projections, ``layers.linear``)."""
+    def forward(self, x, positions, kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata):
+        """``x`` ``[T, hidden]`` at ``positions`` ``[T]``: write K/V to ``kv_cache``, return ``[T, hidden]``."""
         t = x.shape[0]
-        q, k, v = self.qkv_proj(x, norm).split(list(self.qkv_proj.parts.values()), dim=-1)
+        q, k, v = self.qkv_proj(x).split(list(self.qkv_proj.parts.values()), dim=-1)
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
         norms = (self.q_norm, self.k_norm) if self.qk_norm else ()
         q = self.rotary[0](positions, q, k, v, kv_cache, meta.slot_mapping, *norms)  # K/V land in the cache
         o = self.backend.forward(q, None, None, kv_cache[0], kv_cache[1], meta, self.scale)
-        return self.o_proj(o.reshape(t, -1), residual=residual)
+        return self.o_proj(o.reshape(t, -1))
 
 
 class DecoderLayer(nn.Module):
@@ -115,27 +104,11 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x, residual, positions, kv_cache, meta):
         """``x`` ``[T, hidden]``, the previous layer's output, and ``residual`` (None in layer 0): the
-        stream before it. Returns this layer's ``(output, residual)``; the stream is their sum.
-
-        Two layouts, the same arithmetic up to rounding:
-        - vLLM's: the residual add is fused into the next norm's kernel (``RMSNorm(x, residual)``).
-        - Where every GEMM of the layer runs the Triton decode GEMM (``folds_norms``: decode graphs
-          of at most 16 sequences), the GEMMs do it: qkv and gate/up normalise their input as they
-          read it, o and down add the stream to their output, and the layer returns ``(stream,
-          None)``: four kernels where the first layout runs six (two norms and four GEMMs).
-        """
-        if residual is None and self.folds_norms(x):
-            h = self.self_attn(x, positions, kv_cache, meta, norm=self.input_layernorm, residual=x)
-            return self.mlp(h, norm=self.post_attention_layernorm, residual=h), None
+        stream before it. Returns this layer's ``(output, residual)``; the stream is their sum."""
         h, residual = self.input_layernorm(x, residual)
         h = self.self_attn(h, positions, kv_cache, meta)
         h, residual = self.post_attention_layernorm(h, residual)
         return self.mlp(h), residual
-
-    def folds_norms(self, x: torch.Tensor) -> bool:
-        """Whether all four projections run on the Triton decode GEMM for ``x`` (``layers.use_decode_gemm``)."""
-        gemms = (self.self_attn.qkv_proj, self.self_attn.o_proj, self.mlp.gate_up_proj, self.mlp.down_proj)
-        return all(use_decode_gemm(x, m.weight) for m in gemms)
 
 
 class _Body(nn.Module):

@@ -7,8 +7,8 @@ While CUDA graphs are recorded (``graph_kernels``: the engine's decode graphs, w
 capture), linear layers run the skinny Triton GEMM of ``duetserve.model.triton_gemm`` on
 decode-sized inputs (at most ``triton_gemm.MAX_M`` rows, bfloat16/float16, on CUDA, or on a CPU
 under ``TRITON_INTERPRET=1`` for tests) whose weight has at most ``triton_gemm.MAX_N`` rows (for
-Qwen3-8B: qkv, o, gate/up and down; lm_head stays on cuBLAS; the decoder then folds its RMSNorms
-and residual adds into those GEMMs, see ``decoder.DecoderLayer``), and the fused ops' Triton kernels are launched with programmatic dependent launch on Hopper. Both save
+Qwen3-8B: qkv, o and down; the merged gate/up projection and lm_head stay on cuBLAS), and the
+fused ops' Triton kernels are launched with programmatic dependent launch on Hopper. Both save
 GPU time between kernels and cost host time at launch (on the lent H200's host a Triton GEMM
 took 53 us to launch against 23 for cuBLAS), so they pay only in a graph, which launches them
 once. Everything else, eager forward passes included, runs cuBLAS (``torch.nn.functional.linear``)
@@ -155,39 +155,26 @@ def use_decode_gemm(x: torch.Tensor, weight: torch.Tensor) -> bool:
             and x.dtype in gemm.DTYPES and weight.dtype == x.dtype and x.stride(-1) == 1 and weight.stride(-1) == 1)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, norm: RMSNorm | None = None,
-           residual: torch.Tensor | None = None) -> torch.Tensor:
-    """``norm(x) @ weight^T + bias (+ residual)``: the Triton decode GEMM where ``use_decode_gemm``
-    says so, with the norm and the residual add inside it (``triton_gemm.decode_gemm``); else the
-    norm's own kernel, cuBLAS and an add.
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ weight^T + bias``: the Triton decode GEMM where ``use_decode_gemm`` says so, else cuBLAS.
 
     Args:
-        x: ``[..., K]`` float tensor (``[T, K]`` when ``norm`` or ``residual`` is given).
+        x: ``[..., K]`` float tensor.
         weight: ``[N, K]``; bias: ``[N]`` or None; both in x's dtype.
-        norm: an RMSNorm over K applied to x first, or None.
-        residual: ``[T, N]`` in x's dtype added to the result, or None.
 
     Returns:
         ``[..., N]`` in x's dtype.
     """
     if use_decode_gemm(x, weight):
-        return _gemm_kernels().decode_gemm(x, weight, bias, norm_weight=None if norm is None else norm.weight,
-                                           eps=0.0 if norm is None else norm.eps, residual=residual)
-    if norm is not None:
-        x = norm(x)[0]
-    y = F.linear(x, weight, bias)
-    return y if residual is None else residual + y
+        return _gemm_kernels().decode_gemm(x, weight, bias)
+    return F.linear(x, weight, bias)
 
 
 class Linear(nn.Linear):
-    """``nn.Linear`` computed by ``linear``: cuBLAS, or the Triton decode GEMM (``DUETSERVE_DECODE_GEMM``).
+    """``nn.Linear`` computed by ``linear``: cuBLAS, or the Triton decode GEMM (``DUETSERVE_DECODE_GEMM``)."""
 
-    ``forward(x, norm=None, residual=None)``: ``norm(x) @ weight^T + bias (+ residual)`` (see ``linear``).
-    """
-
-    def forward(self, x: torch.Tensor, norm: RMSNorm | None = None,
-                residual: torch.Tensor | None = None) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, norm, residual)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias)
 
 
 class MergedLinear(Linear):
@@ -226,8 +213,6 @@ class SwiGLU(nn.Module):
         self.gate_up_proj = MergedLinear(hidden, {"gate_proj": intermediate, "up_proj": intermediate}, bias)
         self.down_proj = Linear(intermediate, hidden, bias=bias)
 
-    def forward(self, x: torch.Tensor, norm: RMSNorm | None = None,
-                residual: torch.Tensor | None = None) -> torch.Tensor:
-        """``[T, hidden]`` -> ``[T, hidden]``: the MLP of ``norm(x)`` (x itself without ``norm``), plus
-        ``residual`` ``[T, hidden]`` when given (see ``linear``)."""
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x, norm)), residual=residual)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``[T, hidden]`` -> ``[T, hidden]``."""
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
