@@ -56,6 +56,15 @@ def positive_int(text: str) -> int:
 
 
 @argtype
+def non_negative_int(text: str) -> int:
+    """An integer >= 0, e.g. a seed (numpy refuses negative seeds); else "must be an integer >= 0, got 'TEXT'"."""
+    value = number(text, int)
+    if value < 0:
+        raise ValueError(f"must be an integer >= 0, got {text!r}")
+    return value
+
+
+@argtype
 def rate(text: str) -> float:
     """A request rate in req/s: a number > 0, or ``inf`` (all at once); nan is refused."""
     return _positive(number(text, float), text, "rate (req/s) or inf")

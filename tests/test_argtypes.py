@@ -47,6 +47,12 @@ def test_positive_int():
     assert refused(positive_int, "1.5") == "expected an integer, got '1.5'"
 
 
+def test_non_negative_int():
+    assert argtypes.non_negative_int("0") == 0 and argtypes.non_negative_int("42") == 42
+    assert refused(argtypes.non_negative_int, "-1") == "must be an integer >= 0, got '-1'"
+    assert refused(argtypes.non_negative_int, "x") == "expected an integer, got 'x'"
+
+
 def test_rate_and_rates():
     assert rate("2.5") == 2.5 and rate("inf") == math.inf
     assert refused(rate, "0") == "must be a positive rate (req/s) or inf, got '0'"

@@ -126,6 +126,7 @@ def test_serve_refuses_a_busy_port_before_loading(capsys):
     (["--request-timeout", "0"], "argument --request-timeout: must be a positive duration, got '0'"),
     (["--launch-timeout", "0s"], "argument --launch-timeout: must be a positive duration, got '0s'"),
     (["--tbt-slo", "0"], "argument --tbt-slo: must be a positive duration, got '0'"),
+    (["--seed", "-1"], "argument --seed: must be an integer >= 0, got '-1'"),
 ])
 def test_bad_bench_flags_exit_2_naming_the_flag(argv, message, capsys):
     """Refused before any request is sent (``--max-concurrency 0`` used to hang, ``--percentiles

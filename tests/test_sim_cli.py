@@ -122,6 +122,7 @@ def test_policy_takes_a_comma_separated_list(capsys):
     (["--cv", "-1"], "argument --cv: must be a finite number >= 0, got '-1'"),
     (["--gpu-memory-utilization", "2"], "argument --gpu-memory-utilization: must be in (0, 1], got '2'"),
     (["--gpu-memory-utilization", "0"], "argument --gpu-memory-utilization: must be in (0, 1], got '0'"),
+    (["--seed", "-1"], "argument --seed: must be an integer >= 0, got '-1'"),  # numpy's message, unnamed
 ])
 def test_bad_values_name_the_flag(args, message, capsys):
     with pytest.raises(SystemExit) as exc:

@@ -34,6 +34,7 @@ from duetserve.argtypes import (
     argtype,
     cv,
     existing_file,
+    non_negative_int,
     number,
     output_file,
     pair,
@@ -123,7 +124,7 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
     t.add_argument("--max-input-len", type=positive_int, metavar="TOKENS", help="cap prompt lengths")
     t.add_argument("--max-output-len", type=positive_int, metavar="TOKENS", help="cap output lengths")
     add_length_options(t)
-    t.add_argument("--seed", type=int, default=0, help="seed for lengths, arrivals and prompts")
+    t.add_argument("--seed", type=non_negative_int, default=0, help="seed for lengths, arrivals and prompts")
 
     s = p.add_argument_group("server")
     s.add_argument("--base-url", default="http://127.0.0.1:8000")

@@ -70,7 +70,7 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
     t.add_argument("--max-input-len", type=argtypes.positive_int, metavar="TOKENS")
     t.add_argument("--max-output-len", type=argtypes.positive_int, metavar="TOKENS")
     argtypes.add_length_options(t)
-    t.add_argument("--seed", type=int, default=0, help="seed for lengths and arrivals")
+    t.add_argument("--seed", type=argtypes.non_negative_int, default=0, help="seed for lengths and arrivals")
 
     m = p.add_argument_group("model and GPU")
     m.add_argument("--model-config", type=argtypes.argtype(_model_shape), default="qwen3-8b",
