@@ -166,6 +166,8 @@ BAD = [
     ("/v1/completions", {"prompt": "x" * 2_000_000}, "prompt"),
     ("/v1/completions", {"prompt": "hi", "stop_token_ids": [-1]}, "stop_token_ids"),
     ("/v1/completions", {"prompt": "hi", "logprobs": 2}, "logprobs"),
+    ("/v1/completions", {"prompt": "hi", "logprobs": 0}, "logprobs"),  # 0: the sampled tokens' logprobs
+    ("/v1/completions", {"prompt": "hi", "echo": True}, "echo"),
     ("/v1/completions", {"prompt": "hi", "presence_penalty": 0.5}, "presence_penalty"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
                               "response_format": {"type": "json_object"}}, "response_format"),
@@ -441,3 +443,21 @@ def test_chat_default_max_tokens_fits_a_small_kv_cache(tmp_path):
     assert _room(SimpleNamespace(engine=small), 90) == 1  # the engine then refuses the prompt itself
     with pytest.raises(ValueError, match="--max-model-len 200 is more than the KV cache holds .80 tokens"):
         LLMEngine(EngineConfig(num_kv_blocks=5, max_model_len=200))
+
+
+@pytest.mark.parametrize("field,off,on", [
+    ("echo", False, True), ("add_generation_prompt", True, False), ("continue_final_message", False, True),
+    ("chat_template", None, "{{ messages }}"), ("chat_template_kwargs", {}, {"enable_thinking": False}),
+    ("min_p", 0, 0.5), ("structured_outputs", None, {"choice": ["a", "b"]}), ("logprobs", False, True),
+])
+def test_chat_fields_this_server_does_not_implement(field, off, on):
+    """vLLM's chat extensions that change the prompt or the sampling are refused (400 naming the
+    field) unless sent at the value that asks for nothing, as client libraries may send them."""
+    from duetserve.sampling import ParamError
+    from duetserve.server.protocol import ChatCompletionRequest
+
+    messages = [{"role": "user", "content": "hi"}]
+    ChatCompletionRequest(messages=messages, **{field: off}).sampling_params(16)
+    with pytest.raises(ParamError, match=f"{field} is not supported") as err:
+        ChatCompletionRequest(messages=messages, **{field: on}).sampling_params(16)
+    assert err.value.param == field

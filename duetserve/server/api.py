@@ -134,8 +134,6 @@ def create_app(engine: AsyncEngine, metrics: ServerMetrics, model_name: str, api
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
         check_model(body.model)
-        if body.echo:
-            raise ParamError("echo is not supported", "echo")
         params = body.sampling_params(default_max_tokens)
         prompt = body.prompt
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):

@@ -66,13 +66,18 @@ class StreamOptions(BaseModel):
 
 # OpenAI fields this server does not implement, with the values that ask for nothing (a client
 # library may send those); any other value is refused with HTTP 400 rather than ignored.
+# (``logprobs``: 0 is not off for /v1/completions, where it asks for the sampled tokens' logprobs.)
+# Chat: vLLM's ``echo``, ``add_generation_prompt``, ``continue_final_message`` and ``chat_template``
+# change the prompt, so they are refused unless at their defaults too.
 _UNSUPPORTED: dict[str, tuple] = {
-    "logprobs": (None, False, 0), "top_logprobs": (None, 0), "best_of": (None, 1),
+    "logprobs": (None, False), "top_logprobs": (None, 0), "best_of": (None, 1),
     "frequency_penalty": (None, 0), "presence_penalty": (None, 0), "repetition_penalty": (None, 1),
-    "logit_bias": (None, {}), "suffix": (None, ""), "min_tokens": (None, 0),
+    "min_p": (None, 0), "logit_bias": (None, {}), "suffix": (None, ""), "min_tokens": (None, 0),
     "response_format": (None, {"type": "text"}), "tools": (None, []), "tool_choice": (None, "none", "auto"),
     "functions": (None, []), "function_call": (None, "none", "auto"), "guided_json": (None,),
-    "guided_regex": (None,), "guided_choice": (None,), "guided_grammar": (None,),
+    "guided_regex": (None,), "guided_choice": (None,), "guided_grammar": (None,), "structured_outputs": (None,),
+    "echo": (None, False), "add_generation_prompt": (None, True), "continue_final_message": (None, False),
+    "chat_template": (None,), "chat_template_kwargs": (None, {}),
 }
 
 
@@ -134,7 +139,6 @@ class CompletionRequest(_SamplingFields):
 
     prompt: Annotated[str | list[Int] | list[str] | list[list[Int]],
                       _one_of("a string, a list of token ids (integers), or a list holding one of either")]
-    echo: StrictBool = False
 
 
 class TextPart(BaseModel):
