@@ -87,8 +87,19 @@ def test_tp_splits_heads_and_weights(gpu):
     reqs = [(1, 4095)] * 8
     assert two.predict(reqs, 100).attention == pytest.approx(one.predict(reqs, 100).attention / 2, rel=0.01)
     assert two.predict(reqs, 100).linear == pytest.approx(one.predict(reqs, 100).linear / 2, rel=0.01)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=r"^tp=3: the model's 8 query heads and intermediate size 4096 are not "
+                                         r"divisible by 3$"):
         CostModel(SHAPE, gpu, tp=3)
+
+
+def test_tp_split_error_names_what_does_not_divide():
+    assert SHAPE.tp_split_error(1) is None and SHAPE.tp_split_error(8) is None  # 2 KV heads < 8: replicated
+    assert SHAPE.tp_split_error(16) == "8 query heads are not divisible by 16"
+    qwen = ModelShape.preset("qwen3-8b")
+    assert qwen.tp_split_error(3) == "32 query heads and 8 KV heads are not divisible by 3"
+    assert ModelShape.preset("qwen3-14b").tp_split_error(5) == \
+        "8 KV heads and intermediate size 17408 are not divisible by 5"
+    assert replace(SHAPE, intermediate=4095).tp_split_error(2) == "intermediate size 4095 is not divisible by 2"
 
 
 def test_lm_head_modes(gpu):

@@ -74,6 +74,8 @@ def test_missing_qps_is_a_usage_error(capsys):
      "--kv-cache-tokens 10 is less than one KV block of 16 tokens"),
     ([*SMALL, "--qps", "2", "--kv-cache-tokens", "100"],
      "the KV cache of 96 tokens (from --kv-cache-tokens) holds no request of the trace: the shortest needs"),
+    ([*SMALL, "--qps", "2", "--tp", "3"],  # printed a ModelShape(...) repr
+     "error: --tp 3: the model's 32 query heads and 8 KV heads are not divisible by 3\n"),
     ([*SMALL, "--qps", "2", "--max-model-len", "10"],
      "--max-model-len 10 leaves no room for an output token: the shortest prompt of the trace has"),
 ])

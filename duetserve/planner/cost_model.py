@@ -108,6 +108,24 @@ class ModelShape:
     vocab: int
     tie_embeddings: bool = False
 
+    def tp_split_error(self, tp: int) -> str | None:
+        """Why ``tp`` GPUs cannot split this model (as ``CostModel`` splits it), or None when they can.
+
+        Query heads and the intermediate size must divide by ``tp``; KV heads too unless they
+        are fewer than ``tp`` (then replicated). E.g. "32 query heads and 8 KV heads are not
+        divisible by 3".
+        """
+        bad = [f"{self.q_heads} query heads"] if self.q_heads % tp else []
+        if self.kv_heads >= tp and self.kv_heads % tp:
+            bad.append(f"{self.kv_heads} KV heads")
+        if self.intermediate % tp:
+            bad.append(f"intermediate size {self.intermediate}")
+        if not bad:
+            return None
+        what = bad[0] if len(bad) == 1 else f"{', '.join(bad[:-1])} and {bad[-1]}"
+        verb = "is" if what.startswith("intermediate") else "are"  # the size alone is singular
+        return f"{what} {verb} not divisible by {tp}"
+
     @classmethod
     def from_hf_config(cls, config: Mapping[str, object]) -> ModelShape:
         """Build from a Hugging Face ``config.json`` dict.
@@ -196,8 +214,8 @@ class CostModel:
                  decode_margin: float = 1.0, cuda_graphs: bool = True) -> None:
         if dtype_bytes <= 0 or tp <= 0:
             raise ValueError("dtype_bytes and tp must be positive")
-        if shape.q_heads % tp or shape.intermediate % tp or (shape.kv_heads >= tp and shape.kv_heads % tp):
-            raise ValueError(f"heads and intermediate of {shape} do not split {tp} ways")
+        if (why := shape.tp_split_error(tp)) is not None:
+            raise ValueError(f"tp={tp}: the model's {why}")
         if lm_head not in ("last", "all"):
             raise ValueError(f"lm_head must be 'last' or 'all', got {lm_head!r}")
         if decode_margin < 1.0:

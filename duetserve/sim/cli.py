@@ -123,6 +123,12 @@ def _check_trace_flags(args: argparse.Namespace) -> None:
         raise ValueError("--num-requests is required for a synthetic trace")
 
 
+def _check_tp(args: argparse.Namespace) -> None:
+    """Raise ValueError naming ``--tp`` when the model's heads or intermediate size do not split that many ways."""
+    if (why := args.model_config.tp_split_error(args.tp)) is not None:
+        raise ValueError(f"--tp {args.tp}: the model's {why}")
+
+
 def _check_trace_fits(args: argparse.Namespace, config: SimConfig, trace: Sequence[TraceRequest]) -> None:
     """Raise ValueError, naming the flag, when the KV cache or the context limit leaves no
     request of ``trace`` able to run."""
@@ -152,6 +158,7 @@ def _policies(text: str) -> str:
 
 def _simulate(args: argparse.Namespace) -> int:
     _check_trace_flags(args)
+    _check_tp(args)
     names = args.policy.split(",") if args.policy != "all" else list(POLICIES)
     if args.policy == "all" and args.partition_backend == "none":
         names.remove("pdmux")
