@@ -108,6 +108,7 @@ def test_16_concurrent_streaming_chats(server, tokenizer):
         assert usage_chunk["usage"] == {"prompt_tokens": len(prompt), "completion_tokens": 12 + i,
                                         "total_tokens": len(prompt) + 12 + i}
         assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+        assert all("usage" in c and c["usage"] is None for c in chunks)  # null until the last chunk
         assert chunks[-1]["choices"][0]["finish_reason"] == "length"
         assert all(c["object"] == "chat.completion.chunk" for c in chunks)
     assert metric(server, "vllm:generation_tokens_total") - before == sum(12 + i for i in range(16))

@@ -214,17 +214,19 @@ def create_app(engine: AsyncEngine, metrics: ServerMetrics, model_name: str, api
                              chat: bool, include_usage: bool) -> AsyncIterator[str]:
         obj = "chat.completion.chunk" if chat else "text_completion"
         head = {"id": request_id, "object": obj, "created": created, "model": model_name}
+        # with include_usage every chunk has a usage field, null but in the last (OpenAI's stream_options)
+        chunk = {**head, "usage": None} if include_usage else head
         last = first
         try:
             if chat:
-                yield _sse({**head, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
-                                                 "logprobs": None, "finish_reason": None}]})
+                yield _sse({**chunk, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                                  "logprobs": None, "finish_reason": None}]})
             out = first
             while True:
                 # A completions client sees only text: no chunk for tokens whose text is held back
                 # (a possible stop string, an unfinished UTF-8 character)
                 if (out.new_token_ids if chat else out.new_text) or out.finished:
-                    yield _sse({**head, "choices": [_choice(chat, out.new_text, out.finish_reason, True)]})
+                    yield _sse({**chunk, "choices": [_choice(chat, out.new_text, out.finish_reason, True)]})
                 last = out
                 if out.finished:
                     break
