@@ -107,6 +107,21 @@ def test_unwritable_outputs_fail_before_simulating(flag, tmp_path, monkeypatch, 
     assert simulated == []
 
 
+def test_model_config_file_that_is_not_a_json_config(tmp_path, capsys):
+    """Said only "Expecting value: line 1 column 1 (char 0)" before."""
+    text, listed, empty = tmp_path / "passwd", tmp_path / "list.json", tmp_path / "empty.json"
+    text.write_text("root:x:0:0:root:/root:/bin/bash\n")
+    listed.write_text("[1, 2]")
+    empty.write_text("{}")
+    for path, reason in [(text, "Expecting value: line 1 column 1 (char 0)"),
+                         (listed, "a JSON list, not an object"), (empty, "config has no 'hidden_size'")]:
+        with pytest.raises(SystemExit) as exc:
+            main([*SMALL, "--qps", "2", "--model-config", str(path)])
+        assert exc.value.code == 2
+        assert f"error: argument --model-config: {path} is not a JSON model config: {reason}\n" \
+            in capsys.readouterr().err
+
+
 def test_policy_takes_a_comma_separated_list(capsys):
     from duetserve.cli import main
 

@@ -42,13 +42,22 @@ def _fraction(text: str) -> float:
 
 
 def _model_shape(text: str) -> ModelShape:
-    """A preset name, or the path of a Hugging Face ``config.json`` (or its folder)."""
+    """A preset name, or the path of a Hugging Face ``config.json`` (or its folder).
+
+    A file that is not one is "PATH is not a JSON model config: REASON" (the JSON error, or the missing key).
+    """
     path = Path(text)
     if path.is_dir():
         path = path / "config.json"
-    if path.is_file():
-        return ModelShape.from_hf_config(json.loads(path.read_text()))
-    return ModelShape.preset(text)
+    if not path.is_file():
+        return ModelShape.preset(text)
+    try:
+        config = json.loads(path.read_text())
+        if not isinstance(config, dict):
+            raise ValueError(f"a JSON {type(config).__name__}, not an object")
+        return ModelShape.from_hf_config(config)
+    except (ValueError, TypeError, ArithmeticError) as exc:  # bad JSON or UTF-8, a missing key, a bad number
+        raise ValueError(f"{path} is not a JSON model config: {exc}") from exc
 
 
 def configure_parser(p: argparse.ArgumentParser) -> None:
