@@ -144,6 +144,21 @@ def test_bench_goodput_error_names_the_flag(capsys):
     assert "duetserve bench: error: --goodput ttft:-1: bad duration '-1'" in capsys.readouterr().err
 
 
+def test_bench_compare_names_a_file_that_is_no_bench_result(tmp_path, capsys):
+    """Printed json's "Expecting value: ..." alone, naming neither the flag nor the file."""
+    text, rows, partial = tmp_path / "passwd", tmp_path / "rows.json", tmp_path / "partial.json"
+    text.write_text("root:x:0:0:root:/root:/bin/bash\n")
+    rows.write_text("[]")  # e.g. simulate --json
+    partial.write_text('{"completed": 3}')
+    for path, reason in [(text, "Expecting value: line 1 column 1 (char 0)"), (rows, "a JSON list, not an object"),
+                         (partial, "no 'duration', 'requests'")]:
+        with pytest.raises(SystemExit) as exc:
+            main(["bench", "--compare", str(path), str(path)])
+        assert exc.value.code == 2
+        assert capsys.readouterr().err.endswith(
+            f"duetserve bench: error: argument --compare: {path} is not a bench JSON result: {reason}\n")
+
+
 def test_serve_refuses_a_bad_iteration_log_before_loading_the_model(tmp_path, monkeypatch, capsys):
     import duetserve.engine.engine as engine_module
 

@@ -89,6 +89,35 @@ def _token_id_range(text: str) -> tuple[int, int]:
 
 
 
+_RESULT_KEYS = ("completed", "duration", "requests")
+"""Keys every saved result has (``_build_result``), checked by ``load_result``."""
+
+
+def load_result(path: Path) -> dict[str, Any]:
+    """A result saved by ``duetserve bench --result-file``.
+
+    Raises:
+        ValueError: "PATH is not a bench JSON result: REASON" (bad JSON, not an object, a missing key).
+        OSError: the file cannot be read.
+    """
+    try:
+        result = json.loads(path.read_text())
+    except ValueError as exc:  # bad JSON or UTF-8
+        raise ValueError(f"{path} is not a bench JSON result: {exc}") from exc
+    if not isinstance(result, dict):
+        raise ValueError(f"{path} is not a bench JSON result: a JSON {type(result).__name__}, not an object")
+    if missing := [k for k in _RESULT_KEYS if k not in result]:
+        raise ValueError(f"{path} is not a bench JSON result: no {', '.join(map(repr, missing))}")
+    return result
+
+
+def _result_input(text: str) -> Path:
+    """``--compare``: an existing file holding a saved result (see ``load_result``)."""
+    path = existing_file(text)
+    load_result(path)
+    return path
+
+
 def _existing_folder(text: str) -> str:
     if not Path(text).is_dir():
         raise ValueError(f"no such folder: {text}")
@@ -161,7 +190,7 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
     r.add_argument("--plot", type=output_file, metavar="PNG", help="draw TTFT/TBT CDFs, TBT over time")
     r.add_argument("--iteration-log", type=Path, metavar="JSONL",  # may be written by the --launch server
                    help='server iteration log {"t": unix_s, "spatial": bool} to mark in --plot')
-    r.add_argument("--compare", nargs=2, type=existing_file, metavar=("A.json", "B.json"),
+    r.add_argument("--compare", nargs=2, type=argtype(_result_input), metavar=("A.json", "B.json"),
                    help="print two saved results side by side (no run)")
     r.add_argument("--no-progress", action="store_true", help="hide the progress bar")
 
@@ -218,7 +247,7 @@ def _result_path(path: Path, qps: float | None, sweep: bool) -> Path:
 
 
 def _compare(args: argparse.Namespace) -> int:
-    a, b = (json.loads(p.read_text()) for p in args.compare)
+    a, b = (load_result(p) for p in args.compare)
     print(format_comparison(a, b, (args.compare[0].stem, args.compare[1].stem)))
     if args.plot:
         plot_results([a, b], [p.stem for p in args.compare], args.plot, _spatial_times(args))
