@@ -126,21 +126,24 @@ def main() -> int:
         runs[variant] = json.loads(path.read_text())
     args.out.write_text(json.dumps(runs, indent=1))
     eager = {(r["batch"], r["ctx"]): r for r in runs.get("eager", {}).get("decode", [])}
-    cublas = {(r["batch"], r["ctx"]): r for r in runs.get("graphs-cublas", {}).get("decode", [])}
+    others = {v: {(r["batch"], r["ctx"]): r for r in run.get("decode", [])}
+              for v, run in runs.items() if v not in ("graphs", "eager")}  # graph variants beside the default
     nan = {"ms": float("nan"), "ratio": float("nan"), "multi_step_ratio": float("nan")}
     base = runs.get("graphs") or next(iter(runs.values()))
     print(f"\ndecode step, ms (graphs recorded: {base['graphs']}); floor = bytes(weights+KV)/4.19 TB/s; "
-          f"cublas: graphs with DUETSERVE_DECODE_GEMM=cublas")
+          f"then each other variant's ms, ratio and 8-step ratio ({', '.join(others) or 'none'})")
     print(f"{'batch':>5} {'ctx':>5} {'graphs':>8} {'eager':>8} {'floor':>7} {'ratio':>6} {'speedup':>7} "
-          f"{'8-step/step':>11} {'ratio':>6} {'cublas':>8} {'ratio':>6} {'8-step':>6}")
+          f"{'8-step/step':>11} {'ratio':>6}" + "".join(f" {v[-8:]:>8} {'ratio':>6} {'8-step':>6}" for v in others))
     for r in base["decode"]:
-        e, t = (d.get((r["batch"], r["ctx"]), nan) for d in (eager, cublas))
-        if "error" in r or "error" in e or "error" in t:
-            print(f"{r['batch']:>5} {r['ctx']:>5} ERROR {(r.get('error') or e.get('error') or t.get('error'))[:70]}")
+        key = (r["batch"], r["ctx"])
+        e, rest = eager.get(key, nan), [o.get(key, nan) for o in others.values()]
+        bad = [d.get("error") for d in (r, e, *rest) if "error" in d]
+        if bad:
+            print(f"{r['batch']:>5} {r['ctx']:>5} ERROR {bad[0][:70]}")
             continue
         print(f"{r['batch']:>5} {r['ctx']:>5} {r['ms']:8.2f} {e['ms']:8.2f} {r['floor_ms']:7.2f} {r['ratio']:6.2f} "
-              f"{e['ms'] / r['ms']:7.2f} {r['multi_step_ms']:11.2f} {r['multi_step_ratio']:6.2f} {t['ms']:8.2f} "
-              f"{t['ratio']:6.2f} {t['multi_step_ratio']:6.2f}")
+              f"{e['ms'] / r['ms']:7.2f} {r['multi_step_ms']:11.2f} {r['multi_step_ratio']:6.2f}"
+              + "".join(f" {t['ms']:8.2f} {t['ratio']:6.2f} {t['multi_step_ratio']:6.2f}" for t in rest))
     print("\nprefill (graphs build)")
     for r in base["prefill"]:
         print(f"{r['shape']:>8} {r['ms']:8.1f} ms {r['tflops']:6.0f} TFLOP/s  {100 * r['frac_of_797']:5.1f}% of 797")
