@@ -54,7 +54,7 @@ def _model_shape(text: str) -> ModelShape:
     try:
         config = json.loads(path.read_text())
         if not isinstance(config, dict):
-            raise ValueError(f"a JSON {type(config).__name__}, not an object")
+            raise TypeError(f"a JSON {type(config).__name__}, not an object")
         return ModelShape.from_hf_config(config)
     except (ValueError, TypeError, ArithmeticError) as exc:  # bad JSON or UTF-8, a missing key, a bad number
         raise ValueError(f"{path} is not a JSON model config: {exc}") from exc
