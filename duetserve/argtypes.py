@@ -152,6 +152,32 @@ def output_file(text: str) -> Path:
     return path
 
 
+def image_formats() -> list[str]:
+    """The image file suffixes matplotlib can save to, without the dot (png, pdf, svg, ...), sorted."""
+    from matplotlib.figure import Figure  # imported only where a plot is asked for
+
+    return sorted(Figure().canvas.get_supported_filetypes())
+
+
+@argtype
+def plot_file(text: str) -> Path:
+    """An image to draw later: ``output_file``'s checks, then a suffix matplotlib can save to, so a bad
+    ``--plot`` fails before the work whose results it draws.
+
+    Errors: those of ``output_file``, "TEXT has no image suffix; use one of .avif, .eps, ...",
+    "TEXT: matplotlib cannot write .SUFFIX images; use one of .avif, .eps, ...".
+    """
+    path = output_file(text)
+    formats = image_formats()
+    use = f"use one of {', '.join('.' + f for f in formats)}"
+    suffix = path.suffix[1:].lower()  # matplotlib lower-cases it too
+    if not suffix:  # savefig would append .png, so the file printed would not be the one written
+        raise ValueError(f"{text} has no image suffix; {use}")
+    if suffix not in formats:
+        raise ValueError(f"{text}: matplotlib cannot write .{suffix} images; {use}")
+    return path
+
+
 def add_length_options(group: argparse._ArgumentGroup) -> None:
     """``--input-len`` and ``--output-len`` (bench and simulate): lengths of synthetic requests, in tokens.
 

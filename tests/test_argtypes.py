@@ -118,6 +118,18 @@ def test_output_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     assert refused(output_file, str(tmp_path / "out.json")) == f"folder {tmp_path} is not writable"
 
 
+def test_plot_file_needs_a_suffix_matplotlib_writes(tmp_path: Path):
+    formats = argtypes.image_formats()
+    assert {"png", "pdf", "svg"} <= set(formats) and "txt" not in formats
+    use = f"use one of {', '.join('.' + f for f in formats)}"
+    assert argtypes.plot_file(str(tmp_path / "p.png")) == tmp_path / "p.png"
+    assert argtypes.plot_file(str(tmp_path / "p.PDF")) == tmp_path / "p.PDF"
+    assert refused(argtypes.plot_file, str(tmp_path / "p.txt")) == \
+        f"{tmp_path / 'p.txt'}: matplotlib cannot write .txt images; {use}"
+    assert refused(argtypes.plot_file, str(tmp_path / "p")) == f"{tmp_path / 'p'} has no image suffix; {use}"
+    assert refused(argtypes.plot_file, str(tmp_path / "no" / "p.png")) == f"no such folder: {tmp_path / 'no'}"
+
+
 def test_length_options_parse_their_defaults_too():
     parser = argparse.ArgumentParser()
     argtypes.add_length_options(parser.add_argument_group("trace"))

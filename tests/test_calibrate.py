@@ -381,6 +381,7 @@ def test_plot_draws_a_png(tmp_path):
     (["--model", "/no/such/config.json"], "--model"),
     (["--out", "/no/such/dir/p.json"], "--out"),
     (["--plot", "/no/such/dir/c.png"], "--plot"),
+    (["--plot", "/tmp/c.txt"], "--plot: /tmp/c.txt: matplotlib cannot write .txt images"),
     (["--partition-backend", "mig"], "--partition-backend"),
     (["--gpu-name", " "], "--gpu-name: must not be empty"),
     (["--iteration-log", "/no/such/log.jsonl"], "--iteration-log: no such file: /no/such/log.jsonl"),

@@ -5,6 +5,7 @@ import argparse
 
 import pytest
 
+from duetserve.argtypes import image_formats
 from duetserve.cli import _add_serve, _positive_float, main
 
 
@@ -119,6 +120,9 @@ def test_serve_refuses_a_busy_port_before_loading(capsys):
     (["--window", "5:1"], "argument --window: START must be before END, got '5:1'"),
     (["--result-file", "/nonexistent/r.json"], "argument --result-file: no such folder: /nonexistent"),
     (["--plot", "/nonexistent/p.png"], "argument --plot: no such folder: /nonexistent"),
+    (["--plot", "/tmp/p.txt"],  # failed in matplotlib after the whole run
+     "argument --plot: /tmp/p.txt: matplotlib cannot write .txt images; use one of "
+     + ", ".join(f".{f}" for f in image_formats())),
     (["--tokenizer", "/nonexistent"], "argument --tokenizer: no such folder: /nonexistent"),
     (["--compare", "/nonexistent/a.json", "/nonexistent/b.json"],
      "argument --compare: no such file: /nonexistent/a.json"),

@@ -122,6 +122,16 @@ def test_model_config_file_that_is_not_a_json_config(tmp_path, capsys):
             in capsys.readouterr().err
 
 
+def test_plot_format_is_checked_before_simulating(tmp_path, monkeypatch, capsys):
+    """A .txt plot failed in matplotlib only after every simulation had run."""
+    monkeypatch.setattr(sim_cli, "simulate", lambda *a, **k: pytest.fail("simulated before checking --plot"))
+    with pytest.raises(SystemExit) as exc:
+        main([*SMALL, "--qps", "2", "--plot", str(tmp_path / "x.txt")])
+    assert exc.value.code == 2
+    assert f"error: argument --plot: {tmp_path / 'x.txt'}: matplotlib cannot write .txt images; use one of " \
+        in capsys.readouterr().err
+
+
 def test_policy_takes_a_comma_separated_list(capsys):
     from duetserve.cli import main
 

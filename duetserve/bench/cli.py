@@ -38,6 +38,7 @@ from duetserve.argtypes import (
     number,
     output_file,
     pair,
+    plot_file,
     positive_duration,
     positive_int,
     rate,
@@ -187,7 +188,7 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
                    help="save results as JSON (with --sweep-qps: one PATH_qps{Q}.json per load)")
     r.add_argument("--sweep-qps", type=rates, metavar="Q,Q,...",
                    help="one run per rate (needs --arrival scale|poisson for trace files)")
-    r.add_argument("--plot", type=output_file, metavar="PNG", help="draw TTFT/TBT CDFs, TBT over time")
+    r.add_argument("--plot", type=plot_file, metavar="PNG", help="draw TTFT/TBT CDFs, TBT over time")
     r.add_argument("--iteration-log", type=Path, metavar="JSONL",  # may be written by the --launch server
                    help='server iteration log {"t": unix_s, "spatial": bool} to mark in --plot')
     r.add_argument("--compare", nargs=2, type=argtype(_result_input), metavar=("A.json", "B.json"),

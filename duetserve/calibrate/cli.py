@@ -26,7 +26,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from duetserve.argtypes import argtype, existing_file, non_empty, output_file
+from duetserve.argtypes import argtype, existing_file, non_empty, output_file, plot_file
 from duetserve.calibrate.host import fit_host_overheads, read_iteration_log
 from duetserve.calibrate.report import (
     format_curves,
@@ -65,7 +65,7 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
                    help="streams of S SMs for BW(S), Pi(S) and split decode (none: all SMs only)")
     p.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default="auto")
     p.add_argument("--device", default="cuda", help="cuda or cuda:N")
-    p.add_argument("--plot", type=output_file, metavar="OUT.png", help="draw predicted against measured")
+    p.add_argument("--plot", type=plot_file, metavar="OUT.png", help="draw predicted against measured")
     p.add_argument("--quick", action="store_true",
                    help="8 timed repeats instead of 20, one decode batch on split SM levels")
     p.add_argument("--iteration-log", type=existing_file, metavar="LOG.jsonl",

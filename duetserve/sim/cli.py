@@ -113,7 +113,7 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
 
     r = p.add_argument_group("results")
     r.add_argument("--json", type=argtypes.output_file, metavar="OUT.json", help="save the rows as a JSON list")
-    r.add_argument("--plot", type=argtypes.output_file, metavar="OUT.png",
+    r.add_argument("--plot", type=argtypes.plot_file, metavar="OUT.png",
                    help="plot TBT, TTFT and throughput against QPS")
     r.add_argument("--no-progress", action="store_true", help="hide the progress bar")
 
