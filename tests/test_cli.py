@@ -131,6 +131,7 @@ def test_serve_refuses_a_busy_port_before_loading(capsys):
     (["--launch-timeout", "0s"], "argument --launch-timeout: must be a positive duration, got '0s'"),
     (["--tbt-slo", "0"], "argument --tbt-slo: must be a positive duration, got '0'"),
     (["--seed", "-1"], "argument --seed: must be an integer >= 0, got '-1'"),
+    (["--iteration-log", "/nonexistent/it.jsonl"], "argument --iteration-log: no such folder: /nonexistent"),
 ])
 def test_bad_bench_flags_exit_2_naming_the_flag(argv, message, capsys):
     """Refused before any request is sent (``--max-concurrency 0`` used to hang, ``--percentiles
@@ -161,6 +162,27 @@ def test_bench_compare_names_a_file_that_is_no_bench_result(tmp_path, capsys):
         assert exc.value.code == 2
         assert capsys.readouterr().err.endswith(
             f"duetserve bench: error: argument --compare: {path} is not a bench JSON result: {reason}\n")
+
+
+def test_bench_needs_the_iteration_log_up_front_unless_a_launched_server_writes_it(tmp_path, monkeypatch, capsys):
+    """It was read only after the whole run: "[Errno 2] No such file or directory: '/nonexist.jsonl'"."""
+    from duetserve.bench import cli as bench_cli
+
+    monkeypatch.setattr(bench_cli, "load_trace", lambda *a: pytest.fail("the trace was loaded first"))
+    missing = tmp_path / "it.jsonl"
+    assert main(["bench", "--num-requests", "2", "--qps", "2", "--iteration-log", str(missing),
+                 "--plot", str(tmp_path / "b.png")]) == 1
+    assert capsys.readouterr().err == (f"duetserve bench: error: --iteration-log {missing}: no such file "
+                                       "(only a --launch server can write it during the run)\n")
+    parser = argparse.ArgumentParser()
+    bench_cli.configure_parser(parser)
+    launched = parser.parse_args(["--launch", "true", "--iteration-log", str(missing)])
+    bench_cli._check_iteration_log(launched)  # the server may write it
+    with pytest.raises(ValueError, match=f"^--iteration-log {missing}: No such file or directory$"):
+        bench_cli._spatial_times(launched)  # ... and if it did not, the plot names the flag
+    missing.write_text('{"t": 1.0}\n')
+    with pytest.raises(ValueError, match=f"^--iteration-log {missing}:1: KeyError: 'spatial'$"):
+        bench_cli._spatial_times(launched)
 
 
 def test_serve_refuses_a_bad_iteration_log_before_loading_the_model(tmp_path, monkeypatch, capsys):

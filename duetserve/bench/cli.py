@@ -119,6 +119,27 @@ def _result_input(text: str) -> Path:
     return path
 
 
+def _iteration_log(text: str) -> Path:
+    """``--iteration-log``: an existing file, or one a ``--launch`` server can create (in an existing,
+    writable folder; ``_check_iteration_log`` asks for the file itself without ``--launch``)."""
+    path = Path(text)
+    return path if path.is_file() else output_file(text)
+
+
+def _check_iteration_log(args: argparse.Namespace) -> None:
+    """Raise ValueError naming ``--iteration-log`` when it names no readable file and no ``--launch``
+    server can write it during the run (it is read only after the run, for ``--plot``)."""
+    path = args.iteration_log
+    if path is None or args.launch:
+        return
+    if not path.is_file():
+        raise ValueError(f"--iteration-log {path}: no such file (only a --launch server can write it during the run)")
+    try:
+        open(path).close()
+    except OSError as exc:
+        raise ValueError(f"--iteration-log {path}: {exc.strerror}") from exc
+
+
 def _existing_folder(text: str) -> str:
     if not Path(text).is_dir():
         raise ValueError(f"no such folder: {text}")
@@ -189,8 +210,9 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
     r.add_argument("--sweep-qps", type=rates, metavar="Q,Q,...",
                    help="one run per rate (needs --arrival scale|poisson for trace files)")
     r.add_argument("--plot", type=plot_file, metavar="PNG", help="draw TTFT/TBT CDFs, TBT over time")
-    r.add_argument("--iteration-log", type=Path, metavar="JSONL",  # may be written by the --launch server
-                   help='server iteration log {"t": unix_s, "spatial": bool} to mark in --plot')
+    r.add_argument("--iteration-log", type=argtype(_iteration_log), metavar="JSONL",
+                   help='server iteration log {"t": unix_s, "spatial": bool} to mark in --plot; read after the '
+                        "run (a --launch server may write it)")
     r.add_argument("--compare", nargs=2, type=argtype(_result_input), metavar=("A.json", "B.json"),
                    help="print two saved results side by side (no run)")
     r.add_argument("--no-progress", action="store_true", help="hide the progress bar")
@@ -248,6 +270,7 @@ def _result_path(path: Path, qps: float | None, sweep: bool) -> Path:
 
 
 def _compare(args: argparse.Namespace) -> int:
+    _check_iteration_log(args)
     a, b = (load_result(p) for p in args.compare)
     print(format_comparison(a, b, (args.compare[0].stem, args.compare[1].stem)))
     if args.plot:
@@ -257,12 +280,21 @@ def _compare(args: argparse.Namespace) -> int:
 
 
 def _spatial_times(args: argparse.Namespace) -> list[float]:
-    return read_iteration_log(args.iteration_log) if args.iteration_log else []
+    """The spatial iterations' times from ``--iteration-log`` (none without it); errors name the flag."""
+    if not args.iteration_log:
+        return []
+    try:
+        return read_iteration_log(args.iteration_log)
+    except OSError as exc:
+        raise ValueError(f"--iteration-log {args.iteration_log}: {exc.strerror}") from exc
+    except ValueError as exc:
+        raise ValueError(f"--iteration-log {exc}") from exc
 
 
 def _bench(args: argparse.Namespace) -> int:
     if args.sweep_qps and args.qps is not None:
         raise ValueError("give either --qps or --sweep-qps")
+    _check_iteration_log(args)
     slos = replace(parse_goodput(args.goodput), tbt_s=args.tbt_slo)
     tokenizer = _load_tokenizer(args.tokenizer) if args.tokenizer else None
     config = BenchConfig(
