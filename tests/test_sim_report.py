@@ -1,7 +1,7 @@
 """Capacity at equal TBT SLO attainment, from hand-made rows."""
 from __future__ import annotations
 
-from duetserve.sim.report import format_capacity, format_table, slo_capacity
+from duetserve.sim.report import capacity_misses, format_capacity, format_table, slo_capacity
 
 
 def row(policy: str, qps: float, thr: float, p99: float) -> dict:
@@ -27,7 +27,23 @@ def test_capacity_lines_give_the_ratio_to_chunked():
     lines = format_capacity(ROWS).splitlines()
     assert lines[0].startswith("chunked: p99 TBT within 100 ms and keeping up until qps 8")
     assert lines[1].endswith("11.80 req/s, 1.49x chunked")
-    assert lines[2].startswith("prefill-first: no swept QPS")
+    assert lines[2:] == ["prefill-first: no swept QPS keeps p99 TBT within the SLO while keeping up:",
+                         "  qps 4: p99 TBT 300.0 ms above the 100 ms SLO"]
+
+
+def test_capacity_misses_say_which_condition_failed():
+    """Said only "no swept QPS keeps p99 TBT within the SLO while keeping up", also when p99 TBT
+    was far within the SLO and the finished rate alone fell short."""
+    assert capacity_misses(row("duet", 12, 11.8, 90)) == []
+    assert capacity_misses(row("duet", 16, 13.0, 92)) == [
+        "did not keep up: 13.00 req/s finished against 16 offered (under 90%)"]
+    assert capacity_misses(row("duet", 16, 13.0, 120.3)) == [
+        "p99 TBT 120.3 ms above the 100 ms SLO", "did not keep up: 13.00 req/s finished against 16 offered (under 90%)"]
+    rows = [row("duet", 4, 3.3, 33.5), row("duet", 2, 1.77, 6.7)]
+    assert format_capacity(rows).splitlines() == [
+        "duet: no swept QPS keeps p99 TBT within the SLO while keeping up:",
+        "  qps 2: did not keep up: 1.77 req/s finished against 2 offered (under 90%)",
+        "  qps 4: did not keep up: 3.30 req/s finished against 4 offered (under 90%)"]
 
 
 def test_table_has_a_row_per_result():

@@ -3,7 +3,8 @@
 One simulation per (policy, QPS): the trace's requests keep their lengths and get arrivals at
 each QPS (Poisson by default). Prints one table row per (policy, QPS), then per policy the
 highest swept QPS whose p99 TBT stays within the SLO while finished requests keep up with the
-offered load (``report.slo_capacity``), and its request throughput relative to ``chunked``.
+offered load (``report.slo_capacity``), and its request throughput relative to ``chunked``;
+with no such QPS, which condition failed at each (``report.capacity_misses``).
 ``--json`` saves the rows, ``--plot`` draws TBT, TTFT and throughput against QPS.
 Exit status: 0 on success, 1 on bad input (the message names the flag), 2 on bad usage.
 """

@@ -81,15 +81,28 @@ def format_table(rows: Sequence[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def capacity_misses(row: dict[str, Any], keep_up: float = 0.9) -> list[str]:
+    """Why ``row`` does not count towards ``slo_capacity``, one reason per failed condition
+    (empty when it counts): "p99 TBT 140.0 ms above the 100 ms SLO", and "did not keep up: 1.77
+    req/s finished against 2 offered (under 90%)"."""
+    misses = []
+    if row["p99_tbt_ms"] > row["tbt_slo_ms"]:
+        misses.append(f"p99 TBT {row['p99_tbt_ms']:.1f} ms above the {row['tbt_slo_ms']:g} ms SLO")
+    if row["request_throughput"] < keep_up * row["qps"]:
+        misses.append(f"did not keep up: {row['request_throughput']:.2f} req/s finished against {row['qps']:g} "
+                      f"offered (under {keep_up:.0%})")
+    return misses
+
+
 def slo_capacity(rows: Sequence[dict[str, Any]], keep_up: float = 0.9) -> dict[str, dict[str, Any] | None]:
     """Per policy, its row of highest request throughput among those that meet the SLO and
     keep up with the load: p99 TBT within the SLO (99% of TBT gaps attain it) and finished
     requests per second at least ``keep_up`` times the offered QPS (past that the queue, and
-    TTFT, grow with the trace's length). None when no swept QPS qualifies."""
+    TTFT, grow with the trace's length); see ``capacity_misses``. None when no swept QPS qualifies."""
     best: dict[str, dict[str, Any] | None] = {}
     for r in rows:
         best.setdefault(r["policy"], None)
-        if r["p99_tbt_ms"] <= r["tbt_slo_ms"] and r["request_throughput"] >= keep_up * r["qps"]:
+        if not capacity_misses(r, keep_up):
             current = best[r["policy"]]
             if current is None or r["request_throughput"] > current["request_throughput"]:
                 best[r["policy"]] = r
@@ -98,13 +111,16 @@ def slo_capacity(rows: Sequence[dict[str, Any]], keep_up: float = 0.9) -> dict[s
 
 def format_capacity(rows: Sequence[dict[str, Any]], baseline: str = "chunked") -> str:
     """One line per policy: its ``slo_capacity`` row (QPS, p99 TBT, request throughput) and
-    that throughput relative to ``baseline``'s, i.e. at equal TBT SLO attainment."""
+    that throughput relative to ``baseline``'s, i.e. at equal TBT SLO attainment. A policy with
+    no such row gets, below its line, one indented line per swept QPS saying which condition failed."""
     best = slo_capacity(rows)
     base = best.get(baseline)
     lines = []
     for policy, row in best.items():
         if row is None:
-            lines.append(f"{policy}: no swept QPS keeps p99 TBT within the SLO while keeping up")
+            lines.append(f"{policy}: no swept QPS keeps p99 TBT within the SLO while keeping up:")
+            lines += [f"  qps {r['qps']:g}: {'; '.join(capacity_misses(r))}"
+                      for r in sorted(rows, key=lambda r: r["qps"]) if r["policy"] == policy]
             continue
         ratio = f", {row['request_throughput'] / base['request_throughput']:.2f}x {baseline}" \
             if base is not None and policy != baseline else ""
