@@ -70,12 +70,24 @@ def rate(text: str) -> float:
     return _positive(number(text, float), text, "rate (req/s) or inf")
 
 
+def comma_items(text: str) -> list[str]:
+    """``text`` split at commas, items stripped; ValueError "empty item in 'TEXT'" for ``2,,4`` or ``2,4,``."""
+    items = [x.strip() for x in text.split(",")]
+    if "" in items:
+        raise ValueError(f"empty item in {text!r}")
+    return items
+
+
 @argtype
 def rates(text: str) -> list[float]:
-    """Comma-separated rates (see ``rate``), e.g. ``2,4,8``; empty items are skipped, none at all is an error."""
-    values = [rate(x.strip()) for x in text.split(",") if x.strip()]
-    if not values:
+    """Comma-separated rates (see ``rate``), e.g. ``2,4,8``, each once. Errors: "give one or more rates,
+    e.g. 2,4,8" (none), "empty item in 'TEXT'", "rate R given twice in 'TEXT'" (it would run twice)."""
+    if not text.replace(",", "").strip():
         raise ValueError("give one or more rates, e.g. 2,4,8")
+    values = [rate(x) for x in comma_items(text)]
+    for i, value in enumerate(values):
+        if value in values[:i]:
+            raise ValueError(f"rate {value:g} given twice in {text!r}")
     return values
 
 

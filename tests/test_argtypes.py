@@ -58,9 +58,14 @@ def test_rate_and_rates():
     assert refused(rate, "0") == "must be a positive rate (req/s) or inf, got '0'"
     assert refused(rate, "nan") == "must be a positive rate (req/s) or inf, got 'nan'"
     assert refused(rate, "fast") == "expected a number, got 'fast'"
-    assert rates("2, 4,8,") == [2.0, 4.0, 8.0] and rates("inf") == [math.inf]
+    assert rates("2, 4,8") == [2.0, 4.0, 8.0] and rates("inf") == [math.inf]
     assert refused(rates, "2,-1") == "must be a positive rate (req/s) or inf, got '-1'"
     assert refused(rates, " , ") == "give one or more rates, e.g. 2,4,8"
+    # as --policy: an empty item was skipped, a repeated rate simulated or benchmarked twice
+    assert refused(rates, "2,,4") == "empty item in '2,,4'"
+    assert refused(rates, "2,4,") == "empty item in '2,4,'"
+    assert refused(rates, "4,2,2") == "rate 2 given twice in '4,2,2'"
+    assert refused(rates, "2,2.0") == "rate 2 given twice in '2,2.0'"
 
 
 def test_cv():

@@ -52,6 +52,10 @@ def test_model_config_file_and_single_policy(tmp_path, capsys):
     (["--qps", "2", "--window", "10"], "--window"),
     (["--qps", "2", "--window", "5s:1s"], "--window"),
     (["--qps", "2", "--trim-margin", "1.2"], "--trim-margin"),
+    (["--qps", "2,,4"], "--qps: empty item in '2,,4'"),
+    (["--qps", "4,2,2"], "--qps: rate 2 given twice in '4,2,2'"),
+    (["--qps", "2", "--policy", "duet,,chunked"], "--policy: empty item in 'duet,,chunked'"),
+    (["--qps", "2", "--policy", "duet,chunked,duet"], "--policy: policy 'duet' given twice in 'duet,chunked,duet'"),
 ])
 def test_bad_flags_are_usage_errors_naming_the_flag(args, flag, capsys):
     with pytest.raises(SystemExit) as exc:

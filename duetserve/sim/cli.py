@@ -158,11 +158,17 @@ def _check_trace_fits(args: argparse.Namespace, config: SimConfig, trace: Sequen
 
 
 def _policies(text: str) -> str:
-    """``all`` or a comma-separated list of known policies (returned as given, spaces dropped)."""
-    names = [n.strip() for n in text.split(",")]
-    bad = [n for n in names if n not in POLICIES]
-    if text.strip() != "all" and bad:
+    """``all`` or a comma-separated list of known policies, each once (returned as given, spaces dropped).
+
+    Errors, as ``--qps``'s: "empty item in 'TEXT'", "unknown policy 'X': use ...", "policy 'X' given twice in 'TEXT'".
+    """
+    if text.strip() == "all":
+        return "all"
+    names = argtypes.comma_items(text)
+    if bad := [n for n in names if n not in POLICIES]:
         raise ValueError(f"unknown policy {', '.join(map(repr, bad))}: use {', '.join(POLICIES)} or all")
+    if repeated := next((n for i, n in enumerate(names) if n in names[:i]), None):
+        raise ValueError(f"policy {repeated!r} given twice in {text!r}")
     return ",".join(names)
 
 
