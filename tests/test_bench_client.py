@@ -12,13 +12,17 @@ import contextlib
 import itertools
 import json
 import logging
+import os
 import re
+import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import AsyncIterator, Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +32,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from duetserve.bench.cli import configure_parser, run
+from duetserve.bench.launch import LaunchConfig, ServerProcess
 from duetserve.bench.plot import read_iteration_log
 from duetserve.bench.prompts import COMMON_WORDS, PromptBuilder
 from duetserve.traces import MOONCAKE_BLOCK_TOKENS, TraceRequest
@@ -250,7 +255,16 @@ def test_unreachable_server_is_a_setup_error(capsys: pytest.CaptureFixture) -> N
     assert "could not read a model id" in capsys.readouterr().err
 
 
-def test_launch_runs_and_stops_the_server(tmp_path: Path) -> None:
+@pytest.fixture
+def temp_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A fresh folder as ``tempfile``'s, where a launched server's temporary log goes."""
+    folder = tmp_path / "tmp"
+    folder.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(folder))
+    return folder
+
+
+def test_launch_runs_and_stops_the_server(tmp_path: Path, temp_dir: Path) -> None:
     port = free_port()
     out = tmp_path / "r.json"
     command = f"{sys.executable} {Path(__file__)} --serve {port}"
@@ -259,13 +273,35 @@ def test_launch_runs_and_stops_the_server(tmp_path: Path) -> None:
     assert json.loads(out.read_text())["completed"] == 12
     with socket.socket() as s:  # the server is gone
         assert s.connect_ex(("127.0.0.1", port)) != 0
+    assert list(temp_dir.iterdir()) == []  # and so is its log (each run left /tmp/duetserve-bench-server-*.log)
 
 
-def test_launch_failure_is_reported(capsys: pytest.CaptureFixture) -> None:
+def test_launch_failure_is_reported(temp_dir: Path, capsys: pytest.CaptureFixture) -> None:
     command = f"{sys.executable} -c \"print('no model here'); raise SystemExit(3)\""
     assert bench(["--launch", command, "--base-url", f"http://127.0.0.1:{free_port()}", *SYNTHETIC]) == 1
     err = capsys.readouterr().err
     assert "exited with code 3" in err and "no model here" in err
+    log, = temp_dir.iterdir()  # kept, and named in the error
+    assert f"(log: {log})" in err and log.read_text() == "no model here\n"
+
+
+def test_launch_log_of_a_server_that_died_during_the_run_is_kept(temp_dir: Path,
+                                                                  capsys: pytest.CaptureFixture) -> None:
+    port = free_port()
+    config = LaunchConfig(f"{sys.executable} {Path(__file__)} --serve {port}", f"http://127.0.0.1:{port}/health",
+                          startup_timeout_s=60)
+    with ServerProcess(config) as server:
+        os.killpg(server.proc.pid, signal.SIGKILL)
+        server.proc.wait()
+    log, = temp_dir.iterdir()
+    assert capsys.readouterr().err == f"duetserve bench: server log kept (it exited with code -9 during the run): {log}\n"
+    with pytest.raises(RuntimeError, match="^boom$"), ServerProcess(config):
+        raise RuntimeError("boom")
+    assert len(list(temp_dir.iterdir())) == 2 and "server log kept (the run failed): " in capsys.readouterr().err
+    named = temp_dir / "named.log"
+    with ServerProcess(replace(config, log_path=named)):
+        pass
+    assert named.is_file()  # --launch-log: never deleted
 
 
 def test_launch_refused_while_another_server_answers(capsys: pytest.CaptureFixture) -> None:

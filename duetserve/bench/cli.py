@@ -196,7 +196,8 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
                         "wait for /health, stop it after")
     s.add_argument("--launch-timeout", type=positive_duration("s"), default=600.0,
                    metavar="DURATION", help="longest wait for /health (default 600s)")
-    s.add_argument("--launch-log", type=output_file, metavar="PATH", help="server output file")
+    s.add_argument("--launch-log", type=output_file, metavar="PATH",
+                   help="server output file (default: a temporary file, deleted unless the server or the run fails)")
 
     r = p.add_argument_group("results")
     r.add_argument("--goodput", nargs="+", default=[], metavar="KEY:MS",

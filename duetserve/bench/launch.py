@@ -7,6 +7,7 @@ import os
 import shlex
 import signal
 import subprocess
+import sys
 import tempfile
 import time
 from dataclasses import dataclass
@@ -29,7 +30,9 @@ class LaunchConfig:
         health_url: polled until it answers HTTP 200.
         startup_timeout_s: longest wait for health, seconds.
         stop_timeout_s: wait after SIGTERM before SIGKILL, seconds.
-        log_path: file for the server's stdout and stderr; a temporary file when ``None``.
+        log_path: file for the server's stdout and stderr; when ``None``, a temporary file that is
+            deleted after a run in which the server stayed up and nothing failed (else kept, and its
+            path printed or in the error).
     """
 
     command: str
@@ -43,7 +46,9 @@ class ServerProcess:
     """Context manager running a server in its own process group.
 
     ``__enter__`` starts the process and returns once ``health_url`` answers 200; ``__exit__``
-    sends SIGTERM to the group, then SIGKILL after ``stop_timeout_s``.
+    sends SIGTERM to the group, then SIGKILL after ``stop_timeout_s``, and deletes a temporary log
+    (no ``log_path``) unless the server exited on its own or the run raised: then it prints the
+    log's path to stderr.
 
     Raises (from ``__enter__``):
         RuntimeError: something already answers at ``health_url`` before the launch (another
@@ -55,27 +60,35 @@ class ServerProcess:
 
     def __init__(self, config: LaunchConfig) -> None:
         self.config = config
-        self.log_path = config.log_path or Path(
-            tempfile.mkstemp(prefix="duetserve-bench-server-", suffix=".log")[1]
-        )
+        # The server's log: without config.log_path, a temporary file that __enter__ creates.
+        self.log_path: Path | None = config.log_path
         self.proc: subprocess.Popen[bytes] | None = None
 
     def log_tail(self) -> str:
-        """The last few thousand characters of the server's log."""
-        return self.log_path.read_text(errors="replace")[-_LOG_TAIL_CHARS:]
+        """The last few thousand characters of the server's log ("" before it is started)."""
+        return self.log_path.read_text(errors="replace")[-_LOG_TAIL_CHARS:] if self.log_path else ""
 
     def __enter__(self) -> ServerProcess:
         if self._healthy():  # whatever answers there is not the server this run launches
             raise RuntimeError(f"{self.config.health_url} already answers before the launch: another server is "
                                "running there; stop it or launch on another port (--base-url)")
-        with open(self.log_path, "wb") as log:
-            self.proc = subprocess.Popen(
-                shlex.split(self.config.command),
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                start_new_session=True,
-            )
+        if self._temporary_log:
+            fd, name = tempfile.mkstemp(prefix="duetserve-bench-server-", suffix=".log")
+            os.close(fd)
+            self.log_path = Path(name)
+        try:
+            with open(self.log_path, "wb") as log:
+                self.proc = subprocess.Popen(
+                    shlex.split(self.config.command),
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    stdin=subprocess.DEVNULL,
+                    start_new_session=True,
+                )
+        except OSError:  # nothing was logged
+            if self._temporary_log:
+                self.log_path.unlink(missing_ok=True)
+            raise
         try:
             self._wait_healthy()
         except BaseException:
@@ -89,7 +102,19 @@ class ServerProcess:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
+        exited = self.proc is not None and self.proc.poll() is not None  # on its own, during the run
         self.stop()
+        if not self._temporary_log:
+            return
+        if exc_type is None and not exited:
+            self.log_path.unlink(missing_ok=True)
+        else:
+            why = f"it exited with code {self.proc.returncode} during the run" if exited else "the run failed"
+            print(f"duetserve bench: server log kept ({why}): {self.log_path}", file=sys.stderr)
+
+    @property
+    def _temporary_log(self) -> bool:
+        return self.config.log_path is None
 
     def _wait_healthy(self) -> None:
         assert self.proc is not None
