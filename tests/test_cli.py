@@ -116,6 +116,7 @@ def test_serve_refuses_a_busy_port_before_loading(capsys):
     (["--max-input-len", "0"], "argument --max-input-len: must be a positive integer, got '0'"),
     (["--max-output-len", "x"], "argument --max-output-len: expected an integer, got 'x'"),
     (["--percentiles", "150"], "argument --percentiles: expected percentiles in [0, 100], e.g. 90,99, got '150'"),
+    (["--percentiles", "90,,99"], "argument --percentiles: empty item in '90,,99'"),
     (["--token-id-range", "5:1"], "argument --token-id-range: expected 0 <= LOW < HIGH, got '5:1'"),
     (["--window", "5:1"], "argument --window: START must be before END, got '5:1'"),
     (["--result-file", "/nonexistent/r.json"], "argument --result-file: no such folder: /nonexistent"),

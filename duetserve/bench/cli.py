@@ -32,6 +32,7 @@ from typing import Any
 from duetserve.argtypes import (
     add_length_options,
     argtype,
+    comma_items,
     cv,
     existing_file,
     non_negative_int,
@@ -76,7 +77,7 @@ def parse_goodput(items: list[str]) -> Slos:
 
 
 def _percentiles(text: str) -> list[float]:
-    values = [number(x.strip(), float) for x in text.split(",") if x.strip()]
+    values = [number(x, float) for x in comma_items(text)]
     if not values or not all(0 <= v <= 100 for v in values):
         raise ValueError(f"expected percentiles in [0, 100], e.g. 90,99, got {text!r}")
     return values
