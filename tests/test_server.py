@@ -281,6 +281,12 @@ def test_bad_inputs_get_400_while_a_stream_completes(server):
                 answers.append((r, param))
             r = await client.post(f"{server}/v1/completions", content=b'{"prompt": "hi",', headers=AUTH)
             answers.append((r, None))
+            for raw, message in ((b'{"prompt": "\xff\xfe"}', "not UTF-8 text (invalid start byte at byte 12)"),
+                                 (b"[" * 5000 + b"]" * 5000, "nested too deeply")):
+                r = await client.post(f"{server}/v1/completions", content=raw,
+                                      headers={**AUTH, "Content-Type": "application/json"})
+                assert message in r.json()["error"]["message"], r.text
+                answers.append((r, None))
             assert not long_stream.done(), "the long request should still be streaming"
             return answers, await long_stream
 

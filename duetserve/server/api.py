@@ -69,6 +69,12 @@ def create_app(engine: AsyncEngine, metrics: ServerMetrics, model_name: str, api
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException):
+        cause = exc.__cause__  # FastAPI's "There was an error parsing the body" wraps the reason
+        if isinstance(cause, UnicodeDecodeError):
+            return error_response(400, f"request body is not valid JSON: it is not UTF-8 text ({cause.reason} at "
+                                       f"byte {cause.start})")
+        if isinstance(cause, RecursionError):
+            return error_response(400, "request body is not valid JSON: nested too deeply")
         return error_response(exc.status_code, str(exc.detail))
 
     @app.exception_handler(ParamError)
