@@ -7,9 +7,9 @@ Prefill: 8192 tokens as 1 x 8192 and 8 x 1024, TFLOP/s over useful (causal) FLOP
 for batches of up to ``triton_gemm.MAX_M`` rows on weights of up to ``triton_gemm.MAX_N`` rows, and
 programmatic dependent launch; ``layers``), ``eager`` runs without graphs (cuBLAS, plain launches);
 variant ``graphs-cublas``: graphs with ``DUETSERVE_DECODE_GEMM=cublas`` (cuBLAS and plain launches
-in the graphs too), the baseline beside it; ``graphs-cublaslt``: the default with
-``torch.backends.cuda.preferred_blas_library("cublaslt")`` for the GEMMs left on cuBLAS (an
-experiment: fewer split-K reduce kernels at batch 32-128?). Writes JSON to ``--out`` and prints a table.
+in the graphs too), the baseline beside it; ``graphs-blas-cublas``: the default with
+``DUETSERVE_BLAS=cublas`` (torch's GEMMs on cuBLAS rather than the engine's default cuBLASLt,
+``layers.blas_library``). Writes JSON to ``--out`` and prints a table.
 """
 from __future__ import annotations
 
@@ -33,13 +33,11 @@ from duetserve.engine.scheduler import SchedulerOutput
 COPY_BW = 4.19e12
 MULTI_STEP = 8  # steps of the multi-step decode variant
 GEMM_RATE = 797e12
-# torch.backends.cuda.preferred_blas_library for the engine's cuBLAS GEMMs (batches above the
-# Triton GEMM's 16 rows, prefill): cublaslt may pick kernels without cuBLAS's split-K reduce
-BLAS_ENV = "DUETSERVE_BENCH_BLAS"
-# child env: the default variants never inherit the switch from the caller
-VARIANT_ENV = {"graphs": {"DUETSERVE_DECODE_GEMM": "triton"}, "eager": {"DUETSERVE_DECODE_GEMM": "triton"},
-               "graphs-cublas": {"DUETSERVE_DECODE_GEMM": "cublas"},
-               "graphs-cublaslt": {"DUETSERVE_DECODE_GEMM": "triton", BLAS_ENV: "cublaslt"}}
+# child env: the default variants never inherit a switch from the caller
+DEFAULT_ENV = {"DUETSERVE_DECODE_GEMM": "triton", "DUETSERVE_BLAS": "cublaslt"}
+VARIANT_ENV = {"graphs": DEFAULT_ENV, "eager": DEFAULT_ENV,
+               "graphs-cublas": {**DEFAULT_ENV, "DUETSERVE_DECODE_GEMM": "cublas"},
+               "graphs-blas-cublas": {**DEFAULT_ENV, "DUETSERVE_BLAS": "cublas"}}
 
 
 def time_step(engine: LLMEngine, out: SchedulerOutput, iters: int) -> float:
@@ -64,8 +62,6 @@ def weight_bytes(engine: LLMEngine) -> int:
 
 def run_variant(eager: bool, backend: str, iters: int) -> dict:
     """Decode (and, with graphs, prefill) timings of one engine build."""
-    if os.environ.get(BLAS_ENV):
-        torch.backends.cuda.preferred_blas_library(os.environ[BLAS_ENV])
     folder = Path(tempfile.mkdtemp())
     (folder / "config.json").write_text(json.dumps(QWEN3_8B))
     kv_per_token = 36 * 2 * 8 * 128 * 2

@@ -25,6 +25,7 @@ from duetserve.engine.sampler import Sampler
 from duetserve.engine.scheduler import ScheduledSeq, Scheduler
 from duetserve.engine.sequence import Sequence
 from duetserve.model.backends import make_attention_backend
+from duetserve.model.layers import use_blas_library
 from duetserve.model.loader import load_model
 from duetserve.partition import PartitionBackend, make_partition_backend
 from duetserve.planner.cost_model import CostModel, ModelShape
@@ -100,6 +101,7 @@ class LLMEngine:
             dtype = "bfloat16" if self.device.type == "cuda" else "float32"
         self.dtype = _DTYPES[dtype]
         self.partition = self._partition_backend()  # before the model: an explicit backend may fail
+        use_blas_library(self.device)
         torch.manual_seed(config.seed)
         backend = make_attention_backend(config.attention_backend, self.device, config.block_size)
         loaded = load_model(config.model, backend, self.dtype, self.device, config.load_format,
