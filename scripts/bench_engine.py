@@ -8,8 +8,8 @@ for batches of up to ``triton_gemm.MAX_M`` rows on weights of up to ``triton_gem
 programmatic dependent launch; ``layers``), ``eager`` runs without graphs (cuBLAS, plain launches);
 variant ``graphs-cublas``: graphs with ``DUETSERVE_DECODE_GEMM=cublas`` (cuBLAS and plain launches
 in the graphs too), the baseline beside it; ``graphs-blas-cublas``: the default with
-``DUETSERVE_BLAS=cublas`` (torch's GEMMs on cuBLAS rather than the engine's default cuBLASLt,
-``layers.blas_library``). Writes JSON to ``--out`` and prints a table.
+``DUETSERVE_BLAS=cublas`` (the full-GPU decode graphs record torch's GEMMs with cuBLAS rather
+than the default cuBLASLt, ``layers.blas_library``). Writes JSON to ``--out`` and prints a table.
 """
 from __future__ import annotations
 

@@ -267,20 +267,37 @@ def test_serve_names_the_flag_for_a_gguf_file_that_is_no_gguf(tmp_path, monkeypa
         f"duetserve serve: error: --model {bad}: {message.format(path=bad)}\n")
 
 
-@pytest.mark.parametrize("env,device,expected", [
-    (None, "cuda", ["cublaslt"]), ("cublas", "cuda:1", ["cublas"]), (None, "cpu", [])])
-def test_the_engine_sets_the_blas_library_on_cuda_only(monkeypatch, env, device, expected):
-    from duetserve.model.layers import blas_library, use_blas_library
+def test_preferred_blas_sets_and_restores_the_library(monkeypatch):
+    from duetserve.model.layers import preferred_blas
 
+    state = ["cublas"]
     calls = []
-    monkeypatch.setattr(torch.backends.cuda, "preferred_blas_library", calls.append)
+
+    def fake(name=None):
+        if name is not None:
+            calls.append(name)
+            state[0] = name
+        return state[0]
+
+    monkeypatch.setattr(torch.backends.cuda, "preferred_blas_library", fake)
+    with preferred_blas("cublaslt"):
+        assert state == ["cublaslt"]
+    assert calls == ["cublaslt", "cublas"] and state == ["cublas"]
+    with pytest.raises(KeyError), preferred_blas("cublaslt"):  # restored after an error too
+        raise KeyError("x")
+    assert state == ["cublas"]
+
+
+@pytest.mark.parametrize("env,expected", [(None, "cublaslt"), ("cublas", "cublas"), ("cublaslt", "cublaslt")])
+def test_blas_library_reads_the_switch(monkeypatch, env, expected):
+    from duetserve.model.layers import blas_library
+
     if env is None:
         monkeypatch.delenv("DUETSERVE_BLAS", raising=False)
     else:
         monkeypatch.setenv("DUETSERVE_BLAS", env)
     blas_library.cache_clear()
     try:
-        use_blas_library(torch.device(device))
+        assert blas_library() == expected
     finally:
         blas_library.cache_clear()
-    assert calls == expected

@@ -25,7 +25,7 @@ from duetserve.engine.sampler import Sampler
 from duetserve.engine.scheduler import ScheduledSeq, Scheduler
 from duetserve.engine.sequence import Sequence
 from duetserve.model.backends import make_attention_backend
-from duetserve.model.layers import use_blas_library
+from duetserve.model.layers import blas_library, preferred_blas
 from duetserve.model.loader import load_model
 from duetserve.partition import PartitionBackend, make_partition_backend
 from duetserve.planner.cost_model import CostModel, ModelShape
@@ -101,7 +101,6 @@ class LLMEngine:
             dtype = "bfloat16" if self.device.type == "cuda" else "float32"
         self.dtype = _DTYPES[dtype]
         self.partition = self._partition_backend()  # before the model: an explicit backend may fail
-        use_blas_library(self.device)
         torch.manual_seed(config.seed)
         backend = make_attention_backend(config.attention_backend, self.device, config.block_size)
         loaded = load_model(config.model, backend, self.dtype, self.device, config.load_format,
@@ -178,7 +177,8 @@ class LLMEngine:
             return graphs
 
         pool = torch.cuda.graph_pool_handle()
-        full = record()
+        with preferred_blas(blas_library()):  # the full-GPU graphs only (blas_library says why)
+            full = record()
         levels = (getattr(policy, "decode_levels", None) or self.partition.levels)() if self.partition.granularity else []
         return full, {s: record(self.partition.pair(s).decode) for s in levels}
 

@@ -89,15 +89,18 @@ class RotaryEmbedding(nn.Module):
 
 @functools.cache
 def blas_library() -> str:
-    """``DUETSERVE_BLAS``: the library torch's GEMMs on CUDA prefer, ``cublaslt`` (the default) or
-    ``cublas``; ``use_blas_library`` applies it (``torch.backends.cuda.preferred_blas_library``).
+    """``DUETSERVE_BLAS``: the library torch's GEMMs prefer while the full-GPU decode graphs are
+    recorded (``preferred_blas``): ``cublaslt`` (the default) or ``cublas``. Everything else (eager
+    passes, prefill, the decode graphs of the split SM levels) keeps torch's default, cuBLAS.
 
-    cuBLASLt is the default because it picks GEMMs without cuBLAS's split-K reduce kernel for
-    o_proj and down_proj at decode batches of 17-128 rows (the Triton decode GEMM takes 16 and
-    fewer): measured on the H200 (ninth session, ``scripts/bench_engine.py``, Qwen3-8B shapes,
-    CUDA graphs, 8-step decode), 0.05-0.13 ms a step less at batch 32-64 (32 x 2048: 7.42 against
-    7.53 ms), the same within noise at batch 1-16, 128 and in prefill.
-    Read once per process, on first use; ``blas_library.cache_clear()`` reads it again.
+    Measured on the H200 (ninth H200 session, Qwen3-8B shapes): in full-GPU decode graphs cuBLASLt
+    picks GEMMs without cuBLAS's split-K reduce kernel for o_proj and down_proj at batches of
+    17-128 (the Triton decode GEMM takes 16 and fewer), 0.05-0.13 ms a step less at batch 32-64
+    (``scripts/bench_engine.py``, 8-step decode; 32 x 2048: 7.42 against 7.53 ms); but on the
+    split levels' SMs a 32 x 2048 graph decode took 12% / 8% / 3% longer on 16 / 32 / 64 SMs, and
+    eager decode steps at batch 1-8 5-8% longer (``duetserve calibrate``, both libraries side
+    by side on one host). Read once per process, on first use; ``blas_library.cache_clear()``
+    reads it again.
 
     Raises:
         ValueError: any other value.
@@ -108,16 +111,18 @@ def blas_library() -> str:
     return name
 
 
-def use_blas_library(device: torch.device) -> None:
-    """Make ``blas_library()`` torch's preferred BLAS for this process when ``device`` is CUDA (a
-    process-wide setting: every CUDA GEMM torch runs afterwards, the engine's and any other's).
-
-    Raises:
-        ValueError: as ``blas_library``.
-    """
-    name = blas_library()
-    if device.type == "cuda":
-        torch.backends.cuda.preferred_blas_library(name)
+@contextlib.contextmanager
+def preferred_blas(name: str) -> Iterator[None]:
+    """Within: torch's GEMMs on CUDA prefer ``name`` (``"cublas"`` or ``"cublaslt"``,
+    ``torch.backends.cuda.preferred_blas_library``, a process-wide setting); the previous
+    preference is restored on exit. GEMMs recorded in a CUDA graph meanwhile keep the library
+    they were recorded with."""
+    before = torch.backends.cuda.preferred_blas_library()
+    torch.backends.cuda.preferred_blas_library(name)
+    try:
+        yield
+    finally:
+        torch.backends.cuda.preferred_blas_library(before)
 
 
 @functools.cache
