@@ -117,7 +117,7 @@ def _serve(args, parser: argparse.ArgumentParser) -> int:
     from duetserve.engine.async_engine import AsyncEngine
     from duetserve.engine.engine import LLMEngine
     from duetserve.model.fused_ops import fused_mode
-    from duetserve.model.layers import blas_library, decode_gemm_mode
+    from duetserve.model.layers import decode_gemm_mode
     from duetserve.planner.hardware import load_profile
     from duetserve.server.api import create_app
     from duetserve.server.metrics import ServerMetrics
@@ -125,7 +125,6 @@ def _serve(args, parser: argparse.ArgumentParser) -> int:
     try:  # read later otherwise: at graph capture, or by every request (DUETSERVE_FUSED)
         decode_gemm_mode()
         fused_mode()
-        blas_library()
     except ValueError as exc:
         parser.error(str(exc))
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")

@@ -7,9 +7,7 @@ Prefill: 8192 tokens as 1 x 8192 and 8 x 1024, TFLOP/s over useful (causal) FLOP
 for batches of up to ``triton_gemm.MAX_M`` rows on weights of up to ``triton_gemm.MAX_N`` rows, and
 programmatic dependent launch; ``layers``), ``eager`` runs without graphs (cuBLAS, plain launches);
 variant ``graphs-cublas``: graphs with ``DUETSERVE_DECODE_GEMM=cublas`` (cuBLAS and plain launches
-in the graphs too), the baseline beside it; ``graphs-blas-cublas``: the default with
-``DUETSERVE_BLAS=cublas`` (the full-GPU decode graphs record torch's GEMMs with cuBLAS rather
-than the default cuBLASLt, ``layers.blas_library``). Writes JSON to ``--out`` and prints a table.
+in the graphs too), the baseline beside it. Writes JSON to ``--out`` and prints a table.
 """
 from __future__ import annotations
 
@@ -33,11 +31,9 @@ from duetserve.engine.scheduler import SchedulerOutput
 COPY_BW = 4.19e12
 MULTI_STEP = 8  # steps of the multi-step decode variant
 GEMM_RATE = 797e12
-# child env: the default variants never inherit a switch from the caller
-DEFAULT_ENV = {"DUETSERVE_DECODE_GEMM": "triton", "DUETSERVE_BLAS": "cublaslt"}
-VARIANT_ENV = {"graphs": DEFAULT_ENV, "eager": DEFAULT_ENV,
-               "graphs-cublas": {**DEFAULT_ENV, "DUETSERVE_DECODE_GEMM": "cublas"},
-               "graphs-blas-cublas": {**DEFAULT_ENV, "DUETSERVE_BLAS": "cublas"}}
+# child env: the default variants never inherit the switch from the caller
+VARIANT_ENV = {"graphs": {"DUETSERVE_DECODE_GEMM": "triton"}, "eager": {"DUETSERVE_DECODE_GEMM": "triton"},
+               "graphs-cublas": {"DUETSERVE_DECODE_GEMM": "cublas"}}
 
 
 def time_step(engine: LLMEngine, out: SchedulerOutput, iters: int) -> float:

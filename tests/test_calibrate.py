@@ -418,20 +418,6 @@ def test_cli_checks_the_kernel_switches_before_measuring(tmp_path, capsys, monke
     assert "DUETSERVE_FUSED must be 0, 1 or auto, got '2'" in err and "needs a CUDA GPU" not in err
 
 
-def test_cli_checks_the_blas_switch_before_measuring(tmp_path, capsys, monkeypatch):
-    from duetserve.model.layers import blas_library
-
-    monkeypatch.setenv("DUETSERVE_BLAS", "mkl")
-    blas_library.cache_clear()
-    try:
-        assert calibrate_main(["--gpu-name", "x", "--out", str(tmp_path / "p.json")]) == 1
-    finally:
-        monkeypatch.delenv("DUETSERVE_BLAS")
-        blas_library.cache_clear()
-    err = capsys.readouterr().err
-    assert "DUETSERVE_BLAS must be cublas or cublaslt, got 'mkl'" in err and "needs a CUDA GPU" not in err
-
-
 def test_cli_end_to_end_with_a_fake_gpu(tmp_path, capsys, monkeypatch):
     from duetserve import cli as main_cli
     from duetserve.calibrate import gpu

@@ -4,7 +4,6 @@ from __future__ import annotations
 import argparse
 
 import pytest
-import torch
 
 from duetserve.argtypes import image_formats
 from duetserve.cli import _add_serve, _positive_float, main
@@ -203,11 +202,10 @@ def test_serve_refuses_a_bad_iteration_log_before_loading_the_model(tmp_path, mo
 @pytest.mark.parametrize("env,value,message", [
     ("DUETSERVE_DECODE_GEMM", "Triton", "DUETSERVE_DECODE_GEMM must be cublas or triton, got 'Triton'"),
     ("DUETSERVE_FUSED", "yes", "DUETSERVE_FUSED must be 0, 1 or auto, got 'yes'"),
-    ("DUETSERVE_BLAS", "lt", "DUETSERVE_BLAS must be cublas or cublaslt, got 'lt'"),
 ])
 def test_serve_refuses_a_bad_kernel_switch_before_loading(monkeypatch, capsys, env, value, message):
     import duetserve.engine.engine as engine_module
-    from duetserve.model.layers import blas_library, decode_gemm_mode
+    from duetserve.model.layers import decode_gemm_mode
 
     def no_loading(*_, **__):
         raise AssertionError(f"the model was loaded before {env} was checked")
@@ -215,14 +213,12 @@ def test_serve_refuses_a_bad_kernel_switch_before_loading(monkeypatch, capsys, e
     monkeypatch.setattr(engine_module, "LLMEngine", no_loading)
     monkeypatch.setenv(env, value)
     decode_gemm_mode.cache_clear()
-    blas_library.cache_clear()
     try:
         with pytest.raises(SystemExit) as exc:
             main(["serve", "--device", "cpu", "--port", "0"])
     finally:
         monkeypatch.delenv(env)
         decode_gemm_mode.cache_clear()
-        blas_library.cache_clear()
     assert exc.value.code == 2
     assert message in capsys.readouterr().err
 
@@ -265,39 +261,3 @@ def test_serve_names_the_flag_for_a_gguf_file_that_is_no_gguf(tmp_path, monkeypa
     assert exc.value.code == 2
     assert capsys.readouterr().err.endswith(
         f"duetserve serve: error: --model {bad}: {message.format(path=bad)}\n")
-
-
-def test_preferred_blas_sets_and_restores_the_library(monkeypatch):
-    from duetserve.model.layers import preferred_blas
-
-    state = ["cublas"]
-    calls = []
-
-    def fake(name=None):
-        if name is not None:
-            calls.append(name)
-            state[0] = name
-        return state[0]
-
-    monkeypatch.setattr(torch.backends.cuda, "preferred_blas_library", fake)
-    with preferred_blas("cublaslt"):
-        assert state == ["cublaslt"]
-    assert calls == ["cublaslt", "cublas"] and state == ["cublas"]
-    with pytest.raises(KeyError), preferred_blas("cublaslt"):  # restored after an error too
-        raise KeyError("x")
-    assert state == ["cublas"]
-
-
-@pytest.mark.parametrize("env,expected", [(None, "cublaslt"), ("cublas", "cublas"), ("cublaslt", "cublaslt")])
-def test_blas_library_reads_the_switch(monkeypatch, env, expected):
-    from duetserve.model.layers import blas_library
-
-    if env is None:
-        monkeypatch.delenv("DUETSERVE_BLAS", raising=False)
-    else:
-        monkeypatch.setenv("DUETSERVE_BLAS", env)
-    blas_library.cache_clear()
-    try:
-        assert blas_library() == expected
-    finally:
-        blas_library.cache_clear()

@@ -223,6 +223,20 @@ def test_half_precision_tiles():
     run_prefill([3, 70, 40], [3, 130, 64], 8, 2, 64, 16, torch.float16, BF16_TOL)
 
 
+@pytest.mark.parametrize("dtype,splits,tiles", [
+    (torch.float16, 1, (64, 2)), (torch.float16, 8, (64, 2)), (torch.float16, 16, (64, 4)),
+    (torch.float16, 32, (64, 4)), (torch.float32, 2, (32, 4)), (torch.float32, 32, (32, 4))])
+def test_decode_warps_follow_the_split_count(monkeypatch, dtype, splits, tiles):
+    """16-bit decode runs 2 warps up to ``_NARROW_SPLITS`` splits and 4 above (the last split merges
+    every split's partials); fp32 keeps 32-key tiles and 4 warps."""
+    b = make_batch([1] * 2, [40, 70], 8, 2, 64, 16, num_decodes=2, dtype=dtype)
+    seen = []
+    monkeypatch.setattr(ta, "_launch", lambda *a, **kw: seen.append((a[10], a[13], a[11])))
+    ta.paged_decode_attention(b.q, b.k_cache, b.v_cache, b.meta.block_tables, b.meta.context_lens, b.scale,
+                              num_splits=splits)
+    assert seen == [(*tiles, splits)]
+
+
 def test_backend_mixed_batch_equals_torch():
     """Two decodes then two prefill chunks through ``forward``: same output and cache as ``TorchAttention``;
     with K/V None, the same output again and the cache untouched."""

@@ -149,11 +149,10 @@ def run(args: argparse.Namespace) -> int:
         return fit_host(args)
     try:
         from duetserve.model.fused_ops import fused_mode
-        from duetserve.model.layers import blas_library, decode_gemm_mode
+        from duetserve.model.layers import decode_gemm_mode
 
         decode_gemm_mode()  # checked before minutes of measuring, not at the model's graph capture
         fused_mode()
-        blas_library()
         with tempfile.TemporaryDirectory() as scratch:
             folder, shape = model_folder(args, Path(scratch))
             from duetserve.calibrate.gpu import CudaBench

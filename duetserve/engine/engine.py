@@ -25,7 +25,6 @@ from duetserve.engine.sampler import Sampler
 from duetserve.engine.scheduler import ScheduledSeq, Scheduler
 from duetserve.engine.sequence import Sequence
 from duetserve.model.backends import make_attention_backend
-from duetserve.model.layers import blas_library, preferred_blas
 from duetserve.model.loader import load_model
 from duetserve.partition import PartitionBackend, make_partition_backend
 from duetserve.planner.cost_model import CostModel, ModelShape
@@ -177,8 +176,7 @@ class LLMEngine:
             return graphs
 
         pool = torch.cuda.graph_pool_handle()
-        with preferred_blas(blas_library()):  # the full-GPU graphs only (blas_library says why)
-            full = record()
+        full = record()
         levels = (getattr(policy, "decode_levels", None) or self.partition.levels)() if self.partition.granularity else []
         return full, {s: record(self.partition.pair(s).decode) for s in levels}
 

@@ -33,7 +33,6 @@ from torch import nn
 from duetserve.model.fused_ops import apply_rope_and_cache, rms_norm, silu_and_mul
 
 DECODE_GEMM_ENV = "DUETSERVE_DECODE_GEMM"
-BLAS_ENV = "DUETSERVE_BLAS"
 log = logging.getLogger(__name__)
 
 
@@ -85,44 +84,6 @@ class RotaryEmbedding(nn.Module):
         in one fused op. Returns the rotated q."""
         weights = (q_norm.weight, k_norm.weight, q_norm.eps) if q_norm is not None else ()
         return apply_rope_and_cache(positions, q, k, v, self.cos, self.sin, *kv_cache, slot_mapping, *weights)
-
-
-@functools.cache
-def blas_library() -> str:
-    """``DUETSERVE_BLAS``: the library torch's GEMMs prefer while the full-GPU decode graphs are
-    recorded (``preferred_blas``): ``cublaslt`` (the default) or ``cublas``. Everything else (eager
-    passes, prefill, the decode graphs of the split SM levels) keeps torch's default, cuBLAS.
-
-    Measured on the H200 (ninth H200 session, Qwen3-8B shapes): in full-GPU decode graphs cuBLASLt
-    picks GEMMs without cuBLAS's split-K reduce kernel for o_proj and down_proj at batches of
-    17-128 (the Triton decode GEMM takes 16 and fewer), 0.05-0.13 ms a step less at batch 32-64
-    (``scripts/bench_engine.py``, 8-step decode; 32 x 2048: 7.42 against 7.53 ms); but on the
-    split levels' SMs a 32 x 2048 graph decode took 12% / 8% / 3% longer on 16 / 32 / 64 SMs, and
-    eager decode steps at batch 1-8 5-8% longer (``duetserve calibrate``, both libraries side
-    by side on one host). Read once per process, on first use; ``blas_library.cache_clear()``
-    reads it again.
-
-    Raises:
-        ValueError: any other value.
-    """
-    name = os.environ.get(BLAS_ENV, "cublaslt")
-    if name not in ("cublas", "cublaslt"):
-        raise ValueError(f"{BLAS_ENV} must be cublas or cublaslt, got {name!r}")
-    return name
-
-
-@contextlib.contextmanager
-def preferred_blas(name: str) -> Iterator[None]:
-    """Within: torch's GEMMs on CUDA prefer ``name`` (``"cublas"`` or ``"cublaslt"``,
-    ``torch.backends.cuda.preferred_blas_library``, a process-wide setting); the previous
-    preference is restored on exit. GEMMs recorded in a CUDA graph meanwhile keep the library
-    they were recorded with."""
-    before = torch.backends.cuda.preferred_blas_library()
-    torch.backends.cuda.preferred_blas_library(name)
-    try:
-        yield
-    finally:
-        torch.backends.cuda.preferred_blas_library(before)
 
 
 @functools.cache

@@ -40,10 +40,13 @@ _LOG2E = 1.4426950408889634
 MAX_SPLITS = 32
 # Tiles by element size (bf16/fp16, fp32), sized for Hopper's 227 KiB of shared memory and 255
 # registers a thread: decode (keys per tile, warps); prefill (query rows, keys, warps) per program.
-# Decode with 2 warps, not 4 (ninth H200 session, kernel alone in CUDA graphs, Qwen3-8B heads, bf16):
-# 0.6-1.6 us faster a call at 8/32 x 512/2048 and 64 x 512 (e.g. 8 x 2048 24.2 against 25.7 us);
-# tiles of 32 or 128 keys and 8 warps were slower on the sum of those shapes.
+# Decode with 2 warps, not 4, at up to _NARROW_SPLITS splits (ninth H200 session, kernel alone
+# in CUDA graphs, Qwen3-8B heads, bf16): 0.6-2.7 us faster a call at batch 8-128 (8 splits or
+# fewer; 32 x 2048 67.7 against 69.6 us); at batch 1 (32 splits) 2.4-3.3 us slower, as the
+# last split's merge of every split's partials has half the threads. Tiles of 32 or 128 keys and
+# 8 warps were slower on the sum of the 8/32 x 512/2048 and 64 x 512 shapes.
 _DECODE_TILES = {2: (64, 2), 4: (32, 4)}
+_NARROW_SPLITS = 8
 _PREFILL_TILES = {2: (128, 64, 8), 4: (64, 32, 4)}
 # Partial-output elements the decode merge loads a step: 16384 (32 splits of 4 heads of 128 in
 # one step) beat 4096 and 8192 on the H200, by up to 1.5 us at batch 1 (32 splits), no worse elsewhere.
@@ -315,6 +318,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         return out
     block_m = max(16, triton.next_power_of_2(q.shape[1] // k_cache.shape[2]))
     block_n, num_warps = _DECODE_TILES[q.element_size()]
+    if num_splits > _NARROW_SPLITS:
+        num_warps = 4
     return _launch(q, k_cache, v_cache, out, block_tables, context_lens, context_lens, scale, q.shape[0],
                    block_m, block_n, num_splits, True, num_warps, counters)
 
