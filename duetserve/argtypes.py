@@ -3,12 +3,15 @@
 The types raise ``argparse.ArgumentTypeError``, whose message argparse prints after
 ``argument --flag:``, so every message says what was expected and what was given.
 ``number`` and ``pair`` are building blocks that raise ValueError, for parsers wrapped by ``argtype``.
+Checks that can only run after parsing (flags that do not go together, a flag that does not fit
+the trace or the model) raise ``UsageError``; ``exit_status`` turns it into argparse's status 2.
 """
 from __future__ import annotations
 
 import argparse
 import math
 import os
+import sys
 from collections.abc import Callable
 from functools import wraps
 from pathlib import Path
@@ -18,6 +21,18 @@ from duetserve.config import parse_duration
 from duetserve.traces import parse_length
 
 T = TypeVar("T")
+
+
+class UsageError(ValueError):
+    """A flag value, or a combination of flags, refused by a check made after parsing, before the
+    command's work; the message names the flag. ``exit_status`` gives it status 2, as argparse would."""
+
+
+def exit_status(command: str, exc: Exception) -> int:
+    """Print ``duetserve COMMAND: error: EXC`` on stderr, as argparse words its errors, and return the
+    exit status: 2 for a ``UsageError`` (argparse's status for a usage error), 1 for any other failure."""
+    print(f"duetserve {command}: error: {exc}", file=sys.stderr)
+    return 2 if isinstance(exc, UsageError) else 1
 
 
 def argtype(parse: Callable[[str], T]) -> Callable[[str], T]:

@@ -150,3 +150,10 @@ def test_a_parser_names_the_flag(capsys: pytest.CaptureFixture[str]):
         parser.parse_args(["--qps", "0"])
     assert exc.value.code == 2
     assert "tool: error: argument --qps: must be a positive rate (req/s) or inf, got '0'\n" in capsys.readouterr().err
+
+
+def test_exit_status_is_2_for_a_usage_error_and_1_for_any_other(capsys: pytest.CaptureFixture[str]):
+    assert argtypes.exit_status("bench", argtypes.UsageError("give either --qps or --sweep-qps")) == 2
+    assert argtypes.exit_status("bench", OSError("server not reachable")) == 1
+    assert capsys.readouterr().err == ("duetserve bench: error: give either --qps or --sweep-qps\n"
+                                       "duetserve bench: error: server not reachable\n")

@@ -399,10 +399,12 @@ def test_cli_requires_gpu_name_and_out(capsys):
 
 
 def test_cli_config_file_needs_dummy_weights(tmp_path, capsys):
+    """A usage error (exit 2, as argparse's), checked before the GPU: it exited 1, as a failed run does."""
     (tmp_path / "config.json").write_text(json.dumps({"hidden_size": 64}))
     code = calibrate_main(["--gpu-name", "x", "--out", str(tmp_path / "p.json"), "--model",
                            str(tmp_path / "config.json"), "--load-format", "auto"])
-    assert code == 1 and "--load-format auto needs --model FOLDER" in capsys.readouterr().err
+    assert code == 2
+    assert capsys.readouterr().err == "duetserve calibrate: error: --load-format auto needs --model FOLDER with weights\n"
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message without CUDA")

@@ -133,6 +133,7 @@ def test_serve_refuses_a_busy_port_before_loading(capsys):
     (["--tbt-slo", "0"], "argument --tbt-slo: must be a positive duration, got '0'"),
     (["--seed", "-1"], "argument --seed: must be an integer >= 0, got '-1'"),
     (["--iteration-log", "/nonexistent/it.jsonl"], "argument --iteration-log: no such folder: /nonexistent"),
+    (["--trace", "/nonexistent/t.csv"], "argument --trace: no such file: /nonexistent/t.csv"),  # exited 1
 ])
 def test_bad_bench_flags_exit_2_naming_the_flag(argv, message, capsys):
     """Refused before any request is sent (``--max-concurrency 0`` used to hang, ``--percentiles
@@ -143,11 +144,41 @@ def test_bad_bench_flags_exit_2_naming_the_flag(argv, message, capsys):
     assert f"duetserve bench: error: {message}\n" in capsys.readouterr().err
 
 
-def test_bench_goodput_error_names_the_flag(capsys):
-    code = main(["bench", "--base-url", "http://127.0.0.1:1", "--qps", "1", "--num-requests", "1",
-                 "--goodput", "ttft:-1"])
-    assert code == 1
-    assert "duetserve bench: error: --goodput ttft:-1: bad duration '-1'" in capsys.readouterr().err
+@pytest.mark.parametrize("argv, message", [
+    (["--goodput", "ttft:-1"], "--goodput ttft:-1: bad duration '-1': a duration cannot be negative"),
+    (["--goodput", "itl:5"], "--goodput itl:5: keys are ttft, tpot, e2el, each once"),  # named no flag
+    (["--goodput", "ttft:1", "ttft:2"], "--goodput ttft:2: keys are ttft, tpot, e2el, each once"),
+    (["--sweep-qps", "2,4"], "give either --qps or --sweep-qps"),
+    (["--window", "1000:2000"], "the trace selection holds no requests (see --window and --num-requests)"),
+])
+def test_bench_flags_checked_after_parsing_are_usage_errors(argv, message, capsys):
+    """Exit 2 with the flag named, as argparse's own errors; these exited 1, as a failed run does."""
+    assert main(["bench", "--base-url", "http://127.0.0.1:1", "--qps", "1", "--num-requests", "1", *argv]) == 2
+    assert capsys.readouterr().err == f"duetserve bench: error: {message}\n"
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--num-requests", "3"], "a synthetic trace needs a number of requests and a QPS (--num-requests and --qps)"),
+    (["--qps", "3"], "a synthetic trace needs a number of requests and a QPS (--num-requests and --qps)"),
+    (["--trace-format", "azure"], "--trace FILE is required with --trace-format azure"),  # named no flag
+])
+def test_bench_trace_flags_that_give_no_trace_are_usage_errors(argv, message, capsys):
+    assert main(["bench", "--base-url", "http://127.0.0.1:1", *argv]) == 2
+    assert capsys.readouterr().err == f"duetserve bench: error: {message}\n"
+
+
+def test_bench_trace_suffix_and_content(tmp_path, capsys):
+    """A suffix that tells no format is a usage error (2); a malformed trace is not (1)."""
+    text, bad = tmp_path / "trace.txt", tmp_path / "trace.csv"
+    text.write_text("x\n")
+    bad.write_text("a,b\n1,2\n")
+    assert main(["bench", "--base-url", "http://127.0.0.1:1", "--trace", str(text)]) == 2
+    assert capsys.readouterr().err == (
+        f"duetserve bench: error: cannot infer the trace format of {text} from its suffix (.csv: azure, "
+        ".jsonl: mooncake); give the format (simulate --format, bench --trace-format)\n")
+    assert main(["bench", "--base-url", "http://127.0.0.1:1", "--trace", str(bad)]) == 1
+    assert capsys.readouterr().err == (f"duetserve bench: error: {bad}: not an Azure trace, missing columns "
+                                       "['ContextTokens', 'GeneratedTokens', 'TIMESTAMP']\n")
 
 
 def test_bench_compare_names_a_file_that_is_no_bench_result(tmp_path, capsys):
@@ -172,7 +203,7 @@ def test_bench_needs_the_iteration_log_up_front_unless_a_launched_server_writes_
     monkeypatch.setattr(bench_cli, "load_trace", lambda *a: pytest.fail("the trace was loaded first"))
     missing = tmp_path / "it.jsonl"
     assert main(["bench", "--num-requests", "2", "--qps", "2", "--iteration-log", str(missing),
-                 "--plot", str(tmp_path / "b.png")]) == 1
+                 "--plot", str(tmp_path / "b.png")]) == 2
     assert capsys.readouterr().err == (f"duetserve bench: error: --iteration-log {missing}: no such file "
                                        "(only a --launch server can write it during the run)\n")
     parser = argparse.ArgumentParser()

@@ -70,23 +70,45 @@ def test_missing_qps_is_a_usage_error(capsys):
     assert "--qps" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("args, words", [
-    (["simulate", "--format", "azure", "--qps", "2"], "--trace FILE is required"),
-    (["simulate", "--format", "synthetic", "--qps", "2"], "--num-requests is required"),
-    ([*SMALL, "--qps", "2", "--policy", "pdmux", "--partition-backend", "none"], "--policy pdmux needs"),
+@pytest.mark.parametrize("args, message", [
+    (["simulate", "--format", "azure", "--qps", "2"], "--trace FILE is required with --format azure"),
+    (["simulate", "--format", "synthetic", "--qps", "2"], "--num-requests is required for a synthetic trace"),
+    ([*SMALL, "--qps", "2", "--policy", "pdmux", "--partition-backend", "none"],
+     "--policy pdmux needs an SM partition backend (greenctx or tpcmask); the partition backend is 'none'"),
     ([*SMALL, "--qps", "2", "--kv-cache-tokens", "10"],
-     "--kv-cache-tokens 10 is less than one KV block of 16 tokens"),
+     "--kv-cache-tokens 10 is less than one KV block of 16 tokens (--block-size)"),
     ([*SMALL, "--qps", "2", "--kv-cache-tokens", "100"],
-     "the KV cache of 96 tokens (from --kv-cache-tokens) holds no request of the trace: the shortest needs"),
+     "the KV cache of 96 tokens (from --kv-cache-tokens) holds no request of the trace: the shortest needs "
+     "521 tokens of prompt and output"),
     ([*SMALL, "--qps", "2", "--tp", "3"],  # printed a ModelShape(...) repr
-     "error: --tp 3: the model's 32 query heads and 8 KV heads are not divisible by 3\n"),
+     "--tp 3: the model's 32 query heads and 8 KV heads are not divisible by 3"),
     ([*SMALL, "--qps", "2", "--max-model-len", "10"],
-     "--max-model-len 10 leaves no room for an output token: the shortest prompt of the trace has"),
+     "--max-model-len 10 leaves no room for an output token: the shortest prompt of the trace has 506 tokens"),
+    ([*SMALL, "--qps", "2", "--window", "1000:2000"],
+     "the trace selection holds no requests (see --window and --num-requests)"),
 ])
-def test_inconsistent_input_exits_1_with_a_message(args, words, capsys):
-    assert main(args) == 1
-    err = capsys.readouterr().err
-    assert err.startswith("duetserve simulate: error:") and words in err
+def test_flags_that_do_not_fit_together_are_usage_errors(args, message, capsys):
+    """Checked after parsing, named in the message; exited 1, as a failure of the run, before."""
+    assert main(args) == 2
+    assert capsys.readouterr().err == f"duetserve simulate: error: {message}\n"
+
+
+def test_a_trace_suffix_that_tells_no_format_is_a_usage_error(tmp_path, capsys):
+    trace = tmp_path / "trace.txt"
+    trace.write_text("x\n")
+    assert main(["simulate", "--trace", str(trace), "--qps", "2"]) == 2
+    assert capsys.readouterr().err == (
+        f"duetserve simulate: error: cannot infer the trace format of {trace} from its suffix (.csv: azure, "
+        ".jsonl: mooncake); give the format (simulate --format, bench --trace-format)\n")
+
+
+def test_a_malformed_trace_still_exits_1(tmp_path, capsys):
+    """Not a usage error: the flags are fine, the file's content is not."""
+    trace = tmp_path / "trace.csv"
+    trace.write_text("a,b\n1,2\n")
+    assert main(["simulate", "--trace", str(trace), "--qps", "2", "--no-progress"]) == 1
+    assert capsys.readouterr().err == (f"duetserve simulate: error: {trace}: not an Azure trace, missing columns "
+                                       "['ContextTokens', 'GeneratedTokens', 'TIMESTAMP']\n")
 
 
 def test_all_without_partition_backend_leaves_pdmux_out(capsys):

@@ -7,10 +7,11 @@ one image.
 
 Exit status:
   0  every run completed at least one request (failed requests are counted in its report)
-  1  setup error: bad options, unreadable trace or files, server not reachable or not
-     starting ("duetserve bench: error: ..." on stderr)
+  1  setup error: unreadable trace or files, server not reachable or not starting
+     ("duetserve bench: error: ..." on stderr)
   2  every request of a run failed (the reports are still printed, and saved with
-     --result-file); 2 is also argparse's status for a usage error ("usage: ..." on stderr)
+     --result-file); 2 is also argparse's status for a usage error: a bad flag, or flags
+     that do not go together ("duetserve bench: error: ..." naming the flag, on stderr)
 """
 
 from __future__ import annotations
@@ -30,11 +31,13 @@ from pathlib import Path
 from typing import Any
 
 from duetserve.argtypes import (
+    UsageError,
     add_length_options,
     argtype,
     comma_items,
     cv,
     existing_file,
+    exit_status,
     non_negative_int,
     number,
     output_file,
@@ -52,7 +55,7 @@ from duetserve.bench.plot import plot_results, read_iteration_log
 from duetserve.bench.prompts import Tokenizer
 from duetserve.bench.runner import BenchConfig, BenchRun, run_benchmark
 from duetserve.config import parse_duration
-from duetserve.traces import TraceSpec, load_trace
+from duetserve.traces import TraceSpec, load_trace, resolve_format
 
 _GOODPUT_KEYS = ("ttft", "tpot", "e2el")
 
@@ -62,17 +65,17 @@ def parse_goodput(items: list[str]) -> Slos:
     bare numbers are milliseconds (as in vLLM's ``--goodput ttft:200``).
 
     Raises:
-        ValueError: an unknown key, a repeated key, or a bad value.
+        UsageError: an unknown key, a repeated key, or a bad value.
     """
     slos: dict[str, float] = {}
     for item in items:
         key, _, value = item.partition(":")
         if key not in _GOODPUT_KEYS or key in slos:
-            raise ValueError(f"bad goodput item {item!r}: keys are {', '.join(_GOODPUT_KEYS)}")
+            raise UsageError(f"--goodput {item}: keys are {', '.join(_GOODPUT_KEYS)}, each once")
         try:
             slos[key] = parse_duration(value, "ms")
         except ValueError as exc:
-            raise ValueError(f"--goodput {item}: {exc}") from exc
+            raise UsageError(f"--goodput {item}: {exc}") from exc
     return Slos(**{f"{k}_s": v for k, v in slos.items()})
 
 
@@ -128,17 +131,30 @@ def _iteration_log(text: str) -> Path:
 
 
 def _check_iteration_log(args: argparse.Namespace) -> None:
-    """Raise ValueError naming ``--iteration-log`` when it names no readable file and no ``--launch``
+    """Raise UsageError naming ``--iteration-log`` when it names no readable file and no ``--launch``
     server can write it during the run (it is read only after the run, for ``--plot``)."""
     path = args.iteration_log
     if path is None or args.launch:
         return
     if not path.is_file():
-        raise ValueError(f"--iteration-log {path}: no such file (only a --launch server can write it during the run)")
+        raise UsageError(f"--iteration-log {path}: no such file (only a --launch server can write it during the run)")
     try:
         open(path).close()
     except OSError as exc:
-        raise ValueError(f"--iteration-log {path}: {exc.strerror}") from exc
+        raise UsageError(f"--iteration-log {path}: {exc.strerror}") from exc
+
+
+def _check_trace_flags(args: argparse.Namespace) -> None:
+    """Raise UsageError naming the flags when ``--trace`` and ``--trace-format`` give no trace, or a
+    synthetic trace lacks ``--num-requests`` or a rate."""
+    if args.trace_format not in ("auto", "synthetic") and args.trace is None:
+        raise UsageError(f"--trace FILE is required with --trace-format {args.trace_format}")
+    try:
+        fmt = resolve_format(args.trace, args.trace_format)
+    except ValueError as exc:  # a suffix that tells no format: "... give the format (..., bench --trace-format)"
+        raise UsageError(str(exc)) from exc
+    if fmt == "synthetic" and (args.num_requests is None or (args.qps is None and not args.sweep_qps)):
+        raise UsageError("a synthetic trace needs a number of requests and a QPS (--num-requests and --qps)")
 
 
 def _existing_folder(text: str) -> str:
@@ -160,7 +176,8 @@ def _command(text: str) -> str:
 def configure_parser(p: argparse.ArgumentParser) -> None:
     """Add every ``duetserve bench`` option to ``p``."""
     t = p.add_argument_group("trace")
-    t.add_argument("--trace", help="trace file (Azure .csv or Mooncake .jsonl); omit for synthetic")
+    t.add_argument("--trace", type=existing_file, metavar="FILE",
+                   help="trace file (Azure .csv or Mooncake .jsonl); omit for synthetic")
     t.add_argument("--trace-format", default="auto",
                    choices=["auto", "azure", "mooncake", "synthetic"])
     t.add_argument("--arrival", default="trace", choices=["trace", "scale", "poisson"],
@@ -253,7 +270,7 @@ def _build_result(args: argparse.Namespace, spec: TraceSpec, outcome: BenchRun,
         "base_url": args.base_url,
         "endpoint": args.endpoint,
         "model_id": outcome.model,
-        "trace": args.trace,
+        "trace": str(args.trace) if args.trace else None,
         "trace_spec": _spec_json(spec),
         "num_prompts": len(outcome.records),
         "request_rate": _json_number(spec.qps),
@@ -295,7 +312,8 @@ def _spatial_times(args: argparse.Namespace) -> list[float]:
 
 def _bench(args: argparse.Namespace) -> int:
     if args.sweep_qps and args.qps is not None:
-        raise ValueError("give either --qps or --sweep-qps")
+        raise UsageError("give either --qps or --sweep-qps")
+    _check_trace_flags(args)
     _check_iteration_log(args)
     slos = replace(parse_goodput(args.goodput), tbt_s=args.tbt_slo)
     tokenizer = _load_tokenizer(args.tokenizer) if args.tokenizer else None
@@ -320,7 +338,7 @@ def _bench(args: argparse.Namespace) -> int:
     specs = [replace(spec, qps=q) for q in loads]
     traces = [load_trace(args.trace, s) for s in specs]
     if not traces[0]:
-        raise ValueError("the trace selection holds no requests")
+        raise UsageError("the trace selection holds no requests (see --window and --num-requests)")
     server: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
     if args.launch:
         server = ServerProcess(LaunchConfig(
@@ -357,13 +375,13 @@ def run(args: argparse.Namespace) -> int:
 
     Returns:
         0 when every run produced a report with at least one completed request (some may
-        have failed), 1 on a setup error (bad options, unreadable trace, server not reachable
-        or not starting), 2 when every request of a run failed (the reports are still written).
+        have failed), 1 on a setup error (unreadable trace, server not reachable or not
+        starting), 2 on a usage error (bad flags, named in the message) or when every
+        request of a run failed (the reports are still written).
     """
     for name in ("httpx", "httpcore"):  # one INFO line per request otherwise
         logging.getLogger(name).setLevel(logging.WARNING)
     try:
         return _compare(args) if args.compare else _bench(args)
     except (ValueError, RuntimeError, TimeoutError, OSError) as e:
-        print(f"duetserve bench: error: {e}", file=sys.stderr)
-        return 1
+        return exit_status("bench", e)

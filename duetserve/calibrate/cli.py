@@ -14,8 +14,9 @@ on the other shapes, and the base profile; ``--plot`` draws predicted against me
 ``host_eager_s``; ``duetserve.calibrate.host``) to the iteration log of a server that planned
 with ``--base``, needs no GPU, and writes ``--base`` with those two terms replaced.
 
-Exit status: 0 on success (failed single measurements are listed), 1 on an error (no GPU, bad
-input: the message names the flag), 2 on bad usage.
+Exit status: 0 on success (failed single measurements are listed); 2 on bad usage: a bad flag,
+or flags that do not go together (the message names the flag); 1 on any other error (no GPU, an
+iteration log that does not fit, a profile that cannot be written).
 """
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from duetserve.argtypes import argtype, existing_file, non_empty, output_file, plot_file
+from duetserve.argtypes import UsageError, argtype, existing_file, exit_status, non_empty, output_file, plot_file
 from duetserve.calibrate.host import fit_host_overheads, read_iteration_log
 from duetserve.calibrate.report import (
     format_curves,
@@ -77,12 +78,12 @@ def model_folder(args: argparse.Namespace, scratch: Path) -> tuple[Path, ModelSh
     """The folder the engine loads and the model's shape: ``--model``'s folder, or ``scratch``
     holding ``--model``'s config.json (or Qwen3-8B's when ``--model`` is not given).
 
-    Raises ValueError when a bare config.json is given with ``--load-format auto``.
+    Raises UsageError when a bare config.json is given with ``--load-format auto``.
     """
     if args.model is not None and args.model.is_dir():
         return args.model, ModelShape.from_hf_config(json.loads((args.model / "config.json").read_text()))
     if args.load_format != "dummy":
-        raise ValueError("--load-format auto needs --model FOLDER with weights")
+        raise UsageError("--load-format auto needs --model FOLDER with weights")
     config = QWEN3_8B if args.model is None else json.loads(args.model.read_text())
     (scratch / "config.json").write_text(json.dumps(config))
     return scratch, ModelShape.from_hf_config(config)
@@ -143,8 +144,8 @@ def fit_host(args: argparse.Namespace) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Run ``duetserve calibrate`` with parsed arguments; 0 on success, 1 on an error (printed
-    to stderr)."""
+    """Run ``duetserve calibrate`` with parsed arguments; 0 on success, 2 on a usage error, 1 on any
+    other error (printed to stderr)."""
     if args.iteration_log:
         return fit_host(args)
     try:
@@ -161,8 +162,7 @@ def run(args: argparse.Namespace) -> int:
             opts = Options(args.gpu_name, args.out, args.base, folder, shape, args.load_format, args.quick)
             result = run_calibration(bench, opts)
     except (ValueError, RuntimeError, OSError) as exc:
-        print(f"duetserve calibrate: error: {exc}", file=sys.stderr)
-        return 1
+        return exit_status("calibrate", exc)
     print(report(result, args.base))
     print(f"\nprofile: {args.out}")
     if args.plot:

@@ -6,7 +6,8 @@ highest swept QPS whose p99 TBT stays within the SLO while finished requests kee
 offered load (``report.slo_capacity``), and its request throughput relative to ``chunked``;
 with no such QPS, which condition failed at each (``report.capacity_misses``).
 ``--json`` saves the rows, ``--plot`` draws TBT, TTFT and throughput against QPS.
-Exit status: 0 on success, 1 on bad input (the message names the flag), 2 on bad usage.
+Exit status: 0 on success; 2 on bad usage: a bad flag, or flags that do not go together or do not
+fit the trace or the model (the message names the flag); 1 on any other error, such as a malformed trace.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from duetserve import argtypes
+from duetserve.argtypes import UsageError
 from duetserve.config import POLICIES
 from duetserve.engine.policy import policy_by_name
 from duetserve.partition.base import BACKENDS as PARTITION_BACKENDS
@@ -127,33 +129,38 @@ def _trace_spec(args: argparse.Namespace, qps: float) -> TraceSpec:
 
 
 def _check_trace_flags(args: argparse.Namespace) -> None:
+    """Raise UsageError naming the flag when ``--trace``, ``--format`` and ``--num-requests`` give no trace."""
     if args.format not in ("auto", "synthetic") and args.trace is None:
-        raise ValueError(f"--trace FILE is required with --format {args.format}")
-    if resolve_format(args.trace, args.format) == "synthetic" and args.num_requests is None:
-        raise ValueError("--num-requests is required for a synthetic trace")
+        raise UsageError(f"--trace FILE is required with --format {args.format}")
+    try:
+        fmt = resolve_format(args.trace, args.format)
+    except ValueError as exc:  # a suffix that tells no format: "... give the format (simulate --format, ...)"
+        raise UsageError(str(exc)) from exc
+    if fmt == "synthetic" and args.num_requests is None:
+        raise UsageError("--num-requests is required for a synthetic trace")
 
 
 def _check_tp(args: argparse.Namespace) -> None:
-    """Raise ValueError naming ``--tp`` when the model's heads or intermediate size do not split that many ways."""
+    """Raise UsageError naming ``--tp`` when the model's heads or intermediate size do not split that many ways."""
     if (why := args.model_config.tp_split_error(args.tp)) is not None:
-        raise ValueError(f"--tp {args.tp}: the model's {why}")
+        raise UsageError(f"--tp {args.tp}: the model's {why}")
 
 
 def _check_trace_fits(args: argparse.Namespace, config: SimConfig, trace: Sequence[TraceRequest]) -> None:
-    """Raise ValueError, naming the flag, when the KV cache or the context limit leaves no
+    """Raise UsageError, naming the flag, when the KV cache or the context limit leaves no
     request of ``trace`` able to run."""
     if args.kv_cache_tokens is not None and args.kv_cache_tokens < args.block_size:
-        raise ValueError(f"--kv-cache-tokens {args.kv_cache_tokens} is less than one KV block of "
+        raise UsageError(f"--kv-cache-tokens {args.kv_cache_tokens} is less than one KV block of "
                          f"{args.block_size} tokens (--block-size)")
     shortest_prompt = min(r.input_len for r in trace)
     if args.max_model_len is not None and shortest_prompt >= args.max_model_len:
-        raise ValueError(f"--max-model-len {args.max_model_len} leaves no room for an output token: "
+        raise UsageError(f"--max-model-len {args.max_model_len} leaves no room for an output token: "
                          f"the shortest prompt of the trace has {shortest_prompt} tokens")
     shortest = min(r.input_len + r.output_len for r in trace)
     blocks = config.kv_blocks()
     if -(-shortest // args.block_size) > blocks:
         source = "--kv-cache-tokens" if args.kv_cache_tokens else "--gpu and --gpu-memory-utilization"
-        raise ValueError(f"the KV cache of {blocks * args.block_size} tokens (from {source}) holds no request "
+        raise UsageError(f"the KV cache of {blocks * args.block_size} tokens (from {source}) holds no request "
                          f"of the trace: the shortest needs {shortest} tokens of prompt and output")
 
 
@@ -181,14 +188,17 @@ def _simulate(args: argparse.Namespace) -> int:
         print("duetserve simulate: pdmux left out: --partition-backend none", file=sys.stderr)
     planner = PlannerConfig(args.model_config, args.gpu, args.tbt_slo, args.partition_backend, tp=args.tp,
                             trim_margin=args.trim_margin)
-    policies = [policy_by_name(name, planner) for name in names]
+    try:
+        policies = [policy_by_name(name, planner) for name in names]
+    except ValueError as exc:  # "--policy pdmux needs an SM partition backend ..."
+        raise UsageError(str(exc)) from exc
     config = SimConfig(planner, args.max_num_seqs, args.max_num_batched_tokens, args.block_size,
                        args.kv_cache_tokens, args.gpu_memory_utilization, args.max_model_len)
     rows = []
     for qps in args.qps:
         trace = load_trace(args.trace, _trace_spec(args, qps))
         if not trace:
-            raise ValueError("the trace selection holds no requests (see --window and --num-requests)")
+            raise UsageError("the trace selection holds no requests (see --window and --num-requests)")
         _check_trace_fits(args, config, trace)
         for policy in policies:
             result = simulate(trace, policy, config, not args.no_progress, f"{policy.name} qps {qps:g}")
@@ -207,10 +217,9 @@ def _simulate(args: argparse.Namespace) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Run ``duetserve simulate`` with parsed arguments; 0 on success, 1 on bad input or an
-    unreadable trace (the message goes to stderr)."""
+    """Run ``duetserve simulate`` with parsed arguments; 0 on success, 2 on a usage error, 1 on any other
+    error, such as an unreadable or malformed trace (the message goes to stderr)."""
     try:
         return _simulate(args)
     except (ValueError, OSError) as exc:
-        print(f"duetserve simulate: error: {exc}", file=sys.stderr)
-        return 1
+        return argtypes.exit_status("simulate", exc)
