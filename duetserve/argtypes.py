@@ -5,14 +5,16 @@ The types raise ``argparse.ArgumentTypeError``, whose message argparse prints af
 ``number`` and ``pair`` are building blocks that raise ValueError, for parsers wrapped by ``argtype``.
 Checks that can only run after parsing (flags that do not go together, a flag that does not fit
 the trace or the model) raise ``UsageError``; ``exit_status`` turns it into argparse's status 2.
+``join_negative_values`` readies ``argv`` so that ``--flag -5ms`` reaches the flag's type.
 """
 from __future__ import annotations
 
 import argparse
 import math
 import os
+import re
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from functools import wraps
 from pathlib import Path
 from typing import TypeVar
@@ -33,6 +35,27 @@ def exit_status(command: str, exc: Exception) -> int:
     exit status: 2 for a ``UsageError`` (argparse's status for a usage error), 1 for any other failure."""
     print(f"duetserve {command}: error: {exc}", file=sys.stderr)
     return 2 if isinstance(exc, UsageError) else 1
+
+
+_LONG_FLAG = re.compile(r"--[^=]+")
+_NEGATIVE_VALUE = re.compile(r"-\.?\d")  # -5, -.5, -5ms, -2,4, -5:10
+
+
+def join_negative_values(argv: Sequence[str]) -> list[str]:
+    """``argv`` with ``--flag VALUE`` written ``--flag=VALUE`` where VALUE looks negative (``-5ms``,
+    ``-2,4``, ``-5:10``): argparse's documented form for a value that starts with '-'.
+
+    argparse takes an item starting with '-' for an option unless it is a plain negative number, so
+    ``--tbt-slo -5ms`` failed with "expected one argument" rather than the flag's own message.
+    Items after a bare ``--`` (positional from there on) are left alone.
+    """
+    out: list[str] = []
+    for item in argv:
+        if out and _LONG_FLAG.fullmatch(out[-1]) and _NEGATIVE_VALUE.match(item) and "--" not in out:
+            out[-1] += "=" + item
+        else:
+            out.append(item)
+    return out
 
 
 def argtype(parse: Callable[[str], T]) -> Callable[[str], T]:

@@ -11,7 +11,7 @@ import socket
 import sys
 from pathlib import Path
 
-from duetserve.argtypes import non_empty, positive_duration
+from duetserve.argtypes import join_negative_values, non_empty, positive_duration
 from duetserve.bench import cli as bench_cli
 from duetserve.calibrate import cli as calibrate_cli
 from duetserve.config import ATTENTION_BACKENDS, POLICIES, EngineConfig
@@ -201,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
                               formatter_class=argparse.RawDescriptionHelpFormatter)
         module.configure_parser(tool)
         tool.set_defaults(func=module.run)
-    args = parser.parse_args(argv)
+    args = parser.parse_args(join_negative_values(sys.argv[1:] if argv is None else argv))
     logging.basicConfig(level=getattr(args, "log_level", "info").upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.command == "serve":

@@ -157,3 +157,12 @@ def test_exit_status_is_2_for_a_usage_error_and_1_for_any_other(capsys: pytest.C
     assert argtypes.exit_status("bench", OSError("server not reachable")) == 1
     assert capsys.readouterr().err == ("duetserve bench: error: give either --qps or --sweep-qps\n"
                                        "duetserve bench: error: server not reachable\n")
+
+
+def test_join_negative_values_writes_flag_equals_value():
+    assert argtypes.join_negative_values(["bench", "--tbt-slo", "-5ms", "--qps", "-2,4", "--window", "-5:10"]) == [
+        "bench", "--tbt-slo=-5ms", "--qps=-2,4", "--window=-5:10"]
+    assert argtypes.join_negative_values(["--cv", "-.5", "--seed", "-1"]) == ["--cv=-.5", "--seed=-1"]
+    # left alone: positive values, an option after a flag, a flag with =, a short flag, anything after --
+    for argv in (["--qps", "2"], ["--tbt-slo", "--qps"], ["--tbt-slo=1", "-5"], ["-h", "-5"], ["--", "--qps", "-5"]):
+        assert argtypes.join_negative_values(argv) == argv

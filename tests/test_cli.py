@@ -51,6 +51,27 @@ def test_bad_serve_values_are_explained(argv, message, capsys):
     assert message in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("argv, flag, value, message", [
+    (["serve", "--device", "cpu"], "--tbt-slo", "-5ms", "bad duration '-5ms': a duration cannot be negative"),
+    (["serve", "--device", "cpu"], "--cpu-kv-cache-gb", "-1e3", "must be a positive number, got '-1e3'"),
+    (["bench"], "--tbt-slo", "-5ms", "bad duration '-5ms': a duration cannot be negative"),
+    (["bench"], "--qps", "-2", "must be a positive rate (req/s) or inf, got '-2'"),
+    (["bench"], "--sweep-qps", "-2,4", "must be a positive rate (req/s) or inf, got '-2'"),
+    (["bench"], "--window", "-5:10", "bad duration '-5': a duration cannot be negative"),
+    (["bench"], "--request-timeout", "-1s", "bad duration '-1s': a duration cannot be negative"),
+    (["bench"], "--token-id-range", "-1:5", "expected 0 <= LOW < HIGH, got '-1:5'"),
+])
+def test_a_negative_value_after_a_space_gets_the_flags_own_message(argv, flag, value, message, capsys):
+    """``--tbt-slo -5ms`` said "expected one argument"; now it says what ``--tbt-slo=-5ms`` says."""
+    errors = []
+    for given in ([flag, value], [f"{flag}={value}"]):
+        with pytest.raises(SystemExit) as exc:
+            main([*argv, *given])
+        assert exc.value.code == 2
+        errors.append(capsys.readouterr().err)
+    assert errors[0] == errors[1] and errors[0].endswith(f": error: argument {flag}: {message}\n")
+
+
 def test_cpu_kv_cache_gb_accepts_small_positive_values():
     assert _positive_float("--cpu-kv-cache-gb")("0.25") == 0.25
     assert _positive_float("--cpu-kv-cache-gb")("1e-3") == 0.001

@@ -64,6 +64,21 @@ def test_bad_flags_are_usage_errors_naming_the_flag(args, flag, capsys):
     assert f"argument {flag}" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("args, message", [
+    (["--qps", "2", "--tbt-slo", "-5ms"], "argument --tbt-slo: bad duration '-5ms': a duration cannot be negative"),
+    (["--qps", "-2,4"], "argument --qps: must be a positive rate (req/s) or inf, got '-2'"),
+    (["--qps", "2", "--input-len", "-5:10"],
+     "argument --input-len: bad length '-5:10': expected N, LOW:HIGH or lognormal:MEAN:SIGMA with lengths >= 1"),
+    (["--qps", "2", "--trim-margin", "-.5"], "argument --trim-margin: must be in (0, 1], got '-.5'"),
+])
+def test_a_negative_value_after_a_space_is_the_flags_value(args, message, capsys):
+    """``--tbt-slo -5ms`` was read as an unknown option: "argument --tbt-slo: expected one argument"."""
+    with pytest.raises(SystemExit) as exc:
+        main([*SMALL, *args])
+    assert exc.value.code == 2
+    assert capsys.readouterr().err.endswith(f"\nduetserve simulate: error: {message}\n")
+
+
 def test_missing_qps_is_a_usage_error(capsys):
     with pytest.raises(SystemExit):
         main(SMALL)
