@@ -326,6 +326,13 @@ def test_module_entry_point() -> None:
     assert done.returncode == 0 and "--sweep-qps" in done.stdout
 
 
+def test_module_entry_point_reads_a_negative_value_after_a_space() -> None:
+    done = subprocess.run([sys.executable, "-m", "duetserve.bench", "--tbt-slo", "-5ms"],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2
+    assert done.stderr.endswith("error: argument --tbt-slo: bad duration '-5ms': a duration cannot be negative\n")
+
+
 def test_token_id_prompts_exact_and_prefix_shared() -> None:
     builder = PromptBuilder(seed=7, token_id_range=(100, 200))
     a = builder.token_ids(0, TraceRequest(0.0, 1200, 1, hash_ids=[5, 6, 7]))

@@ -3,6 +3,7 @@
 import argparse
 import sys
 
+from duetserve.argtypes import join_negative_values
 from duetserve.bench import cli
 from duetserve.bench.cli import configure_parser, run
 
@@ -12,7 +13,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(prog="python -m duetserve.bench", description=cli.__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     configure_parser(parser)
-    return run(parser.parse_args())
+    return run(parser.parse_args(join_negative_values(sys.argv[1:])))
 
 
 if __name__ == "__main__":
