@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import TypeVar
 
 from duetserve.config import parse_duration
-from duetserve.traces import parse_length
+from duetserve.traces import TraceFormat, parse_length, resolve_format
 
 T = TypeVar("T")
 
@@ -28,6 +28,21 @@ T = TypeVar("T")
 class UsageError(ValueError):
     """A flag value, or a combination of flags, refused by a check made after parsing, before the
     command's work; the message names the flag. ``exit_status`` gives it status 2, as argparse would."""
+
+
+def trace_format(trace: str | Path | None, fmt: TraceFormat, format_flag: str) -> TraceFormat:
+    """The concrete format of ``--trace`` ``trace`` given as ``format_flag`` ``fmt`` (``traces.resolve_format``).
+
+    Raises:
+        UsageError: a file format without ``--trace``, a trace file that does not exist, or one
+            whose suffix tells no format.
+    """
+    if fmt not in ("auto", "synthetic") and trace is None:
+        raise UsageError(f"--trace FILE is required with {format_flag} {fmt}")
+    try:
+        return resolve_format(trace, fmt)
+    except ValueError as exc:  # "... give the format (simulate --format, bench --trace-format)"
+        raise UsageError(str(exc)) from exc
 
 
 def exit_status(command: str, exc: Exception) -> int:

@@ -166,3 +166,18 @@ def test_join_negative_values_writes_flag_equals_value():
     # left alone: positive values, an option after a flag, a flag with =, a short flag, anything after --
     for argv in (["--qps", "2"], ["--tbt-slo", "--qps"], ["--tbt-slo=1", "-5"], ["-h", "-5"], ["--", "--qps", "-5"]):
         assert argtypes.join_negative_values(argv) == argv
+
+
+def test_trace_format_resolves_or_names_the_flag(tmp_path):
+    csv, txt = tmp_path / "t.csv", tmp_path / "t.txt"
+    csv.write_text("x")
+    txt.write_text("x")
+    assert argtypes.trace_format(csv, "auto", "--format") == "azure"
+    assert argtypes.trace_format(None, "auto", "--format") == "synthetic"
+    assert argtypes.trace_format(txt, "mooncake", "--trace-format") == "mooncake"
+    with pytest.raises(argtypes.UsageError, match=r"^--trace FILE is required with --trace-format azure$"):
+        argtypes.trace_format(None, "azure", "--trace-format")
+    with pytest.raises(argtypes.UsageError, match=r"^cannot infer the trace format of .*t\.txt from its suffix"):
+        argtypes.trace_format(txt, "auto", "--format")
+    with pytest.raises(argtypes.UsageError, match=r"^no such trace file: .*missing\.csv$"):
+        argtypes.trace_format(tmp_path / "missing.csv", "auto", "--format")

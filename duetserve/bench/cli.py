@@ -47,6 +47,7 @@ from duetserve.argtypes import (
     positive_int,
     rate,
     rates,
+    trace_format,
     window,
 )
 from duetserve.bench.launch import LaunchConfig, ServerProcess
@@ -55,7 +56,7 @@ from duetserve.bench.plot import plot_results, read_iteration_log
 from duetserve.bench.prompts import Tokenizer
 from duetserve.bench.runner import BenchConfig, BenchRun, run_benchmark
 from duetserve.config import parse_duration
-from duetserve.traces import TraceSpec, load_trace, resolve_format
+from duetserve.traces import TraceSpec, load_trace
 
 _GOODPUT_KEYS = ("ttft", "tpot", "e2el")
 
@@ -147,12 +148,7 @@ def _check_iteration_log(args: argparse.Namespace) -> None:
 def _check_trace_flags(args: argparse.Namespace) -> None:
     """Raise UsageError naming the flags when ``--trace`` and ``--trace-format`` give no trace, or a
     synthetic trace lacks ``--num-requests`` or a rate."""
-    if args.trace_format not in ("auto", "synthetic") and args.trace is None:
-        raise UsageError(f"--trace FILE is required with --trace-format {args.trace_format}")
-    try:
-        fmt = resolve_format(args.trace, args.trace_format)
-    except ValueError as exc:  # a suffix that tells no format: "... give the format (..., bench --trace-format)"
-        raise UsageError(str(exc)) from exc
+    fmt = trace_format(args.trace, args.trace_format, "--trace-format")
     if fmt == "synthetic" and (args.num_requests is None or (args.qps is None and not args.sweep_qps)):
         raise UsageError("a synthetic trace needs a number of requests and a QPS (--num-requests and --qps)")
 

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from duetserve import argtypes
-from duetserve.argtypes import UsageError
+from duetserve.argtypes import UsageError, trace_format
 from duetserve.config import POLICIES
 from duetserve.engine.policy import policy_by_name
 from duetserve.partition.base import BACKENDS as PARTITION_BACKENDS
@@ -32,7 +32,6 @@ from duetserve.traces import (
     TraceRequest,
     TraceSpec,
     load_trace,
-    resolve_format,
 )
 
 
@@ -130,13 +129,7 @@ def _trace_spec(args: argparse.Namespace, qps: float) -> TraceSpec:
 
 def _check_trace_flags(args: argparse.Namespace) -> None:
     """Raise UsageError naming the flag when ``--trace``, ``--format`` and ``--num-requests`` give no trace."""
-    if args.format not in ("auto", "synthetic") and args.trace is None:
-        raise UsageError(f"--trace FILE is required with --format {args.format}")
-    try:
-        fmt = resolve_format(args.trace, args.format)
-    except ValueError as exc:  # a suffix that tells no format: "... give the format (simulate --format, ...)"
-        raise UsageError(str(exc)) from exc
-    if fmt == "synthetic" and args.num_requests is None:
+    if trace_format(args.trace, args.format, "--format") == "synthetic" and args.num_requests is None:
         raise UsageError("--num-requests is required for a synthetic trace")
 
 
