@@ -313,3 +313,4 @@ def test_serve_names_the_flag_for_a_gguf_file_that_is_no_gguf(tmp_path, monkeypa
     assert exc.value.code == 2
     assert capsys.readouterr().err.endswith(
         f"duetserve serve: error: --model {bad}: {message.format(path=bad)}\n")
+    assert list((tmp_path / "cache" / "gguf").iterdir()) == []  # the failed conversion's folder is gone

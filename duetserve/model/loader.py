@@ -64,15 +64,28 @@ def cache_root() -> Path:
     return Path(os.environ.get("DUETSERVE_CACHE", Path.home() / ".cache" / "duetserve"))
 
 
+def _content_key(path: Path) -> str:
+    """The first 16 hex digits of the SHA-256 of ``path``'s bytes (about 0.2 s per 100 MB)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()[:16]
+
+
 def gguf_to_folder(gguf_path: Path) -> Path:
     """Convert a GGUF file to a Hugging Face folder once (dequantized, float32) and cache it.
 
-    The cache key is the file's absolute path, size and modification time, so a changed file
-    is converted again. Conversion uses transformers' GGUF support (needs ``gguf``).
+    The cache key is the file's content (``_content_key``), so every copy of one file (each
+    checkout's or virtualenv's copy of the embedded model) shares one conversion, and a changed
+    file is converted again. The conversion is written to a temporary folder, renamed into
+    place when complete and removed if it fails. Uses transformers' GGUF support (needs ``gguf``).
+
+    Raises:
+        whatever transformers raises for a file it cannot read as GGUF (``resolve_model``
+        turns that into an error naming ``--model``).
     """
-    stat = gguf_path.stat()
-    key = hashlib.sha256(f"{gguf_path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
-    folder = cache_root() / "gguf" / f"{gguf_path.stem}-{key}"
+    folder = cache_root() / "gguf" / f"{gguf_path.stem}-{_content_key(gguf_path)}"
     if (folder / "model.safetensors").is_file():
         return folder
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -81,15 +94,19 @@ def gguf_to_folder(gguf_path: Path) -> Path:
     tmp = folder.with_name(folder.name + f".tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    src, name = str(gguf_path.parent), gguf_path.name
-    AutoTokenizer.from_pretrained(src, gguf_file=name).save_pretrained(tmp)
-    hf = AutoModelForCausalLM.from_pretrained(src, gguf_file=name, dtype=torch.float32)
-    config = hf.config.to_dict()
-    config.pop("quantization_config", None)
-    (tmp / "config.json").write_text(json.dumps(config, indent=2))
-    tensors = {k: v.contiguous() for k, v in hf.state_dict().items()
-               if not (hf.config.tie_word_embeddings and k == "lm_head.weight")}
-    save_file(tensors, str(tmp / "model.safetensors"))
+    try:
+        src, name = str(gguf_path.parent), gguf_path.name
+        AutoTokenizer.from_pretrained(src, gguf_file=name).save_pretrained(tmp)
+        hf = AutoModelForCausalLM.from_pretrained(src, gguf_file=name, dtype=torch.float32)
+        config = hf.config.to_dict()
+        config.pop("quantization_config", None)
+        (tmp / "config.json").write_text(json.dumps(config, indent=2))
+        tensors = {k: v.contiguous() for k, v in hf.state_dict().items()
+                   if not (hf.config.tie_word_embeddings and k == "lm_head.weight")}
+        save_file(tensors, str(tmp / "model.safetensors"))
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     shutil.rmtree(folder, ignore_errors=True)
     tmp.rename(folder)
     return folder
