@@ -314,3 +314,12 @@ def test_serve_names_the_flag_for_a_gguf_file_that_is_no_gguf(tmp_path, monkeypa
     assert capsys.readouterr().err.endswith(
         f"duetserve serve: error: --model {bad}: {message.format(path=bad)}\n")
     assert list((tmp_path / "cache" / "gguf").iterdir()) == []  # the failed conversion's folder is gone
+
+
+def test_serve_names_real_flags_when_the_kv_cache_cannot_hold_max_model_len(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["serve", "--device", "cpu", "--port", "0", "--num-kv-blocks", "5", "--max-model-len", "200"])
+    assert exc.value.code == 2
+    assert capsys.readouterr().err.endswith(
+        "duetserve serve: error: --max-model-len 200 is more than the KV cache holds (80 tokens in 5 blocks of 16); "
+        "lower it, or give the cache more (--num-kv-blocks, --kv-cache-memory-fraction, on a CPU --cpu-kv-cache-gb)\n")

@@ -116,7 +116,8 @@ class LLMEngine:
             if config.max_model_len is not None:
                 raise ValueError(f"--max-model-len {config.max_model_len} is more than the KV cache holds "
                                  f"({capacity} tokens in {num_blocks} blocks of {config.block_size}); lower it, "
-                                 "or give the cache more (--num-kv-blocks, --gpu-memory-utilization)")
+                                 "or give the cache more (--num-kv-blocks, --kv-cache-memory-fraction, on a CPU "
+                                 "--cpu-kv-cache-gb)")
             log.warning("the KV cache holds %d tokens, fewer than the model's %d positions: serving a "
                         "context of at most %d tokens (--max-model-len)", capacity, self.max_model_len, capacity)
             self.max_model_len = capacity
