@@ -201,7 +201,9 @@ def main(argv: list[str] | None = None) -> int:
                               formatter_class=argparse.RawDescriptionHelpFormatter)
         module.configure_parser(tool)
         tool.set_defaults(func=module.run)
-    args = parser.parse_args(join_negative_values(sys.argv[1:] if argv is None else argv))
+    args, unknown = parser.parse_known_args(join_negative_values(sys.argv[1:] if argv is None else argv))
+    if unknown:  # as the subcommand's own parser words it (its usage line and prog), not the top level's
+        sub.choices[args.command].error(f"unrecognized arguments: {' '.join(unknown)}")
     logging.basicConfig(level=getattr(args, "log_level", "info").upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.command == "serve":

@@ -323,3 +323,13 @@ def test_serve_names_real_flags_when_the_kv_cache_cannot_hold_max_model_len(caps
     assert capsys.readouterr().err.endswith(
         "duetserve serve: error: --max-model-len 200 is more than the KV cache holds (80 tokens in 5 blocks of 16); "
         "lower it, or give the cache more (--num-kv-blocks, --kv-cache-memory-fraction, on a CPU --cpu-kv-cache-gb)\n")
+
+
+@pytest.mark.parametrize("argv", [["serve", "--bogus", "x"], ["bench", "--num-requests", "5", "--qps", "2", "--bogus"]])
+def test_an_unknown_flag_gets_the_subcommands_usage(argv, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    err = capsys.readouterr().err
+    assert exc.value.code == 2
+    assert err.startswith(f"usage: duetserve {argv[0]} ")
+    assert err.endswith(f"duetserve {argv[0]}: error: unrecognized arguments: {' '.join(argv[argv.index('--bogus'):])}\n")
