@@ -5,7 +5,7 @@ from duetserve.sim.report import capacity_misses, format_capacity, format_table,
 
 
 def row(policy: str, qps: float, thr: float, p99: float) -> dict:
-    return {"policy": policy, "qps": qps, "completed": 100, "request_throughput": thr, "output_throughput": 10 * thr,
+    return {"policy": policy, "qps": qps, "completed": 100, "failed": 0, "request_throughput": thr, "output_throughput": 10 * thr,
             "mean_ttft_ms": 50.0, "p50_ttft_ms": 40.0, "p99_ttft_ms": 90.0, "mean_tbt_ms": 10.0, "p50_tbt_ms": 8.0,
             "p99_tbt_ms": p99, "tbt_slo_ms": 100.0, "tbt_slo_attainment": 0.99, "spatial_fraction": 0.0}
 
@@ -48,5 +48,13 @@ def test_capacity_misses_say_which_condition_failed():
 
 def test_table_has_a_row_per_result():
     lines = format_table(ROWS).splitlines()
-    assert len(lines) == 2 + len(ROWS) and lines[0].split()[:3] == ["policy", "qps", "done"]
-    assert lines[2].split()[:4] == ["chunked", "4", "100", "4.00"]
+    assert len(lines) == 2 + len(ROWS) and lines[0].split()[:4] == ["policy", "qps", "done", "failed"]
+    assert lines[2].split()[:5] == ["chunked", "4", "100", "0", "4.00"]
+
+
+def test_requests_that_could_not_run_are_counted_and_named_as_a_miss():
+    refused = {**row("duet", 4, 0.95, 50), "completed": 2, "failed": 18}
+    assert format_table([refused]).splitlines()[2].split()[:5] == ["duet", "4", "2", "18", "0.95"]
+    assert capacity_misses(refused) == [
+        "18 of 20 requests could not run (longer than --max-model-len, or more KV blocks than the cache has)",
+        "did not keep up: 0.95 req/s finished against 4 offered (under 90%)"]

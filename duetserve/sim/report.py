@@ -20,6 +20,7 @@ _COLUMNS = (  # (row key, header, format)
     ("policy", "policy", "{}"),
     ("qps", "qps", "{:g}"),
     ("completed", "done", "{}"),
+    ("failed", "failed", "{}"),
     ("request_throughput", "req/s", "{:.2f}"),
     ("output_throughput", "tok/s", "{:.0f}"),
     ("mean_ttft_ms", "TTFT ms mean", "{:.0f}"),
@@ -83,9 +84,13 @@ def format_table(rows: Sequence[dict[str, Any]]) -> str:
 
 def capacity_misses(row: dict[str, Any], keep_up: float = 0.9) -> list[str]:
     """Why ``row`` does not count towards ``slo_capacity``, one reason per failed condition
-    (empty when it counts): "p99 TBT 140.0 ms above the 100 ms SLO", and "did not keep up: 1.77
-    req/s finished against 2 offered (under 90%)"."""
+    (empty when it counts): "p99 TBT 140.0 ms above the 100 ms SLO", "did not keep up: 1.77
+    req/s finished against 2 offered (under 90%)", and "18 of 20 requests could not run (longer
+    than --max-model-len, or more KV blocks than the cache has)"."""
     misses = []
+    if row["failed"]:
+        misses.append(f"{row['failed']} of {row['completed'] + row['failed']} requests could not run (longer than "
+                      "--max-model-len, or more KV blocks than the cache has)")
     if row["p99_tbt_ms"] > row["tbt_slo_ms"]:
         misses.append(f"p99 TBT {row['p99_tbt_ms']:.1f} ms above the {row['tbt_slo_ms']:g} ms SLO")
     if row["request_throughput"] < keep_up * row["qps"]:
