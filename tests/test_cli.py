@@ -188,6 +188,20 @@ def test_bench_trace_flags_that_give_no_trace_are_usage_errors(argv, message, ca
     assert capsys.readouterr().err == f"duetserve bench: error: {message}\n"
 
 
+@pytest.mark.parametrize("argv, message", [
+    (["--qps", "2"], "--qps and --sweep-qps need --arrival scale or poisson for a trace file (--arrival trace, the "
+                     "default, keeps the trace's own arrival times)"),
+    (["--sweep-qps", "2,4"], "--qps and --sweep-qps need --arrival scale or poisson for a trace file (--arrival "
+                             "trace, the default, keeps the trace's own arrival times)"),
+    (["--arrival", "poisson"], "--arrival poisson needs --qps or --sweep-qps"),
+])
+def test_bench_arrival_and_rate_that_do_not_go_together_are_usage_errors(argv, message, tmp_path, capsys):
+    trace = tmp_path / "trace.csv"
+    trace.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46.6805900,100,10\n")
+    assert main(["bench", "--base-url", "http://127.0.0.1:1", "--trace", str(trace), *argv]) == 2
+    assert capsys.readouterr().err == f"duetserve bench: error: {message}\n"
+
+
 def test_bench_trace_suffix_and_content(tmp_path, capsys):
     """A suffix that tells no format is a usage error (2); a malformed trace is not (1)."""
     text, bad = tmp_path / "trace.txt", tmp_path / "trace.csv"

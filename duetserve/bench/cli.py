@@ -146,11 +146,17 @@ def _check_iteration_log(args: argparse.Namespace) -> None:
 
 
 def _check_trace_flags(args: argparse.Namespace) -> None:
-    """Raise UsageError naming the flags when ``--trace`` and ``--trace-format`` give no trace, or a
-    synthetic trace lacks ``--num-requests`` or a rate."""
+    """Raise UsageError naming the flags when ``--trace`` and ``--trace-format`` give no trace, a
+    synthetic trace lacks ``--num-requests`` or a rate, or ``--arrival`` and the rate do not go together."""
     fmt = trace_format(args.trace, args.trace_format, "--trace-format")
-    if fmt == "synthetic" and (args.num_requests is None or (args.qps is None and not args.sweep_qps)):
+    rate = args.qps is not None or bool(args.sweep_qps)
+    if fmt == "synthetic" and (args.num_requests is None or not rate):
         raise UsageError("a synthetic trace needs a number of requests and a QPS (--num-requests and --qps)")
+    if fmt != "synthetic" and args.arrival == "trace" and rate:
+        raise UsageError("--qps and --sweep-qps need --arrival scale or poisson for a trace file "
+                         "(--arrival trace, the default, keeps the trace's own arrival times)")
+    if args.arrival != "trace" and not rate:
+        raise UsageError(f"--arrival {args.arrival} needs --qps or --sweep-qps")
 
 
 def _existing_folder(text: str) -> str:
