@@ -468,3 +468,85 @@ def test_chat_fields_this_server_does_not_implement(field, off, on):
     with pytest.raises(ParamError, match=f"{field} is not supported") as err:
         ChatCompletionRequest(messages=messages, **{field: on}).sampling_params(16)
     assert err.value.param == field
+
+
+# A value asking for something, for every field in protocol._UNSUPPORTED (a pair: /v1/completions, chat)
+UNSUPPORTED_ON = {
+    "logprobs": 1, "top_logprobs": 2, "best_of": 2, "frequency_penalty": 0.5, "presence_penalty": 0.5,
+    "repetition_penalty": 1.2, "min_p": 0.1, "logit_bias": {"5": 10}, "suffix": "!", "min_tokens": 3,
+    "response_format": {"type": "json_object"}, "tools": [{"type": "function", "function": {"name": "f"}}],
+    "tool_choice": "required", "functions": [{"name": "f"}], "function_call": {"name": "f"},
+    "guided_json": {"type": "object"}, "guided_regex": "[0-9]+", "guided_choice": ["a", "b"],
+    "guided_grammar": 'root ::= "a"', "structured_outputs": {"choice": ["a", "b"]}, "echo": True,
+    "add_generation_prompt": False, "continue_final_message": True, "chat_template": "{{ messages }}",
+    "chat_template_kwargs": {"enable_thinking": False}, "documents": [{"title": "t", "text": "x"}],
+    "use_beam_search": True, "length_penalty": 0.5, "allowed_token_ids": [5], "bad_words": ["Paris"],
+    "include_stop_str_in_output": True, "prompt_logprobs": 0, "truncate_prompt_tokens": 4,
+    "skip_special_tokens": False, "spaces_between_special_tokens": False, "add_special_tokens": (False, True),
+    "return_tokens_as_token_ids": True, "return_token_ids": True, "priority": 1,
+    "logits_processors": ["my.Processor"], "prompt_embeds": "AAAA",
+}
+ENDPOINTS = {"/v1/completions": {"prompt": "1, 2, 3,", "max_tokens": 3, "temperature": 0},
+             "/v1/chat/completions": {"messages": [{"role": "user", "content": "1, 2, 3,"}], "max_tokens": 3,
+                                      "temperature": 0}}
+
+
+def test_every_unsupported_field_has_a_test_value():
+    from duetserve.server.protocol import _CHAT_UNSUPPORTED, _UNSUPPORTED
+
+    assert set(UNSUPPORTED_ON) == set(_UNSUPPORTED) == set(_CHAT_UNSUPPORTED)
+
+
+@pytest.mark.parametrize("field", sorted(UNSUPPORTED_ON))
+def test_unsupported_fields_are_refused_naming_the_field(server, field):
+    """A field the server does not implement gets 400 naming it when it asks for something (vLLM
+    would honour it), on both endpoints; sent at its "off" values it is accepted."""
+    from duetserve.server.protocol import _CHAT_UNSUPPORTED, _UNSUPPORTED
+
+    on = UNSUPPORTED_ON[field]
+    for (path, base), value, offs in zip(ENDPOINTS.items(), on if isinstance(on, tuple) else (on, on),
+                                         (_UNSUPPORTED[field], _CHAT_UNSUPPORTED[field])):
+        r = httpx.post(f"{server}{path}", headers=AUTH, json={**base, field: value}, timeout=60)
+        assert r.status_code == 400 and r.json()["error"] == {
+            "message": f"{field} is not supported by this server", "type": "BadRequestError", "param": field,
+            "code": 400}, (path, r.text)
+        for off in offs:
+            r = httpx.post(f"{server}{path}", headers=AUTH, json={**base, field: off, "max_tokens": 1}, timeout=60)
+            assert r.status_code == 200, (path, off, r.text)
+
+
+def test_off_values_of_unsupported_fields_change_nothing(server):
+    """vLLM's defaults sent explicitly (as client libraries do) give the same text as leaving them out."""
+    from duetserve.server.protocol import _CHAT_UNSUPPORTED, _UNSUPPORTED
+
+    for (path, base), table in zip(ENDPOINTS.items(), (_UNSUPPORTED, _CHAT_UNSUPPORTED)):
+        plain = httpx.post(f"{server}{path}", headers=AUTH, json=base, timeout=120).json()
+        offs = {field: offs[-1] for field, offs in table.items()}
+        r = httpx.post(f"{server}{path}", headers=AUTH, json={**base, **offs}, timeout=120)
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"] == plain["choices"] and r.json()["usage"] == plain["usage"]
+
+
+def test_continuous_usage_stats(server):
+    """stream_options.continuous_usage_stats (vLLM): with include_usage every chunk carries the
+    usage so far; without include_usage it changes nothing."""
+    for path, base in ENDPOINTS.items():
+        body = {**base, "max_tokens": 4, "ignore_eos": True, "stream": True,
+                "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+        r = httpx.post(f"{server}{path}", headers=AUTH, json=body, timeout=120)
+        chunks = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+        *content, last = chunks
+        prompt = last["usage"]["prompt_tokens"]
+        assert last["choices"] == [] and last["usage"] == {"prompt_tokens": prompt, "completion_tokens": 4,
+                                                           "total_tokens": prompt + 4}
+        done = [c["usage"]["completion_tokens"] for c in content]
+        assert all(c["usage"]["prompt_tokens"] == prompt and c["usage"]["total_tokens"] == prompt +
+                   c["usage"]["completion_tokens"] for c in content), content
+        if path == "/v1/chat/completions":  # the role chunk first, then one chunk per token
+            assert done == [0, 1, 2, 3, 4]
+        else:  # a chunk per token with text
+            assert done == sorted(set(done)) and done[-1] == 4 and done[0] >= 1
+        body["stream_options"] = {"continuous_usage_stats": True}
+        r = httpx.post(f"{server}{path}", headers=AUTH, json=body, timeout=120)
+        chunks = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+        assert r.status_code == 200 and chunks and all("usage" not in c for c in chunks)

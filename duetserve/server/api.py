@@ -201,8 +201,8 @@ def create_app(engine: AsyncEngine, metrics: ServerMetrics, model_name: str, api
             return error_response(500, str(exc))
         created = int(time.time())
         if body.stream:
-            return StreamingResponse(_stream_chunks(request_id, created, first, stream, chat, body.include_usage),
-                                     media_type="text/event-stream")
+            return StreamingResponse(_stream_chunks(request_id, created, first, stream, chat, body.include_usage,
+                                                    body.continuous_usage), media_type="text/event-stream")
         return await _full_response(request, request_id, created, first, stream, chat)
 
     def _choice(chat: bool, text: str, finish: str | None, delta: bool) -> dict:
@@ -217,22 +217,30 @@ def create_app(engine: AsyncEngine, metrics: ServerMetrics, model_name: str, api
                 "total_tokens": out.num_prompt_tokens + out.num_output_tokens}
 
     async def _stream_chunks(request_id: str, created: int, first: RequestOutput, stream: AsyncIterator,
-                             chat: bool, include_usage: bool) -> AsyncIterator[str]:
+                             chat: bool, include_usage: bool, continuous_usage: bool) -> AsyncIterator[str]:
         obj = "chat.completion.chunk" if chat else "text_completion"
         head = {"id": request_id, "object": obj, "created": created, "model": model_name}
-        # with include_usage every chunk has a usage field, null but in the last (OpenAI's stream_options)
+        # with include_usage every chunk has a usage field, null but in the last (OpenAI's stream_options);
+        # with continuous_usage_stats too, each carries the usage so far (vLLM's)
         chunk = {**head, "usage": None} if include_usage else head
         last = first
         try:
             if chat:
-                yield _sse({**chunk, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
-                                                  "logprobs": None, "finish_reason": None}]})
+                role = {**chunk, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                              "logprobs": None, "finish_reason": None}]}
+                if continuous_usage:
+                    role["usage"] = {"prompt_tokens": first.num_prompt_tokens, "completion_tokens": 0,
+                                     "total_tokens": first.num_prompt_tokens}
+                yield _sse(role)
             out = first
             while True:
                 # A completions client sees only text: no chunk for tokens whose text is held back
                 # (a possible stop string, an unfinished UTF-8 character)
                 if (out.new_token_ids if chat else out.new_text) or out.finished:
-                    yield _sse({**chunk, "choices": [_choice(chat, out.new_text, out.finish_reason, True)]})
+                    piece = {**chunk, "choices": [_choice(chat, out.new_text, out.finish_reason, True)]}
+                    if continuous_usage:
+                        piece["usage"] = _usage(out)
+                    yield _sse(piece)
                 last = out
                 if out.finished:
                     break

@@ -1,7 +1,7 @@
 """OpenAI request bodies (pydantic) and their mapping to ``SamplingParams``."""
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import (
     BaseModel,
@@ -57,6 +57,8 @@ def _nulls_as_defaults(model: type[BaseModel], data: Any) -> Any:
 
 class StreamOptions(BaseModel):
     include_usage: StrictBool = False
+    # vLLM's: with include_usage, every chunk carries the usage so far (not only the last)
+    continuous_usage_stats: StrictBool = False
 
     @model_validator(mode="before")
     @classmethod
@@ -64,11 +66,14 @@ class StreamOptions(BaseModel):
         return _nulls_as_defaults(cls, data)
 
 
-# OpenAI fields this server does not implement, with the values that ask for nothing (a client
-# library may send those); any other value is refused with HTTP 400 rather than ignored.
-# (``logprobs``: 0 is not off for /v1/completions, where it asks for the sampled tokens' logprobs.)
-# Chat: vLLM's ``echo``, ``add_generation_prompt``, ``continue_final_message`` and ``chat_template``
-# change the prompt, so they are refused unless at their defaults too.
+# OpenAI and vLLM fields this server does not implement, with the values that ask for nothing (a
+# client library may send those); any other value is refused with HTTP 400 rather than ignored.
+# (``logprobs``: 0 is not off for /v1/completions, where it asks for the sampled tokens' logprobs;
+# ``prompt_logprobs``: 0 asks for the prompt tokens' logprobs.)
+# Chat: vLLM's ``echo``, ``add_generation_prompt``, ``continue_final_message``, ``chat_template``
+# and ``documents`` change the prompt, so they are refused unless at their defaults too.
+# ``add_special_tokens``: vLLM's default is true for /v1/completions, false for chat (see
+# ``_CHAT_UNSUPPORTED``).
 _UNSUPPORTED: dict[str, tuple] = {
     "logprobs": (None, False), "top_logprobs": (None, 0), "best_of": (None, 1),
     "frequency_penalty": (None, 0), "presence_penalty": (None, 0), "repetition_penalty": (None, 1),
@@ -77,8 +82,16 @@ _UNSUPPORTED: dict[str, tuple] = {
     "functions": (None, []), "function_call": (None, "none", "auto"), "guided_json": (None,),
     "guided_regex": (None,), "guided_choice": (None,), "guided_grammar": (None,), "structured_outputs": (None,),
     "echo": (None, False), "add_generation_prompt": (None, True), "continue_final_message": (None, False),
-    "chat_template": (None,), "chat_template_kwargs": (None, {}),
+    "chat_template": (None,), "chat_template_kwargs": (None, {}), "documents": (None, []),
+    # vLLM's sampling and output extensions
+    "use_beam_search": (None, False), "length_penalty": (None, 1), "allowed_token_ids": (None, []),
+    "bad_words": (None, []), "include_stop_str_in_output": (None, False), "prompt_logprobs": (None,),
+    "truncate_prompt_tokens": (None,), "skip_special_tokens": (None, True),
+    "spaces_between_special_tokens": (None, True), "add_special_tokens": (None, True),
+    "return_tokens_as_token_ids": (None, False), "return_token_ids": (None, False), "priority": (None, 0),
+    "logits_processors": (None, []), "prompt_embeds": (None,),
 }
+_CHAT_UNSUPPORTED = {**_UNSUPPORTED, "add_special_tokens": (None, False)}
 
 
 class _SamplingFields(BaseModel):
@@ -87,6 +100,7 @@ class _SamplingFields(BaseModel):
     something (``sampling_params`` refuses them)."""
 
     model_config = ConfigDict(extra="allow")
+    _unsupported: ClassVar[dict[str, tuple]] = _UNSUPPORTED
 
     model: str | None = None
     max_tokens: Int | None = None
@@ -116,8 +130,9 @@ class _SamplingFields(BaseModel):
             raise ParamError("only n=1 is supported", "n")
         for name, value in (self.model_extra or {}).items():
             # an "off" value only in its own JSON type: true is not 1 (Python's True == 1)
-            if name in _UNSUPPORTED and not any(value == off and isinstance(value, bool) == isinstance(off, bool)
-                                                for off in _UNSUPPORTED[name]):
+            if name in self._unsupported and not any(
+                    value == off and isinstance(value, bool) == isinstance(off, bool)
+                    for off in self._unsupported[name]):
                 raise ParamError(f"{name} is not supported by this server", name)
         if self.stream_options is not None and not self.stream:
             raise ParamError("stream_options is only allowed when stream is true", "stream_options")
@@ -132,6 +147,12 @@ class _SamplingFields(BaseModel):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        """Usage in every chunk: ``stream_options.continuous_usage_stats`` counts only with
+        ``include_usage`` (as in vLLM)."""
+        return self.include_usage and self.stream_options.continuous_usage_stats
 
 
 class CompletionRequest(_SamplingFields):
@@ -165,6 +186,8 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(_SamplingFields):
     """``POST /v1/chat/completions``; ``max_completion_tokens`` overrides ``max_tokens``."""
+
+    _unsupported: ClassVar[dict[str, tuple]] = _CHAT_UNSUPPORTED
 
     messages: list[ChatMessage]
     max_completion_tokens: Int | None = None
