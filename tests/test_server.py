@@ -550,3 +550,20 @@ def test_continuous_usage_stats(server):
         r = httpx.post(f"{server}{path}", headers=AUTH, json=body, timeout=120)
         chunks = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
         assert r.status_code == 200 and chunks and all("usage" not in c for c in chunks)
+
+
+def test_chat_max_completion_tokens_is_named_when_it_exceeds_the_context(server, tokenizer):
+    """The context-length check (the engine's, after the chat template) names the field the client
+    sent, as the range checks do."""
+    messages = [{"role": "user", "content": "Tell me a story."}]
+    prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    n = len(prompt if isinstance(prompt, list) else prompt["input_ids"])
+    for field in ("max_completion_tokens", "max_tokens"):
+        r = httpx.post(f"{server}/v1/chat/completions", headers=AUTH, timeout=60,
+                       json={"messages": messages, field: 8190})
+        assert r.status_code == 400 and r.json()["error"] == {
+            "message": f"{field}=8190 plus the prompt's {n} tokens exceeds the maximum context length of 8192 "
+                       "tokens", "type": "BadRequestError", "param": field, "code": 400}, r.text
+    r = httpx.post(f"{server}/v1/chat/completions", headers=AUTH, timeout=60,
+                   json={"messages": messages, "max_tokens": 5, "max_completion_tokens": 8190})  # it wins
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_completion_tokens", r.text

@@ -167,12 +167,15 @@ def create_app(engine: AsyncEngine, metrics: ServerMetrics, model_name: str, api
         if body.max_completion_tokens is not None:
             body.max_tokens = body.max_completion_tokens
         try:
-            params = body.sampling_params(default_max_tokens=_room(engine, 0))
-        except ParamError as exc:  # name the field the client sent
+            return await _chat(body, request)
+        except ParamError as exc:  # name the field the client sent (sampling and context-length checks)
             if exc.param == "max_tokens" and body.max_completion_tokens is not None:
                 raise ParamError(str(exc).replace("max_tokens", "max_completion_tokens"),
                                  "max_completion_tokens") from exc
             raise
+
+    async def _chat(body: ChatCompletionRequest, request: Request):
+        params = body.sampling_params(default_max_tokens=_room(engine, 0))
         need_tokenizer("messages")
         messages = body.chat_messages()
         for m in messages:
