@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import sys
+import time
 
 from duetserve.engine.async_engine import SWITCH_INTERVAL_S, AsyncEngine
 from duetserve.engine.engine import RequestOutput
@@ -79,3 +80,40 @@ def test_outputs_in_order_one_wakeup_per_part():
     assert results == [[1, 2, 3, 4, 5, 6]] * 4
     assert lowered <= SWITCH_INTERVAL_S
     assert len(calls) == 6  # 24 outputs in 6 parts: one wake-up of the loop per part, not per request
+
+
+class SilentEngine(FakeEngine):
+    """Its requests never produce an output (a prefill that takes forever)."""
+
+    def step_parts(self):
+        time.sleep(0.005)
+        yield []
+
+
+def test_cancelling_the_wait_for_the_first_output_aborts_the_request():
+    """The server cancels a handler's wait when its client goes away before the first token: the
+    request leaves the engine (it was queued or prefilling) on its next iteration."""
+    engine = SilentEngine(steps=1)
+    front = AsyncEngine(engine)
+    front.start()
+
+    async def main():
+        stream = front.generate("r1", [1, 2], SamplingParams(max_tokens=4))
+        waiting = asyncio.ensure_future(anext(stream))
+        while "r1" not in engine.requests:
+            await asyncio.sleep(0.001)
+        waiting.cancel()
+        await asyncio.wait((waiting,))
+        start = time.monotonic()
+        while "r1" in engine.requests and time.monotonic() - start < 2:
+            await asyncio.sleep(0.001)
+        return waiting.cancelled(), time.monotonic() - start
+
+    interval = sys.getswitchinterval()
+    try:
+        cancelled, elapsed = asyncio.run(main())
+    finally:
+        front.shutdown()
+        sys.setswitchinterval(interval)
+    assert cancelled and engine.requests == {} and front._streams == {}
+    assert elapsed < 0.5

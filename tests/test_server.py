@@ -567,3 +567,131 @@ def test_chat_max_completion_tokens_is_named_when_it_exceeds_the_context(server,
     r = httpx.post(f"{server}/v1/chat/completions", headers=AUTH, timeout=60,
                    json={"messages": messages, "max_tokens": 5, "max_completion_tokens": 8190})  # it wins
     assert r.status_code == 400 and r.json()["error"]["param"] == "max_completion_tokens", r.text
+
+
+class SlowPrefillEngine:
+    """A stand-in ``LLMEngine`` (no tokenizer) whose requests never get a token: one runs (a
+    prefill of ``steps_per_request`` steps of 10 ms), the others wait in the queue behind it."""
+
+    tokenizer = None
+    max_model_len = 8192
+    last_stats = None
+
+    def __init__(self, steps_per_request: int = 10_000):
+        self.steps_per_request = steps_per_request
+        self.queue: list[str] = []  # the first one is prefilling
+        self.steps = 0
+        self.aborted: list[str] = []
+
+    def set_interrupt(self, fn) -> None:
+        pass
+
+    def check_request(self, prompt, params) -> None:
+        pass
+
+    def add_request(self, request_id, prompt, params) -> None:
+        self.queue.append(request_id)
+
+    def abort(self, request_id) -> None:
+        if request_id in self.queue:
+            self.aborted.append(request_id)
+            self.queue.remove(request_id)
+
+    def request_ids(self) -> list[str]:
+        return list(self.queue)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.queue)
+
+    def step_parts(self):
+        time.sleep(0.01)
+        self.steps += 1
+        assert self.steps < self.steps_per_request, "the prefill should have been aborted"
+        yield []
+
+
+async def asgi_post(app, path: str, body: dict, gone: asyncio.Event) -> list[dict]:
+    """POST ``body`` to the ASGI ``app`` as a client that disconnects once ``gone`` is set;
+    returns the ASGI messages the app sent."""
+    pending = [{"type": "http.request", "body": json.dumps(body).encode(), "more_body": False}]
+
+    async def receive():
+        if pending:
+            return pending.pop()
+        await gone.wait()
+        return {"type": "http.disconnect"}
+
+    sent = []
+
+    async def send(message):
+        sent.append(message)
+
+    scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1",
+             "method": "POST", "scheme": "http", "path": path, "raw_path": path.encode(), "query_string": b"",
+             "root_path": "", "headers": [(b"content-type", b"application/json")], "client": ("127.0.0.1", 1),
+             "server": ("127.0.0.1", 80)}
+    await app(scope, receive, send)
+    return sent
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_disconnect_before_the_first_token_aborts_the_request(stream):
+    """A client leaving while its request is prefilling, or still queued behind another, gets it
+    aborted in the engine within a poll (DISCONNECT_POLL_S), not after its prefill."""
+    from duetserve.engine.async_engine import AsyncEngine
+    from duetserve.server.api import DISCONNECT_POLL_S, create_app
+    from duetserve.server.metrics import ServerMetrics
+
+    fake = SlowPrefillEngine()
+    front = AsyncEngine(fake)
+    app = create_app(front, ServerMetrics("fake"), "fake")
+    interval = sys.getswitchinterval()
+    front.start()
+
+    async def run():
+        gone = [asyncio.Event(), asyncio.Event()]
+        body = {"prompt": [1000] * 8000, "max_tokens": 5, "stream": stream}
+        calls = []
+        for event in gone:  # the first one prefills, the second one waits behind it
+            calls.append(asyncio.create_task(asgi_post(app, "/v1/completions", body, event)))
+            while len(fake.queue) < len(calls):
+                await asyncio.sleep(0.005)
+        await asyncio.sleep(2 * DISCONNECT_POLL_S)  # both polled at least once before they go
+        assert fake.aborted == [] and fake.steps > 0 and not any(c.done() for c in calls)
+        before = list(fake.queue)  # [prefilling, waiting]
+        start = time.monotonic()
+        for event in gone:
+            event.set()
+        sent = await asyncio.wait_for(asyncio.gather(*calls), timeout=5)
+        while len(fake.aborted) < 2 and time.monotonic() - start < 5:
+            await asyncio.sleep(0.005)
+        return sent, time.monotonic() - start, before
+
+    try:
+        (sent_a, sent_b), elapsed, before = asyncio.run(run())
+    finally:
+        front.shutdown()
+        sys.setswitchinterval(interval)
+    assert len(before) == 2 and sorted(fake.aborted) == sorted(before) and fake.queue == []
+    assert elapsed < 2 * DISCONNECT_POLL_S + 0.5, elapsed
+    for sent in (sent_a, sent_b):
+        assert sent[0] == {**sent[0], "type": "http.response.start", "status": 499}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_real_server_aborts_a_prefill_when_the_client_leaves(server, stream):
+    """An 8000-token prompt prefills in 256-token chunks for many seconds on the CPU; a client
+    timing out after 1 s gets it aborted before its first token."""
+    aborted = metric(server, "vllm:request_success_total", 'finished_reason="abort"')
+    generated = metric(server, "vllm:generation_tokens_total")
+    body = {"prompt": [1000] * 8000, "max_tokens": 5, "stream": stream}
+    with pytest.raises(httpx.ReadTimeout), httpx.Client(timeout=1.0) as client, \
+            client.stream("POST", f"{server}/v1/completions", json=body, headers=AUTH) as resp:
+        resp.read()
+    left = time.monotonic()
+    while time.monotonic() - left < 5 and metric(server, "vllm:num_requests_running") != 0:
+        time.sleep(0.1)
+    assert metric(server, "vllm:num_requests_running") == 0
+    assert metric(server, "vllm:kv_cache_usage_perc") == 0
+    assert metric(server, "vllm:request_success_total", 'finished_reason="abort"') == aborted + 1
+    assert metric(server, "vllm:generation_tokens_total") == generated  # no token: aborted in its prefill

@@ -1,6 +1,7 @@
 """The OpenAI-compatible HTTP server (FastAPI): completions, chat completions, models, health, metrics."""
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
@@ -22,9 +23,41 @@ from duetserve.server.protocol import ChatCompletionRequest, CompletionRequest
 
 log = logging.getLogger(__name__)
 
+DISCONNECT_POLL_S = 0.25
+"""How often a request waiting on the engine checks whether its client went away (seconds)."""
+
 
 class ModelNotFound(ParamError):
     """A request names a model this server does not serve: HTTP 404, as OpenAI and vLLM answer."""
+
+
+class ClientGone(Exception):
+    """The client disconnected before its response was ready."""
+
+
+async def unless_disconnected(request: Request, awaitable):
+    """The result of ``awaitable``, run as a task while ``request.is_disconnected()`` is polled
+    every ``DISCONNECT_POLL_S``.
+
+    Raises:
+        ClientGone: the client went away first. The task was cancelled and has unwound, so an
+            ``AsyncEngine.generate`` stream it was reading has aborted its request, whether still
+            queued, prefilling or decoding.
+    """
+    task = asyncio.ensure_future(awaitable)
+    try:
+        while True:
+            done, _ = await asyncio.wait((task,), timeout=DISCONNECT_POLL_S)
+            if done:
+                return task.result()
+            if await request.is_disconnected():
+                task.cancel()
+                await asyncio.wait((task,))
+                if not task.cancelled():  # it finished meanwhile: nobody reads its outcome
+                    task.exception()
+                raise ClientGone
+    finally:
+        task.cancel()  # the handler itself was cancelled (a no-op once the task is done)
 
 
 def error_response(status: int, message: str, param: str | None = None, err_type: str | None = None) -> JSONResponse:
@@ -194,7 +227,9 @@ def create_app(engine: AsyncEngine, metrics: ServerMetrics, model_name: str, api
         request_id = f"{prefix}-{uuid.uuid4().hex}"
         stream = engine.generate(request_id, prompt_ids, params)
         try:
-            first = await anext(stream)  # surfaces ParamError as HTTP 400 before any byte is sent
+            # surfaces ParamError as HTTP 400 before any byte is sent; a client leaving while its
+            # request is queued or prefilling aborts it
+            first = await unless_disconnected(request, anext(stream))
         except ParamError as exc:
             await stream.aclose()
             if chat and exc.param == "prompt":  # a chat request's prompt is its messages
@@ -202,6 +237,9 @@ def create_app(engine: AsyncEngine, metrics: ServerMetrics, model_name: str, api
             raise
         except EngineError as exc:
             return error_response(500, str(exc))
+        except ClientGone:
+            await stream.aclose()  # aborts the request if its first output came as the client left
+            return Response(status_code=499)
         created = int(time.time())
         if body.stream:
             return StreamingResponse(_stream_chunks(request_id, created, first, stream, chat, body.include_usage,
@@ -259,18 +297,20 @@ def create_app(engine: AsyncEngine, metrics: ServerMetrics, model_name: str, api
 
     async def _full_response(request: Request, request_id: str, created: int, first: RequestOutput,
                              stream: AsyncIterator, chat: bool):
-        text, out = [first.new_text], first
-        try:
+        async def collect() -> tuple[list[str], RequestOutput]:
+            text, out = [first.new_text], first
             while not out.finished:
-                if await request.is_disconnected():
-                    return Response(status_code=499)
                 out = await anext(stream)
                 text.append(out.new_text)
+            return text, out
+
+        try:
+            text, out = await unless_disconnected(request, collect())
         except EngineError as exc:
             return error_response(500, str(exc))
-        finally:
-            if not out.finished:
-                engine.abort(request_id)
+        except ClientGone:
+            await stream.aclose()  # aborts the request unless it finished as the client left
+            return Response(status_code=499)
         body = {"id": request_id, "object": "chat.completion" if chat else "text_completion", "created": created,
                 "model": model_name, "choices": [_choice(chat, "".join(text), out.finish_reason, False)],
                 "usage": _usage(out)}
