@@ -123,6 +123,17 @@ def test_host_time_per_request_and_eager_iteration(gpu):
     v = cm.predict_variants(DECODE, np.array([[0, 64]]), np.array([0]), 100)
     vb = base.predict_variants(DECODE, np.array([[0, 64]]), np.array([0]), 100)
     assert np.allclose(v, vb + [8e-4, 1e-3 + 0.016])
+
+
+def test_multi_step_decode_pays_the_host_time_once(gpu):
+    """``predict_steps``: every step's GPU time, the 4 x 0.2 ms of host time once."""
+    base = CostModel(SHAPE, with_overheads(gpu))
+    cm = CostModel(SHAPE, with_overheads(gpu, host_per_request_s=2e-4, host_eager_s=0.016))
+    step = float(base.predict_total(DECODE, 100))
+    assert cm.predict_steps(DECODE, 100, 1) == pytest.approx(float(cm.predict_total(DECODE, 100)))
+    assert cm.predict_steps(DECODE, 100, 4) == pytest.approx(4 * step + 8e-4)
+    with pytest.raises(ValueError, match="steps must be >= 1, got 0"):
+        cm.predict_steps(DECODE, 100, 0)
     # an empty batch costs nothing; roofline_only drops the host terms
     assert float(cm.predict_total(np.zeros((0, 2), dtype=int), 100)) == 0.0
     assert roofline_only(cm.profile).host_per_request_s == roofline_only(cm.profile).host_eager_s == 0.0

@@ -223,6 +223,23 @@ def test_decode_only_iterations_run_several_steps_when_asked():
     assert out.plan.k == 1 and out.prefills and out.decodes
 
 
+def test_a_multi_step_decode_plan_leaves_its_prediction_to_the_steps_that_run():
+    """The plan's one-step prediction is dropped: how many steps run is known only afterwards
+    (``ServerMetrics`` predicts those, host time once)."""
+    class Predicting(ChunkedPolicy):
+        def plan(self, decode_reqs, prefill_reqs, max_k):
+            return Plan(s_prefill=132, s_decode=132, predicted_s=0.01, predicted_decode_s=0.01)
+
+    sched = Scheduler(Predicting(), BlockManager(64, 4), max_num_seqs=4, max_num_batched_tokens=64,
+                      max_model_len=100, watermark=0.0, decode_steps=6)
+    sched.add(make_seq(0, 5, 4))
+    out = sched.schedule()
+    assert out.plan.predicted_s == 0.01 and out.prefills  # a prefill iteration keeps the policy's
+    sched.postprocess(out, fake_sample(out))
+    out = sched.schedule()
+    assert (out.plan.k, out.plan.predicted_s, out.plan.predicted_decode_s) == (3, None, 0.01)
+
+
 def test_lookahead_offered_is_capped():
     """A request with thousands of tokens left is offered at most MAX_LOOKAHEAD steps (the fit
     is a binary search up to there, not a walk down from its remaining tokens)."""

@@ -397,7 +397,7 @@ def test_iteration_log_carries_the_planning_host_terms(tmp_path):
 def test_iteration_log_predicts_plans_without_a_prediction(tmp_path):
     """chunked and prefill-first plan nothing: their records get the engine cost model's
     prediction of the batch as scheduled, (q, c) per sequence on all SMs; a multi-step decode
-    one step times the steps that ran (3 of the plan's 4 here)."""
+    (any policy) the steps that ran (3 of the plan's 4 here) with the host time once."""
     from duetserve.engine.engine import StepStats
     from duetserve.engine.scheduler import ScheduledSeq
     from duetserve.planner.optimizer import Plan
@@ -411,7 +411,13 @@ def test_iteration_log_predicts_plans_without_a_prediction(tmp_path):
     one_step = float(cost_model.predict_total([(1, 700), (1, 3000)], 132))
     assert first["predicted_s"] == pytest.approx(float(cost_model.predict_total([(1, 700), (1, 3000), (2048, 1024)], 132)))
     assert first["predicted_s"] > 0.05  # a 2k-token chunk of Qwen3-8B: tens of ms, eager
-    assert multi["predicted_s"] == pytest.approx(3 * one_step) and 0.004 < one_step < 0.01  # graph-replayed steps
+    gpu_step = float(cost_model.predict_total([(1, 700), (1, 3000)], 132, host=False))
+    assert one_step - gpu_step == pytest.approx(2 * cost_model.profile.host_per_request_s)  # graph-replayed
+    assert multi["predicted_s"] == pytest.approx(3 * gpu_step + 2 * cost_model.profile.host_per_request_s)
+    assert 0.004 < one_step < 0.01
+    # a plan that carries a prediction (duet's) is predicted the same way for a multi-step decode
+    metrics.on_step(StepStats(Plan(k=4, predicted_s=1.0), 2, 0, 0.03, 0, decode_steps=3, scheduled=decodes), [], 3.0)
+    assert json.loads(log.read_text().splitlines()[-1])["predicted_s"] == pytest.approx(multi["predicted_s"])
     assert multi["cuda_graphs"] is True
 
 

@@ -150,8 +150,8 @@ class Scheduler:
             plan = dataclasses.replace(plan, k=self._reserve_lookahead(decodes, min(plan.k, max_k)))  # k <= max_k
         elif decodes and not prefills and self.decode_steps > 1:  # multi-step decode
             k = self._reserve_lookahead(decodes, min(self.decode_steps, max_k))
-            predicted = None if plan.predicted_s is None else k * plan.predicted_s
-            plan = dataclasses.replace(plan, spatial=False, k=k, predicted_s=predicted)
+            # how many of the k steps run is known only afterwards: ServerMetrics predicts those
+            plan = dataclasses.replace(plan, spatial=False, k=k, predicted_s=None)
         elif plan.spatial or plan.k != 1:
             plan = dataclasses.replace(plan, spatial=False, k=1)
         return SchedulerOutput(decodes, prefills, plan, preempted)
