@@ -1,6 +1,8 @@
 """ModelRunner's host-side input packing (no model needed)."""
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -73,10 +75,11 @@ class _Forced:
         pass
 
 
-@pytest.mark.parametrize("t_p, upfront", [(0.2, 2), (0.01, 1)])
+@pytest.mark.parametrize("t_p, upfront", [(0.2, 2), (0.08, 2), (0.07, 1), (0.01, 1)])
 def test_second_decode_step_is_queued_before_a_long_prefill(tiny_qwen3_folder, t_p, upfront):
-    """Decode steps queued before the prefill's launch: two when the prefill is predicted to
-    outlast a step (its launch takes the host a while), else one."""
+    """Decode steps queued before the prefill's launch: two when a second step is predicted to
+    start beside the prefill (at least half a 50 ms step of it left after the first; its launch
+    takes the host a while), else one."""
     from duetserve.config import EngineConfig
     from duetserve.engine.engine import LLMEngine
     from duetserve.sampling import SamplingParams
@@ -97,3 +100,45 @@ def test_second_decode_step_is_queued_before_a_long_prefill(tiny_qwen3_folder, t
     engine.runner._prepare = spy
     engine.step()  # "a" decodes beside "b"'s prefill
     assert order.index("prefill") == upfront
+
+
+class _FakeEvent:
+    """A prefill-end event that fires at the ``fires_after``-th query."""
+
+    def __init__(self, fires_after: int | None):
+        self.fires_after, self.queries = fires_after, 0
+
+    def query(self) -> bool:
+        self.queries += 1
+        return self.fires_after is not None and self.queries >= self.fires_after
+
+
+def _run_beside_prefill(t_d: float | None, left_s: float | None, event: _FakeEvent):
+    from duetserve.engine.model_runner import _SpatialRun, _StreamTimers
+    from duetserve.engine.policy import Plan
+    from duetserve.engine.scheduler import SchedulerOutput
+
+    plan = Plan(spatial=True, s_prefill=124, s_decode=8, k=8, predicted_decode_s=t_d, predicted_prefill_s=0.2)
+    return _SpatialRun(SchedulerOutput([], [], plan, []), None, None, None, _StreamTimers(False), None,
+                       prefill_end=event, prefill_due=None if left_s is None else time.perf_counter() + left_s)
+
+
+def test_a_decode_step_starts_only_with_half_a_step_of_prefill_left():
+    """``optimizer.executed_steps`` on the device: with t_d = 40 ms a step starts while 20 ms or more
+    of the prefill are predicted to be left; with less, the decodes hold for the prefill's end
+    (no step), or for 20 ms at most when the prefill outruns its prediction (then a step)."""
+    leaves = ModelRunner._prefill_leaves_a_step
+    assert leaves(_run_beside_prefill(0.04, 0.5, _FakeEvent(None)), wait=True)  # far from its end
+    assert not leaves(_run_beside_prefill(0.04, 0.5, _FakeEvent(1)), wait=True)  # already ended
+    assert leaves(_run_beside_prefill(None, None, _FakeEvent(None)), wait=False)  # no prediction: while it runs
+
+    run = _run_beside_prefill(0.04, 0.01, _FakeEvent(None))  # 10 ms left, never ends
+    start = time.perf_counter()
+    assert not leaves(run, wait=False)  # undecided: answered without holding
+    assert run.hold_until == pytest.approx(start + 0.02, abs=5e-3)
+    assert leaves(run, wait=True)  # held 20 ms, then a step after all
+    assert time.perf_counter() - start == pytest.approx(0.02, abs=1e-2)
+
+    run = _run_beside_prefill(0.04, 0.01, _FakeEvent(4))  # ends while the decodes hold
+    assert not leaves(run, wait=True) and run.out.plan.k == 8
+    assert time.perf_counter() - start < 0.1

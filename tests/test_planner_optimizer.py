@@ -13,7 +13,7 @@ import pytest
 
 from duetserve.planner.cost_model import CostModel, ModelShape
 from duetserve.planner.hardware import load_profile, roofline_only
-from duetserve.planner.optimizer import Plan, plan_iteration, trim_prefill
+from duetserve.planner.optimizer import Plan, executed_steps, plan_iteration, trim_prefill
 
 DECODE = [(1, 500)] * 4
 PREFILL = [(1000, 0)]
@@ -207,3 +207,39 @@ def test_trim_margin_prefers_a_smaller_temporal_chunk_only_when_it_is_faster():
     assert split.spatial and plan_iteration(cm, decode, prefill, 0.1, 132, 8, trim_margin=0.85) == split
     with pytest.raises(ValueError):
         plan_iteration(cm, decode, prefill, 0.1, 132, 8, trim_margin=1.5)
+
+
+def test_executed_steps_start_while_half_a_step_of_prefill_is_left():
+    assert executed_steps(0.04, 0.10) == 3  # step 3 starts at 80 ms with 20 ms (half a step) left
+    assert executed_steps(0.04, 0.099) == 2  # 19 ms left at 80 ms: the decodes wait for the prefill
+    assert executed_steps(0.04, 0.10, k=2) == 2 and executed_steps(0.04, 0.01) == 1
+    assert executed_steps(0.04, 0.059) == 1 and executed_steps(0.04, 0.06) == 2
+
+
+def test_trim_margin_prices_the_split_at_the_steps_the_engine_runs():
+    """Pure roofline, Qwen3-8B on the H200. 32 decodes at 16k beside an 8192-token prompt, tau = 50 ms:
+    the split (S_d = 40, t_d = 48.4 ms, t_p = 250.1 ms) reserves k = 6 steps, 290 ms at
+    (6 x 32 + 8192) tokens = 28.9k tokens/s, below the trimmed batch's 29.4k (1215 tokens in 42.5 ms);
+    but the engine runs 5 steps, the prefill's 250.1 ms for 33.4k tokens/s: the split stays.
+    64 decodes at 2k beside a 3072-token prompt, tau = 30 ms, margin 0.6: k = 4 prices the split at
+    38.9k tokens/s, over the trimmed 38.5k, but 5 steps run (the fifth starts with 0.7 of a
+    step left) and take 93.4 ms for 36.3k tokens/s: the trimmed batch wins."""
+    cm = CostModel(ModelShape.preset("qwen3-8b"), roofline_only(load_profile("h200")))
+    decode, prefill = [(1, 16000)] * 32, [(8192, 0)]
+    split = plan_iteration(cm, decode, prefill, 0.05, 132, 8)
+    t_d, t_p = split.predicted_decode_s, split.predicted_prefill_s
+    assert (split.s_decode, split.k, executed_steps(t_d, t_p)) == (40, 6, 5)
+    assert (t_d, t_p) == (pytest.approx(0.04841, abs=1e-5), pytest.approx(0.25006, abs=1e-5))
+    assert (6 * 32 + 8192) / split.predicted_s == pytest.approx(28862, rel=1e-3)
+    assert (5 * 32 + 8192) / t_p == pytest.approx(33401, rel=1e-3)
+    assert plan_iteration(cm, decode, prefill, 0.05, 132, 8, trim_margin=0.85) == split
+
+    decode, prefill = [(1, 2047)] * 64, [(3072, 0)]
+    split = plan_iteration(cm, decode, prefill, 0.03, 132, 8)
+    t_d, t_p = split.predicted_decode_s, split.predicted_prefill_s
+    assert (split.k, executed_steps(t_d, t_p)) == (4, 5) and t_p / t_d == pytest.approx(4.587, abs=1e-3)
+    assert (4 * 64 + 3072) / split.predicted_s == pytest.approx(38862, rel=1e-3)
+    assert (5 * 64 + 3072) / (5 * t_d) == pytest.approx(36345, rel=1e-3)
+    trimmed = plan_iteration(cm, decode, prefill, 0.03, 132, 8, trim_margin=0.6)
+    assert (trimmed.spatial, trimmed.prefill_token_limit) == (False, 629)
+    assert (64 + 629) / trimmed.predicted_s == pytest.approx(38512, rel=1e-3)

@@ -55,9 +55,13 @@ def test_duet_splits_when_the_mixed_batch_breaks_tau():
     # KV for LOOKAHEAD_SLACK x k steps is reserved; the executor stops once the prefill is done.
     assert (plan.spatial, plan.s_prefill, plan.s_decode, plan.k) == (True, 124, 8, 2 * 2)
     assert DuetPolicy(config).plan(DECODE, PREFILL, max_k=3).k == 3
-    # The third step starts at 93.2 ms, before the prefill ends at 93.5: the iteration lasts 3 t_d.
-    assert plan.predicted_s == pytest.approx(3 * t_d8) and plan.predicted_decode_s == pytest.approx(t_d8)
+    # A third step would start at 93.2 ms with 0.3 ms of the 93.5 ms prefill left, under half a
+    # step: it does not start, the iteration lasts t_p and the decodes wait the 0.3 ms (carried).
+    policy = DuetPolicy(config)
+    plan = policy.plan(DECODE, PREFILL, max_k=100)
+    assert plan.predicted_s == pytest.approx(t_p124) and plan.predicted_decode_s == pytest.approx(t_d8)
     assert plan.predicted_prefill_s == pytest.approx(t_p124)
+    assert policy.carry_s == pytest.approx(t_p124 - 2 * t_d8) and 0 < policy.carry_s < 5e-4
 
 
 def test_duet_without_partition_backend_trims_prefill_in_the_scheduler():

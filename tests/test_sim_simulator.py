@@ -84,9 +84,10 @@ def test_spatial_iteration_emits_decode_tokens_per_step(planner):
     inside = times[(times > it.start_s) & (times <= it.start_s + it.duration_s + 1e-12)]
     steps = np.diff(np.concatenate([[it.start_s], inside]))
     np.testing.assert_allclose(steps, steps[0], rtol=1e-9)  # one token per decode step of t_d
-    # Steps start until the prefill ends (n = ceil(t_p / t_d) <= k reserved): the last one ends the iteration.
+    # Steps start while half a step of the prefill is left (n = optimizer.executed_steps <= k reserved):
+    # the iteration lasts n steps, or the prefill if it ends less than half a step after them.
     assert 1 < len(inside) <= it.k and steps[0] <= 0.030
-    assert len(inside) * steps[0] == pytest.approx(it.duration_s, rel=1e-9)
+    assert len(inside) * steps[0] <= it.duration_s * (1 + 1e-9) and it.duration_s < (len(inside) + 0.5) * steps[0]
 
 
 def test_kv_capacity_from_hbm_minus_weights():

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -27,8 +28,11 @@ from duetserve.engine.upload import upload
 from duetserve.model.attention import AttentionMetadata
 from duetserve.model.decoder import CausalLM
 from duetserve.partition import PartitionBackend
+from duetserve.planner.optimizer import STEP_START_SHARE, executed_steps
 
 log = logging.getLogger(__name__)
+
+_POLL_S = 5e-4  # seconds between polls of a prefill about to end (_prefill_leaves_a_step)
 
 
 def allocate_kv_cache(model: CausalLM, num_blocks: int, block_size: int, dtype: torch.dtype,
@@ -177,6 +181,8 @@ class _SpatialRun:
     prefill_ids: list[int] = field(default_factory=list)
     prefill_copy: _HostCopy | None = None
     prefill_end: torch.cuda.Event | None = None  # recorded after the prefill on its own stream
+    prefill_due: float | None = None  # host clock (perf_counter) at which the prefill is predicted to end
+    hold_until: float | None = None  # host clock until which decode steps hold for the prefill's end
 
 
 class ModelRunner:
@@ -249,10 +255,12 @@ class ModelRunner:
         tokens on the device, and each step's tokens are handed out when it completes. Beside a
         prefill on SM-partitioned streams the next step is launched as soon as the previous one
         has completed (before its tokens are handed out) and only while the prefill is still
-        running (at most ``plan.k``, the steps whose KV slots the scheduler reserved): decode
-        neither idles behind a prefill that runs longer than predicted nor holds up the next
-        iteration when it runs shorter, at the cost of a short host gap between steps; a step
-        may still start just after the prefill ended (the check and the launch are not atomic).
+        running with at least half a step of it left (``_prefill_leaves_a_step``; at most
+        ``plan.k``, the steps whose KV slots the scheduler reserved): decode neither idles long
+        behind a prefill that runs longer than predicted nor holds up the next iteration, and
+        the prefill's SMs, for most of a step when it runs shorter, at the cost of a short host
+        gap between steps; a step may still start just after the prefill ended (the check and
+        the launch are not atomic).
         A decode-only plan (multi-step decode) keeps the next step queued behind the running one
         (its inputs built while the GPU works) and stops starting steps once ``interrupt()``
         says new work waits; otherwise all ``plan.k`` steps run.
@@ -265,7 +273,7 @@ class ModelRunner:
                 if not run.inflight:
                     break
                 tokens = run.inflight.popleft().tolist()  # waits for that step
-                self._launch_next_step(run)  # the next step is queued before the caller handles this one
+                self._launch_next_step(run, wait=False)  # queued before the caller handles this step
                 yield Sampled(dict(zip(run.decode_ids, tokens)), prefills=False, final=False)
             joined = self._join(run)
             tokens = run.prefill_copy.tolist() if run.prefill_copy is not None else []
@@ -299,8 +307,10 @@ class ModelRunner:
                 run.timers.mark("decode")
             self._launch_next_step(run)
             t_d, t_p = out.plan.predicted_decode_s, out.plan.predicted_prefill_s
-            if out.prefills and t_d is not None and t_p is not None and t_p > t_d:
+            if out.prefills and t_d is not None and t_p is not None and executed_steps(t_d, t_p) > 1:
                 self._launch_next_step(run)  # step 1 queued too: the prefill's launch takes the host a while
+        if out.plan.predicted_prefill_s is not None:
+            run.prefill_due = time.perf_counter() + out.plan.predicted_prefill_s  # it includes the launch
         with _on(prefill_stream):
             run.timers.mark("prefill")
             if out.plan.prefill_layers is not None and out.prefills:
@@ -317,16 +327,17 @@ class ModelRunner:
         return run
 
     @torch.inference_mode()
-    def _launch_next_step(self, run: _SpatialRun) -> None:
+    def _launch_next_step(self, run: _SpatialRun, wait: bool = True) -> None:
         """Queue the next decode step if one is due: fewer than ``plan.k`` launched, and either
         the prefill still running beside it on a partitioned stream (then only after the
-        previous step completed, so no step starts after the prefill has ended), or, for a
-        decode-only plan (multi-step decode), no ``interrupt`` and fewer than two in flight."""
+        previous step completed, and see ``_prefill_leaves_a_step``), or, for a decode-only plan
+        (multi-step decode), no ``interrupt`` and fewer than two in flight. ``wait=False``: leave
+        a step that would have to wait for the prefill unlaunched (decided at the next call)."""
         out = run.out
         in_flight = 1 if run.prefill_end is not None else 2
         if len(run.inflight) >= in_flight or run.launched >= out.plan.k or not out.decodes:
             return
-        if run.launched > 0 and (run.prefill_end.query() if run.prefill_end is not None else
+        if run.launched > 0 and (not self._prefill_leaves_a_step(run, wait) if run.prefill_end is not None else
                                  not out.prefills and self.interrupt is not None and self.interrupt()):
             return
         with _on(run.decode_stream):  # inputs uploaded on the stream that reads them
@@ -340,6 +351,31 @@ class ModelRunner:
             run.timers.mark_end("decode")  # the decode stream's busy time ends with its last step
         run.decode_ids = step.sample_seq_ids
         run.launched += 1
+
+    @staticmethod
+    def _prefill_leaves_a_step(run: _SpatialRun, wait: bool) -> bool:
+        """Whether a decode step should start beside the prefill (``optimizer.executed_steps``):
+        never once the prefill has ended; yes while at least ``STEP_START_SHARE`` of a predicted
+        decode step ``t_d`` is left until the prefill's predicted end (``prefill_due``). With
+        less left the decodes hold (polling) for the prefill to end, and no step starts; if it
+        has not ended ``STEP_START_SHARE t_d`` after the hold began (it outran its prediction),
+        a step starts then. ``wait=False`` answers False instead of holding. Without
+        predictions: a step starts while the prefill runs."""
+        t_d = run.out.plan.predicted_decode_s
+        while not run.prefill_end.query():
+            if run.prefill_due is None or not t_d:
+                return True
+            now = time.perf_counter()
+            if run.prefill_due - now >= STEP_START_SHARE * t_d:
+                return True
+            if run.hold_until is None:
+                run.hold_until = now + STEP_START_SHARE * t_d
+            if now >= run.hold_until:
+                return True
+            if not wait:
+                return False
+            time.sleep(min(run.hold_until - now, _POLL_S))
+        return False
 
     def _join(self, run: _SpatialRun) -> tuple[str, ...]:
         """Make the main stream wait for the streams whose work is complete; returns their

@@ -21,6 +21,8 @@ Beyond the paper:
   ``t_p - k t_d + t_d`` seconds. A ``k`` whose gap exceeds ``tau`` breaks the SLO for that
   token and is skipped, unless ``k == max_k`` (no decode token is left to wait).
   ``k = floor + 1`` never leaves a gap, so a feasible ``S_d`` always keeps a candidate.
+* The engine runs ``executed_steps(t_d, t_p)`` decode steps beside the prefill, not ``k``
+  (``k`` is the most it may run); ``trim_margin`` prices the split at those steps.
 """
 
 from __future__ import annotations
@@ -33,6 +35,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from duetserve.planner.cost_model import CostModel, Request
+
+STEP_START_SHARE = 0.5  # executed_steps: least share of a decode step left of the prefill to start one
 
 
 @dataclass(frozen=True)
@@ -107,7 +111,8 @@ def plan_iteration(cost_model: CostModel, decode_reqs: Sequence[Request], prefil
         trim_margin: in (0, 1], or None (the paper's rule). When step 2 finds a split, also
             price a temporal batch with the prefill trimmed to fit ``trim_margin`` times the
             first-token budget (step 3's rule) and return it instead when its token rate
-            ``(decodes + prefill kept) / t`` beats the split's (beyond the paper: a smaller
+            ``(decodes + prefill kept) / t`` beats the split's, with the split run as the engine
+            runs it (``executed_steps`` decode steps; beyond the paper: a smaller
             chunk on all SMs can beat splitting, as chunked prefill with a small budget did
             on the H200; the margin leaves room for prediction error).
 
@@ -135,10 +140,24 @@ def plan_iteration(cost_model: CostModel, decode_reqs: Sequence[Request], prefil
         return _fallback(cost_model, decode, prefill, first_tau, total_sms)
     if trim_margin is not None:
         trimmed = _fallback(cost_model, decode, prefill, trim_margin * first_tau, total_sms)
+        steps = executed_steps(plan.predicted_decode_s, plan.predicted_prefill_s, max_k)  # what would run
+        span = max(steps * plan.predicted_decode_s, plan.predicted_prefill_s)
         if (len(decode) + trimmed.prefill_token_limit) / trimmed.predicted_s > \
-                (plan.k * len(decode) + prefill[:, 0].sum()) / plan.predicted_s:
+                (steps * len(decode) + prefill[:, 0].sum()) / span:
             return dataclasses.replace(trimmed, slo_risk=False)
     return plan
+
+
+def executed_steps(t_d: float, t_p: float, k: int | None = None) -> int:
+    """Decode steps the engine's executor runs beside a prefill of ``t_p`` seconds, at ``t_d``
+    seconds a step (``ModelRunner._execute_spatial``): step 1 always; each later step only while
+    at least ``STEP_START_SHARE`` of a step is left of the prefill, so
+    ``1 + floor(t_p / t_d - STEP_START_SHARE)`` steps (at least 1, at most ``k``). Beyond the
+    paper, which runs its ``k``: a step started as the prefill ends holds the iteration, and the
+    prefill's SMs, for most of a step; one not started holds the decodes for less than
+    ``STEP_START_SHARE`` of a step (the next plan's ``carry_s``)."""
+    steps = 1 + max(0, math.floor(t_p / t_d - STEP_START_SHARE))
+    return steps if k is None else max(1, min(steps, k))
 
 
 def _as_array(reqs: Sequence[Request] | np.ndarray) -> np.ndarray:

@@ -26,14 +26,13 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import math
 from dataclasses import dataclass, field
 from functools import cached_property
 
 from duetserve.partition.base import BACKENDS
 from duetserve.planner.cost_model import CostModel, ModelShape, Request
 from duetserve.planner.hardware import HardwareProfile
-from duetserve.planner.optimizer import Plan, plan_iteration
+from duetserve.planner.optimizer import Plan, executed_steps, plan_iteration
 from duetserve.planner.pdmux import (
     PdmuxConfig,
     choose_group,
@@ -126,22 +125,24 @@ class DuetPolicy:
 
     def plan(self, decode_reqs: list[Request], prefill_reqs: list[Request], max_k: int) -> Plan:
         """The optimizer's plan for the batch: ``(q, c)`` per decode and prefill request, at most
-        ``max_k`` look-ahead decode steps. A spatial plan whose prefill outlasts its ``k`` decode
-        steps leaves decodes waiting ``t_p - k t_d``; that wait is carried into the next plan's
-        first-token budget (``plan_iteration``'s ``carry_s``).
+        ``max_k`` look-ahead decode steps.
 
         A spatial plan's ``k`` is ``LOOKAHEAD_SLACK`` times the optimizer's (within ``max_k``):
-        the executor starts no decode step after the prefill has finished, so ``k`` is only the
-        most steps reserved; the slack keeps decode busy when the prefill runs long."""
+        the executor starts no decode step after the prefill has finished, nor one with less than
+        ``STEP_START_SHARE`` of a step of it left (``executed_steps``), so ``k`` is only the most
+        steps reserved; the slack keeps decode busy when the prefill runs long. The decodes then
+        wait ``t_p - steps t_d`` for the prefill; that wait is carried into the next plan's
+        first-token budget (``plan_iteration``'s ``carry_s``)."""
         c = self.config
         plan = plan_iteration(self.cost_model, decode_reqs, prefill_reqs, c.tau_s, c.profile.num_sms,
                               c.granularity, c.min_sms, max_k, self.carry_s, c.trim_margin)
+        self.carry_s = 0.0
         if plan.spatial and prefill_reqs:  # room for a prefill slower than predicted (executor stops at its end)
             k = min(max_k, LOOKAHEAD_SLACK * plan.k)
             t_d, t_p = plan.predicted_decode_s, plan.predicted_prefill_s
-            steps = min(k, max(1, math.ceil(t_p / t_d)))  # what the executor runs if the prediction holds
+            steps = executed_steps(t_d, t_p, k)  # what the executor runs if the prediction holds
             plan = dataclasses.replace(plan, k=k, predicted_s=max(steps * t_d, t_p))
-        self.carry_s = max(0.0, plan.predicted_prefill_s - plan.k * plan.predicted_decode_s) if plan.spatial else 0.0
+            self.carry_s = max(0.0, t_p - steps * t_d)
         if decode_reqs and prefill_reqs and not plan.spatial and self.decode_correction > 1.0:
             # no spatial plan, so no new measurement: let the correction relax toward 1, so one
             # that priced every split out does not keep them out for good

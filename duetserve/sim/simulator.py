@@ -11,7 +11,7 @@ Iteration time, by plan:
 * temporal: ``t_mixed(S)``, the whole batch on all SMs; every token comes at the end;
 * spatial (duet): decode runs steps of ``t_d(S_d)`` beside the prefill batch's
   ``t_p(S_p)`` (both with the profile's interference factors, ``CostModel.predict_spatial``)
-  until the prefill is done, as the executor does: ``n = min(k, ceil(t_p / t_d))`` steps;
+  while the prefill runs, as the executor does: ``n = executed_steps(t_d, t_p, k)`` steps;
   the iteration lasts ``max(n t_d, t_p)``; decode token ``i`` comes at ``i t_d``, the
   prefill's first tokens at the end;
 * layer-split prefill (pdmux): the prefill batch's time on its SMs is spread evenly over the
@@ -29,7 +29,6 @@ times a utilization, minus the weights, divided by the KV bytes per token (vLLM'
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -43,6 +42,7 @@ from duetserve.engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from duetserve.engine.sequence import Sequence as Seq
 from duetserve.planner.cost_model import ModelShape
 from duetserve.planner.hardware import HardwareProfile
+from duetserve.planner.optimizer import executed_steps
 from duetserve.planner.policies import PlannerConfig
 from duetserve.sampling import SamplingParams
 from duetserve.traces import TraceRequest
@@ -231,8 +231,8 @@ class _Run:
             return self._layer_round(out, decode, prefill)
         if plan.spatial:
             t_d, t_p = (float(x) for x in self.cm.predict_spatial(decode, prefill, plan.s_decode, self.total_sms))
-            # The executor starts no decode step once the prefill is done (ModelRunner._execute_spatial).
-            steps = min(plan.k, max(1, math.ceil(t_p / t_d))) if prefill else plan.k
+            # The executor starts no decode step near the prefill's end (ModelRunner._execute_spatial).
+            steps = executed_steps(t_d, t_p, plan.k) if prefill else plan.k
             duration = max(steps * t_d, t_p)
             return duration, [self.now + i * t_d for i in range(1, steps + 1)], self.now + duration
         duration = float(self.cm.predict_total(decode + prefill, self.total_sms))
