@@ -26,7 +26,7 @@ class ForcedSpatial:
     def plan(self, decode_reqs, prefill_reqs, max_k):
         return self.spatial if decode_reqs else Plan()
 
-    def observe(self, plan, decode_step_s):
+    def observe(self, plan, decode_step_s, prefill_s):
         self.observed.append(decode_step_s)
 
 

@@ -71,7 +71,7 @@ class _Forced:
                         predicted_prefill_s=self.t_p, predicted_s=self.t_p)
         return Plan()
 
-    def observe(self, plan, decode_step_s):
+    def observe(self, plan, decode_step_s, prefill_s):
         pass
 
 

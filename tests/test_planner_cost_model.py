@@ -162,6 +162,8 @@ def test_bad_inputs_raise(gpu):
         CostModel(SHAPE, gpu, lm_head="first")
     with pytest.raises(ValueError):
         CostModel(SHAPE, gpu, decode_margin=0.5)
+    with pytest.raises(ValueError, match="prefill_scale must be positive"):
+        CostModel(SHAPE, gpu, prefill_scale=0.0)
 
 
 def test_spatial_prediction_applies_interference_and_margin():

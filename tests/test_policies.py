@@ -164,7 +164,7 @@ def test_duet_learns_a_decode_correction_from_measured_steps():
     plan = policy.plan(DECODE, PREFILL, max_k=100)
     assert plan.spatial and policy.decode_correction == 1.0
     before = policy.cost_model.predict_spatial(DECODE, PREFILL, [16, 32], 132)
-    policy.observe(plan, 1.5 * plan.predicted_decode_s)  # steps ran 1.5x their prediction
+    policy.observe(plan, 1.5 * plan.predicted_decode_s, None)  # steps ran 1.5x their prediction
     assert policy.decode_correction == pytest.approx(1.5 ** 0.3)  # 1.129
     after = policy.cost_model.predict_spatial(DECODE, PREFILL, [16, 32], 132)
     assert after[0] == pytest.approx(before[0] * 1.5 ** 0.3) and (after[1] == before[1]).all()
@@ -172,13 +172,13 @@ def test_duet_learns_a_decode_correction_from_measured_steps():
     replanned = policy.plan(DECODE, PREFILL, max_k=100)  # the new prediction includes the correction
     assert replanned.predicted_decode_s == pytest.approx(
         float(policy.cost_model.predict_spatial(DECODE, PREFILL, replanned.s_decode, 132)[0]))
-    policy.observe(replanned, 0.2 * replanned.predicted_decode_s)  # far faster: floor at 1
+    policy.observe(replanned, 0.2 * replanned.predicted_decode_s, None)  # far faster: floor at 1
     assert policy.decode_correction == 1.0
     for _ in range(20):
-        policy.observe(plan, 100 * plan.predicted_decode_s)
+        policy.observe(plan, 100 * plan.predicted_decode_s, None)
     assert policy.decode_correction == 2.0 and policy.cost_model.decode_margin == 2.0
-    policy.observe(Plan(), 1.0)  # a temporal plan, or no decode prediction: ignored
-    policy.observe(dataclasses.replace(plan, predicted_decode_s=None), 0.001)
+    policy.observe(Plan(), 1.0, None)  # a temporal plan, or no decode prediction: ignored
+    policy.observe(dataclasses.replace(plan, predicted_decode_s=None), 0.001, None)
     assert policy.decode_correction == 2.0
     # a temporal plan for decodes beside a prefill relaxes it: excess x 0.99 each time
     small = [(64, 0)]  # a prefill that fits tau beside the decodes: temporal
@@ -190,3 +190,29 @@ def test_duet_learns_a_decode_correction_from_measured_steps():
         pytest.approx(1 + 0.99 ** 100)
     policy.plan(DECODE, [], max_k=100)  # decode alone: nothing to split, nothing changes
     assert policy.decode_correction == pytest.approx(1 + 0.99 ** 100)
+
+
+def test_duet_learns_the_prefill_scale_both_ways_within_bounds():
+    """``observe``'s prefill side: ratio ** 0.3 per observation, within [0.8, 1.5], scaling the GPU
+    part of spatial prefill predictions (its host time is not scaled); decode is untouched."""
+    config = planner(0.05)
+    policy = DuetPolicy(config)
+    plan = policy.plan(DECODE, PREFILL, max_k=100)
+    cm, profile = policy.cost_model, config.profile
+    host = profile.host_per_request_s + profile.host_eager_s  # one prefill request, eager
+    (t_d0,), (t_p0,) = cm.predict_spatial(DECODE, PREFILL, [8], 132)
+    policy.observe(plan, plan.predicted_decode_s, 1.07 * plan.predicted_prefill_s)
+    assert policy.prefill_scale == pytest.approx(1.07 ** 0.3) and policy.decode_correction == 1.0
+    (t_d1,), (t_p1,) = cm.predict_spatial(DECODE, PREFILL, [8], 132)
+    assert t_d1 == t_d0 and t_p1 - host == pytest.approx((t_p0 - host) * 1.07 ** 0.3)
+    policy.observe(plan, plan.predicted_decode_s, 0.5 * plan.predicted_prefill_s)  # faster: it may fall below 1
+    assert policy.prefill_scale == pytest.approx(1.07 ** 0.3 * 0.5 ** 0.3)
+    for _ in range(30):
+        policy.observe(plan, plan.predicted_decode_s, 0.01 * plan.predicted_prefill_s)
+    assert policy.prefill_scale == 0.8 and cm.prefill_scale == 0.8
+    for _ in range(30):
+        policy.observe(plan, plan.predicted_decode_s, 100 * plan.predicted_prefill_s)
+    assert policy.prefill_scale == 1.5
+    policy.observe(plan, plan.predicted_decode_s, None)  # no prefill: unchanged
+    policy.observe(Plan(), 1.0, 0.001)  # a temporal plan: ignored
+    assert policy.prefill_scale == 1.5 and config.cost_model.prefill_scale == 1.0

@@ -293,7 +293,7 @@ class LLMEngine:
             if part.final:
                 stream_s = self.runner.last_stream_seconds
                 if out.plan.spatial and steps and stream_s.get("decode"):  # the policy learns from it
-                    self.scheduler.policy.observe(out.plan, stream_s["decode"] / steps)
+                    self.scheduler.policy.observe(out.plan, stream_s["decode"] / steps, stream_s.get("prefill"))
                 self.last_stats = StepStats(out.plan, len(out.decodes), out.num_prefill_tokens,
                                             time.perf_counter() - start, len(out.preempted),
                                             steps or int(bool(out.decodes)),

@@ -44,8 +44,9 @@ class Policy(Protocol):
         """
         ...
 
-    def observe(self, plan: Plan, decode_step_s: float) -> None:
-        """Measured seconds per decode step of a spatial ``plan`` that ran (GPU only)."""
+    def observe(self, plan: Plan, decode_step_s: float, prefill_s: float | None) -> None:
+        """Measured seconds per decode step of a spatial ``plan`` that ran, and of its prefill
+        stream (None: it had no prefill) (GPU only)."""
         ...
 
 
@@ -60,7 +61,7 @@ class ChunkedPolicy:
     def plan(self, decode_reqs: list[tuple[int, int]], prefill_reqs: list[tuple[int, int]], max_k: int) -> Plan:
         return TEMPORAL
 
-    def observe(self, plan: Plan, decode_step_s: float) -> None:
+    def observe(self, plan: Plan, decode_step_s: float, prefill_s: float | None) -> None:
         """No feedback: nothing is predicted."""
 
 

@@ -200,10 +200,12 @@ class CostModel:
             decode starves prefill, overestimating only wastes a little decode time).
         cuda_graphs: whether the engine replays decode-only iterations from CUDA graphs
             (False for ``enforce_eager``); decides the default of ``graphs`` (module docstring).
+        prefill_scale: > 0, multiplies the prefill's GPU time in spatial plans on top of the
+            profile's ``prefill_interference`` (``DuetPolicy.observe`` sets it from measurements).
 
     Raises:
         ValueError: on non-positive sizes, heads not divisible by ``tp``, an unknown
-            ``lm_head`` mode or ``decode_margin < 1``.
+            ``lm_head`` mode, ``decode_margin < 1`` or ``prefill_scale <= 0``.
 
     Rates for every integer S in 1..num_sms are computed once here, so predictions only
     index arrays; ``predict_total`` evaluates many S at once for the optimizer.
@@ -211,7 +213,7 @@ class CostModel:
 
     def __init__(self, shape: ModelShape, profile: HardwareProfile, dtype_bytes: int = 2, tp: int = 1,
                  causal: bool = True, lm_head: Literal["last", "all"] = "last",
-                 decode_margin: float = 1.0, cuda_graphs: bool = True) -> None:
+                 decode_margin: float = 1.0, cuda_graphs: bool = True, prefill_scale: float = 1.0) -> None:
         if dtype_bytes <= 0 or tp <= 0:
             raise ValueError("dtype_bytes and tp must be positive")
         if (why := shape.tp_split_error(tp)) is not None:
@@ -220,9 +222,11 @@ class CostModel:
             raise ValueError(f"lm_head must be 'last' or 'all', got {lm_head!r}")
         if decode_margin < 1.0:
             raise ValueError("decode_margin must be >= 1")
+        if prefill_scale <= 0:
+            raise ValueError("prefill_scale must be positive")
         self.shape, self.profile, self.tp = shape, profile, tp
         self.dtype_bytes, self.causal, self.lm_head, self.decode_margin = dtype_bytes, causal, lm_head, decode_margin
-        self.cuda_graphs = cuda_graphs
+        self.cuda_graphs, self.prefill_scale = cuda_graphs, prefill_scale
 
         b, d, dh = dtype_bytes, shape.hidden, shape.head_dim
         self._hq = shape.q_heads // tp
@@ -306,14 +310,15 @@ class CostModel:
         ``total_sms - s_decode`` SMs, when both run at once (a spatial plan).
 
         Decode is scaled by the profile's ``decode_interference`` times ``decode_margin``,
-        prefill by ``prefill_interference`` (docs/design.md section 5); decode is replayed from graphs
+        prefill by ``prefill_interference`` times ``prefill_scale`` (docs/design.md section 5); decode is replayed from graphs
         when ``cuda_graphs`` (the engine records them per split level) and its steps carry no
         host time (module docstring); the prefill carries its host time unscaled. Returns (t_decode,
         t_prefill), arrays shaped like ``s_decode``. Raises ValueError as ``predict``.
         """
         s_d = np.asarray(s_decode)
         t_d = self.predict_total(decode_reqs, s_d, host=False) * (self.profile.decode_interference * self.decode_margin)
-        t_p = self.predict_total(prefill_reqs, total_sms - s_d, host=False) * self.profile.prefill_interference
+        t_p = self.predict_total(prefill_reqs, total_sms - s_d, host=False) * (self.profile.prefill_interference *
+                                                                               self.prefill_scale)
         prefill = _columns(prefill_reqs)[0]
         if len(prefill):  # the prefill's host time (eager), not scaled by the GPU's interference
             t_p = t_p + len(prefill) * self.profile.host_per_request_s + self.profile.host_eager_s

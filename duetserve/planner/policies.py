@@ -104,6 +104,7 @@ LOOKAHEAD_SLACK = 2  # KV slots reserved for up to this many times the optimizer
 DECODE_FEEDBACK_WEIGHT = 0.3  # DuetPolicy.observe: exponent of one observation's ratio
 MAX_DECODE_CORRECTION = 2.0  # DuetPolicy.observe: most the decode side is scaled by feedback
 DECODE_CORRECTION_DECAY = 0.99  # DuetPolicy.plan: share of the correction's excess over 1 kept per temporal plan
+PREFILL_SCALE_BOUNDS = (0.8, 1.5)  # DuetPolicy.observe: range of the prefill side's measured scale
 
 
 class DuetPolicy:
@@ -121,6 +122,7 @@ class DuetPolicy:
         self.carry_s = 0.0  # predicted idle tail of the last plan's decode stream, seconds
         self.cost_model = copy.copy(config.cost_model)  # its decode margin follows the feedback
         self.decode_correction = 1.0  # measured / predicted decode step of spatial plans (observe)
+        self.prefill_scale = 1.0  # measured / predicted prefill of spatial plans (observe)
         self._base_margin = self.cost_model.decode_margin
 
     def plan(self, decode_reqs: list[Request], prefill_reqs: list[Request], max_k: int) -> Plan:
@@ -149,9 +151,10 @@ class DuetPolicy:
             self._set_correction(1.0 + (self.decode_correction - 1.0) * DECODE_CORRECTION_DECAY)
         return plan
 
-    def observe(self, plan: Plan, decode_step_s: float) -> None:
+    def observe(self, plan: Plan, decode_step_s: float, prefill_s: float | None) -> None:
         """Feedback from a spatial ``plan`` that ran: ``decode_step_s`` measured seconds per
-        decode step (the decode stream's busy time over the steps run).
+        decode step (the decode stream's busy time over the steps run), ``prefill_s`` of its
+        prefill stream (None: no prefill).
 
         The decode side of later spatial predictions is scaled by ``decode_correction``, which
         moves geometrically toward measured / predicted (weight ``DECODE_FEEDBACK_WEIGHT`` per
@@ -161,8 +164,22 @@ class DuetPolicy:
         decodes (docs/benchmarks.md, fourth H200 session), and each such step broke the SLO.
         Plans without a decode prediction or a step are ignored. Each iteration with decodes and
         prefill that ``plan`` keeps temporal moves the correction back toward 1 by the factor
-        ``DECODE_CORRECTION_DECAY`` (no split, no new measurement)."""
-        if not plan.spatial or not plan.predicted_decode_s or decode_step_s <= 0:
+        ``DECODE_CORRECTION_DECAY`` (no split, no new measurement).
+
+        The prefill side of spatial predictions is scaled by ``prefill_scale`` (the cost
+        model's), which moves the same way toward measured / predicted, within
+        ``PREFILL_SCALE_BOUNDS``, both ways: the executor holds decodes for the prefill's
+        predicted end (``executed_steps``), so a bias either way costs. Beyond the paper: on
+        the H200 the prefill stream of Azure code's spatial iterations ran 1.04x its
+        prediction on one host and 1.07x on another (docs/benchmarks.md, eleventh session)."""
+        if not plan.spatial:
+            return
+        if prefill_s is not None and prefill_s > 0 and plan.predicted_prefill_s:
+            ratio = prefill_s / plan.predicted_prefill_s
+            low, high = PREFILL_SCALE_BOUNDS
+            self.prefill_scale = min(high, max(low, self.prefill_scale * ratio ** DECODE_FEEDBACK_WEIGHT))
+            self.cost_model.prefill_scale = self.prefill_scale
+        if not plan.predicted_decode_s or decode_step_s <= 0:
             return
         ratio = decode_step_s / plan.predicted_decode_s
         self._set_correction(min(MAX_DECODE_CORRECTION, max(1.0, self.decode_correction * ratio ** DECODE_FEEDBACK_WEIGHT)))
@@ -200,7 +217,7 @@ class PdmuxPolicy:
         self.config = config
         self.groups = stream_groups(config.profile.num_sms, config.profile.compute_capability_major, config.pdmux)
 
-    def observe(self, plan: Plan, decode_step_s: float) -> None:
+    def observe(self, plan: Plan, decode_step_s: float, prefill_s: float | None) -> None:
         """No feedback: SGLang's levels are fixed."""
 
     def decode_levels(self) -> list[int]:
