@@ -135,10 +135,9 @@ def test_a_decode_step_starts_only_with_half_a_step_of_prefill_left():
     run = _run_beside_prefill(0.04, 0.01, _FakeEvent(None))  # 10 ms left, never ends
     start = time.perf_counter()
     assert not leaves(run, wait=False)  # undecided: answered without holding
-    assert run.hold_until == pytest.approx(start + 0.02, abs=5e-3)
+    assert start + 0.02 <= run.hold_until <= time.perf_counter() + 0.02
     assert leaves(run, wait=True)  # held 20 ms, then a step after all
-    assert time.perf_counter() - start == pytest.approx(0.02, abs=1e-2)
+    assert time.perf_counter() >= run.hold_until
 
-    run = _run_beside_prefill(0.04, 0.01, _FakeEvent(4))  # ends while the decodes hold
-    assert not leaves(run, wait=True) and run.out.plan.k == 8
-    assert time.perf_counter() - start < 0.1
+    run = _run_beside_prefill(0.04, 0.01, _FakeEvent(4))  # ends while the decodes hold: no step
+    assert not leaves(run, wait=True) and run.prefill_end.queries == 4
