@@ -202,17 +202,17 @@ def test_duet_learns_the_prefill_scale_both_ways_within_bounds():
     host = profile.host_per_request_s + profile.host_eager_s  # one prefill request, eager
     (t_d0,), (t_p0,) = cm.predict_spatial(DECODE, PREFILL, [8], 132)
     policy.observe(plan, plan.predicted_decode_s, 1.07 * plan.predicted_prefill_s)
-    assert policy.prefill_scale == pytest.approx(1.07 ** 0.3) and policy.decode_correction == 1.0
+    assert cm.prefill_scale == pytest.approx(1.07 ** 0.3) and policy.decode_correction == 1.0
     (t_d1,), (t_p1,) = cm.predict_spatial(DECODE, PREFILL, [8], 132)
     assert t_d1 == t_d0 and t_p1 - host == pytest.approx((t_p0 - host) * 1.07 ** 0.3)
     policy.observe(plan, plan.predicted_decode_s, 0.5 * plan.predicted_prefill_s)  # faster: it may fall below 1
-    assert policy.prefill_scale == pytest.approx(1.07 ** 0.3 * 0.5 ** 0.3)
+    assert cm.prefill_scale == pytest.approx(1.07 ** 0.3 * 0.5 ** 0.3)
     for _ in range(30):
         policy.observe(plan, plan.predicted_decode_s, 0.01 * plan.predicted_prefill_s)
-    assert policy.prefill_scale == 0.8 and cm.prefill_scale == 0.8
+    assert cm.prefill_scale == 0.8
     for _ in range(30):
         policy.observe(plan, plan.predicted_decode_s, 100 * plan.predicted_prefill_s)
-    assert policy.prefill_scale == 1.5
+    assert cm.prefill_scale == 1.5
     policy.observe(plan, plan.predicted_decode_s, None)  # no prefill: unchanged
     policy.observe(Plan(), 1.0, 0.001)  # a temporal plan: ignored
-    assert policy.prefill_scale == 1.5 and config.cost_model.prefill_scale == 1.0
+    assert cm.prefill_scale == 1.5 and config.cost_model.prefill_scale == 1.0

@@ -7,6 +7,7 @@ import pytest
 from duetserve.engine.policy import policy_by_name
 from duetserve.planner import ModelShape, load_profile
 from duetserve.planner.hardware import roofline_only
+from duetserve.planner.optimizer import executed_steps
 from duetserve.planner.policies import PlannerConfig
 from duetserve.sim.simulator import SimConfig, kv_cache_tokens, simulate, weight_bytes
 from duetserve.traces import (
@@ -73,21 +74,25 @@ def test_duet_iterations_last_what_the_policy_predicted(planner):
 
 
 def test_spatial_iteration_emits_decode_tokens_per_step(planner):
-    """A long prompt arriving beside a decoding request: duet splits, decode tokens every t_d."""
+    """A long prompt arriving beside a decoding request: duet splits, decode tokens every t_d,
+    and steps start only while half a step of the prefill is left (``executed_steps``)."""
     tight = PlannerConfig(planner.shape, planner.profile, 0.030)
-    trace = [TraceRequest(0.0, 200, 300), TraceRequest(0.05, 8000, 2)]
+    trace = [TraceRequest(0.0, 200, 300), TraceRequest(0.05, 6000, 2)]
     result = simulate(trace, policy_by_name("duet", tight), SimConfig(tight))
     it = next(it for it in result.iterations if it.spatial)
-    assert it.k > 1 and it.num_decodes == 1 and it.num_prefill_tokens == 8000
+    assert it.k > 1 and it.num_decodes == 1 and it.num_prefill_tokens == 6000
     a = result.records[0]
     times = np.array(a.chunk_times_s) + a.arrival_s
+    before = int((times <= it.start_s + 1e-12).sum())  # tokens "a" had before the split
     inside = times[(times > it.start_s) & (times <= it.start_s + it.duration_s + 1e-12)]
     steps = np.diff(np.concatenate([[it.start_s], inside]))
-    np.testing.assert_allclose(steps, steps[0], rtol=1e-9)  # one token per decode step of t_d
-    # Steps start while half a step of the prefill is left (n = optimizer.executed_steps <= k reserved):
-    # the iteration lasts n steps, or the prefill if it ends less than half a step after them.
-    assert 1 < len(inside) <= it.k and steps[0] <= 0.030
-    assert len(inside) * steps[0] <= it.duration_s * (1 + 1e-9) and it.duration_s < (len(inside) + 0.5) * steps[0]
+    # "a" decodes with 199 + before cached tokens: t_p / t_d = 8.42, so 8 steps start (the ninth
+    # would start with 0.42 of a step left; ceil would run 9) and the prefill ends the iteration.
+    t_d, t_p = (float(x[0]) for x in tight.cost_model.predict_spatial([(1, 199 + before)], [(6000, 0)],
+                                                                       [it.s_decode], 132))
+    np.testing.assert_allclose(steps, t_d, rtol=1e-9)  # one token per decode step of t_d
+    assert t_p / t_d == pytest.approx(8.415, abs=1e-3) and len(inside) == executed_steps(t_d, t_p, it.k) == 8
+    assert it.duration_s == pytest.approx(t_p, rel=1e-9)
 
 
 def test_kv_capacity_from_hbm_minus_weights():

@@ -120,9 +120,8 @@ class DuetPolicy:
     def __init__(self, config: PlannerConfig) -> None:
         self.config = config
         self.carry_s = 0.0  # predicted idle tail of the last plan's decode stream, seconds
-        self.cost_model = copy.copy(config.cost_model)  # its decode margin follows the feedback
+        self.cost_model = copy.copy(config.cost_model)  # its decode margin and prefill scale follow the feedback
         self.decode_correction = 1.0  # measured / predicted decode step of spatial plans (observe)
-        self.prefill_scale = 1.0  # measured / predicted prefill of spatial plans (observe)
         self._base_margin = self.cost_model.decode_margin
 
     def plan(self, decode_reqs: list[Request], prefill_reqs: list[Request], max_k: int) -> Plan:
@@ -166,8 +165,7 @@ class DuetPolicy:
         prefill that ``plan`` keeps temporal moves the correction back toward 1 by the factor
         ``DECODE_CORRECTION_DECAY`` (no split, no new measurement).
 
-        The prefill side of spatial predictions is scaled by ``prefill_scale`` (the cost
-        model's), which moves the same way toward measured / predicted, within
+        The prefill side of spatial predictions is scaled by ``cost_model.prefill_scale``, which moves the same way toward measured / predicted, within
         ``PREFILL_SCALE_BOUNDS``, both ways: the executor holds decodes for the prefill's
         predicted end (``executed_steps``), so a bias either way costs. Beyond the paper: on
         the H200 the prefill stream of Azure code's spatial iterations ran 1.04x its
@@ -177,8 +175,8 @@ class DuetPolicy:
         if prefill_s is not None and prefill_s > 0 and plan.predicted_prefill_s:
             ratio = prefill_s / plan.predicted_prefill_s
             low, high = PREFILL_SCALE_BOUNDS
-            self.prefill_scale = min(high, max(low, self.prefill_scale * ratio ** DECODE_FEEDBACK_WEIGHT))
-            self.cost_model.prefill_scale = self.prefill_scale
+            cm = self.cost_model
+            cm.prefill_scale = min(high, max(low, cm.prefill_scale * ratio ** DECODE_FEEDBACK_WEIGHT))
         if not plan.predicted_decode_s or decode_step_s <= 0:
             return
         ratio = decode_step_s / plan.predicted_decode_s
