@@ -253,9 +253,11 @@ def create_app(engine: AsyncEngine, metrics: ServerMetrics, model_name: str, api
         msg = {"content": text} if delta else {"role": "assistant", "content": text}
         return {"index": 0, key: msg, "logprobs": None, "finish_reason": finish}
 
-    def _usage(out: RequestOutput) -> dict:
-        return {"prompt_tokens": out.num_prompt_tokens, "completion_tokens": out.num_output_tokens,
-                "total_tokens": out.num_prompt_tokens + out.num_output_tokens}
+    def _usage(out: RequestOutput, completion_tokens: int | None = None) -> dict:
+        """OpenAI's usage object for ``out`` (``completion_tokens``: instead of ``out``'s count)."""
+        done = out.num_output_tokens if completion_tokens is None else completion_tokens
+        return {"prompt_tokens": out.num_prompt_tokens, "completion_tokens": done,
+                "total_tokens": out.num_prompt_tokens + done}
 
     async def _stream_chunks(request_id: str, created: int, first: RequestOutput, stream: AsyncIterator,
                              chat: bool, include_usage: bool, continuous_usage: bool) -> AsyncIterator[str]:
@@ -270,8 +272,7 @@ def create_app(engine: AsyncEngine, metrics: ServerMetrics, model_name: str, api
                 role = {**chunk, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
                                               "logprobs": None, "finish_reason": None}]}
                 if continuous_usage:
-                    role["usage"] = {"prompt_tokens": first.num_prompt_tokens, "completion_tokens": 0,
-                                     "total_tokens": first.num_prompt_tokens}
+                    role["usage"] = _usage(first, completion_tokens=0)  # sent before any token
                 yield _sse(role)
             out = first
             while True:
