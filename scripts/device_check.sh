@@ -29,6 +29,7 @@ step core-tests 300 python3 -m pytest -q -rP -m gpu -p no:cacheprovider tests/te
   tests/test_partition.py tests/test_fused_ops.py tests/test_triton_gemm.py
 step attention 240 python3 scripts/bench_attention.py --out "$OUT/attention.json"
 step gemm 300 python3 scripts/bench_decode_gemm.py --out "$OUT/gemm.json"
+step weight-stream 240 python3 scripts/bench_weight_stream.py --out "$OUT/weight_stream.json"
 step engine 420 python3 scripts/bench_engine.py --iters 10 --variants ${ENGINE_VARIANTS:-graphs,eager} --out "$OUT/engine.json"
 step profile 240 python3 scripts/profile_decode.py --out "$OUT/profile.json" ${PROFILE_ARGS:-}
 step spatial 300 python3 scripts/bench_spatial.py --out "$OUT/spatial.json"

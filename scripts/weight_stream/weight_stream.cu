@@ -1,0 +1,308 @@
+// A persistent decode "weight stream" kernel (scripts/bench_weight_stream.py) for the 4 GEMMs of each layer
+// (qkv, o, gate_up + SiLU*mul, down), M = 8 rows, bf16 weights, fp32 accumulation.
+// One CTA per SM. Warp 8 (producer) streams every weight tile this CTA owns, phase after phase,
+// layer after layer, into a ring of shared-memory stages with 1-D bulk copies (TMA), gated only
+// by free stages. Warps 0-7 (consumers) wait at a grid barrier for each phase's input, copy it
+// into shared memory, and run mma.sync over the ring. The weight stream never waits for a barrier.
+#include <cuda_bf16.h>
+#include <stdint.h>
+
+#ifndef NSTAGE
+#define NSTAGE 13
+#endif
+#define ROWS 16
+#define KC 512
+#define ROW_BYTES (KC * 2)
+#define ROW_STRIDE ROW_BYTES
+#define STAGE_BYTES (ROWS * ROW_STRIDE)
+#define STAGE_TX (ROWS * ROW_BYTES)
+#define KPART 4096
+#define CHUNKS (KPART / KC)
+#define MR 8
+#define NCW 8
+#define HID 4096
+#define QKV_N 6144
+#define INTER 12288
+#define GU_N (2 * INTER)
+
+#define SMEM_RING 0
+#define SMEM_RED (SMEM_RING + NSTAGE * STAGE_BYTES)
+#define SMEM_BAR (SMEM_RED + NCW * ROWS * MR * 4)
+#define SMEM_TOTAL (SMEM_BAR + 2 * NSTAGE * 8)
+
+struct Weights {
+  const __nv_bfloat16* qkv;  // [L][6144][4096]
+  const __nv_bfloat16* o;    // [L][4096][4096]
+  const __nv_bfloat16* gu;   // [L][24576][4096], groups of 16 rows: 8 gate rows, then the 8 matching up rows
+  const __nv_bfloat16* down; // [L][4096][12288]
+};
+
+struct Acts {
+  const __nv_bfloat16* x0;  // [8][4096] input of layer 0
+  __nv_bfloat16* qkv;       // [8][6144]
+  __nv_bfloat16* o;         // [8][4096]
+  __nv_bfloat16* x;         // [8][4096] a layer's output (sum of the down partials)
+  __nv_bfloat16* h;         // [8][12288]
+  float* down;              // [3][8][4096] partial sums over 4096-column parts of K
+  unsigned int* counter;    // grid barrier, zero at launch
+  unsigned int* gcount;     // [256] per down row group: K parts done (the last resets it to 0)
+  unsigned long long* clock;  // per CTA end time (globaltimer), or null
+};
+
+__device__ __forceinline__ uint32_t smem_u32(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+__device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count));
+}
+
+__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
+  asm volatile(
+      "{\n"
+      ".reg .pred p;\n"
+      "WAIT_%=:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n"
+      "@!p bra WAIT_%=;\n"
+      "}\n" ::"r"(bar),
+      "r"(parity)
+      : "memory");
+}
+
+__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
+}
+
+__device__ __forceinline__ void mbar_expect_tx(uint32_t bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
+}
+
+__device__ __forceinline__ void bulk_g2s(uint32_t dst, const void* src, uint32_t bytes, uint32_t bar) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+               ::"r"(dst), "l"(src), "r"(bytes), "r"(bar) : "memory");
+}
+
+__device__ __forceinline__ void consumer_sync() { asm volatile("bar.sync 1, 256;" ::: "memory"); }
+
+__device__ __forceinline__ void ldmatrix_x4(uint32_t addr, uint32_t& a0, uint32_t& a1, uint32_t& a2, uint32_t& a3) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+               : "=r"(a0), "=r"(a1), "=r"(a2), "=r"(a3) : "r"(addr));
+}
+
+__device__ __forceinline__ void mma(float* c, uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0,
+                                    uint32_t b1) {
+  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+               "{%0,%1,%2,%3};"
+               : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+               : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// Phase p of a layer: 0 qkv, 1 o, 2 gate_up, 3 down.
+struct PhaseShape {
+  const __nv_bfloat16* w;
+  int n, k, ksplit;
+};
+
+__device__ __forceinline__ PhaseShape phase_shape(const Weights& W, int layer, int p) {
+  PhaseShape s;
+  if (p == 0) { s.w = W.qkv + (size_t)layer * QKV_N * HID; s.n = QKV_N; s.k = HID; s.ksplit = 1; }
+  else if (p == 1) { s.w = W.o + (size_t)layer * HID * HID; s.n = HID; s.k = HID; s.ksplit = 1; }
+  else if (p == 2) { s.w = W.gu + (size_t)layer * GU_N * HID; s.n = GU_N; s.k = HID; s.ksplit = 1; }
+  else { s.w = W.down + (size_t)layer * HID * INTER; s.n = HID; s.k = INTER; s.ksplit = INTER / KPART; }
+  return s;
+}
+
+// This CTA's 4096-column part of K and its 16-row groups [g0, g1).
+__device__ __forceinline__ void my_work(const PhaseShape& s, int& part, int& g0, int& g1) {
+  int per = gridDim.x / s.ksplit;
+  part = blockIdx.x / per;
+  int i = blockIdx.x % per;
+  int groups = s.n / ROWS;
+  if (part >= s.ksplit) { part = 0; g0 = g1 = 0; return; }
+  g0 = (int)((long)groups * i / per);
+  g1 = (int)((long)groups * (i + 1) / per);
+}
+
+__device__ __forceinline__ void grid_arrive(unsigned int* counter) {
+  consumer_sync();
+  if (threadIdx.x == 0) {
+    __threadfence();
+    atomicAdd(counter, 1u);
+  }
+}
+
+__device__ __forceinline__ void grid_wait(unsigned int* counter, unsigned int target) {
+  if (threadIdx.x == 0) {
+    unsigned int v;
+    do {
+      asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(counter) : "memory");
+    } while (v < target);
+    __threadfence();
+  }
+  consumer_sync();
+}
+
+__device__ __forceinline__ uint32_t pack_bf16(float a, float b) {
+  __nv_bfloat162 v = __floats2bfloat162_rn(a, b);
+  return *reinterpret_cast<uint32_t*>(&v);
+}
+
+// This warp's B fragments of the phase input. The weight tiles permute the columns of each warp's
+// 64-column slice (mma k-step ks, index kappa <- column 16 q + 4 ks + j, q = (kappa % 8) / 2,
+// j = kappa % 2 + 2 (kappa / 8)), so lane (m = lane / 4, q = lane % 4) needs x[m][slice + 16 q .. + 16]:
+// two 16-byte loads a chunk.
+__device__ __forceinline__ void load_xb(uint32_t (&xb)[CHUNKS][4][2], const Acts& A, int layer, int p, int part,
+                                        int warp, int lane) {
+  const __nv_bfloat16* src; int stride;
+  if (p == 0) { src = layer == 0 ? A.x0 : A.x; stride = HID; }
+  else if (p == 1) { src = A.qkv; stride = QKV_N; }
+  else if (p == 2) { src = A.o; stride = HID; }
+  else { src = A.h + part * KPART; stride = INTER; }
+  const __nv_bfloat16* row = src + (size_t)(lane / 4) * stride + warp * 64 + 16 * (lane % 4);
+#pragma unroll
+  for (int c = 0; c < CHUNKS; ++c)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      uint4 v = __ldcg(reinterpret_cast<const uint4*>(row + c * KC + 8 * h));
+      xb[c][2 * h][0] = v.x; xb[c][2 * h][1] = v.y; xb[c][2 * h + 1][0] = v.z; xb[c][2 * h + 1][1] = v.w;
+    }
+}
+
+__device__ void epilogue(char* smem, const Acts& A, int p, int part, int g) {
+  const float* red = reinterpret_cast<const float*>(smem + SMEM_RED);
+  int t = threadIdx.x;
+  if (p == 2) {
+    if (t < 64) {
+      int r = t / MR, m = t % MR;
+      float gs = 0.f, us = 0.f;
+      for (int w = 0; w < NCW; ++w) { gs += red[(w * ROWS + r) * MR + m]; us += red[(w * ROWS + r + 8) * MR + m]; }
+      float hv = gs / (1.f + __expf(-gs)) * us;
+      A.h[(size_t)m * INTER + g * 8 + r] = __float2bfloat16_rn(hv);
+    }
+  } else if (t < ROWS * MR) {
+    int r = t / MR, m = t % MR;
+    float s = 0.f;
+    for (int w = 0; w < NCW; ++w) s += red[(w * ROWS + r) * MR + m];
+    int n = g * ROWS + r;
+    if (p == 0) A.qkv[(size_t)m * QKV_N + n] = __float2bfloat16_rn(s);
+    else if (p == 1) A.o[(size_t)m * HID + n] = __float2bfloat16_rn(s);
+    else A.down[((size_t)part * MR + m) * HID + n] = s;
+  }
+}
+
+// End of a down phase: for each of this CTA's groups, the last K part to finish adds the parts, in
+// order, into x. One fence and one atomic round for all groups.
+__device__ void finish_down(const Acts& A, int g0, int g1) {
+  __shared__ unsigned char lastg[64];
+  const int t = threadIdx.x, ng = g1 - g0;
+  consumer_sync();
+  if (t < ng) {
+    __threadfence();
+    lastg[t] = atomicAdd(A.gcount + g0 + t, 1u) == INTER / KPART - 1;
+    __threadfence();
+  }
+  consumer_sync();
+  for (int e = t; e < ng * ROWS * MR; e += NCW * 32) {
+    int gi = e / (ROWS * MR);
+    if (!lastg[gi]) continue;
+    int r = (e / MR) % ROWS, m = e % MR, n = (g0 + gi) * ROWS + r;
+    float v = 0.f;
+    for (int q = 0; q < INTER / KPART; ++q) v += __ldcg(A.down + ((size_t)q * MR + m) * HID + n);
+    A.x[(size_t)m * HID + n] = __float2bfloat16_rn(v);
+    if (r == 0 && m == 0) A.gcount[g0 + gi] = 0;
+  }
+}
+
+extern "C" __global__ void __launch_bounds__((NCW + 1) * 32, 1)
+mk_chain(const __nv_bfloat16* wqkv, const __nv_bfloat16* wo, const __nv_bfloat16* wgu, const __nv_bfloat16* wdown,
+         const __nv_bfloat16* x0, __nv_bfloat16* aqkv, __nv_bfloat16* ao, __nv_bfloat16* ax, __nv_bfloat16* ah,
+         float* adown, unsigned int* counter, unsigned int* gcount, unsigned long long* clock, int layers, int mode) {
+  // mode bit 0: no grid wait (wrong values); bit 1: no input load or epilogue (stream only)
+  const int no_grid_wait = mode & 1, stream_only = mode & 2;
+  const Weights W{wqkv, wo, wgu, wdown};
+  const Acts A{x0, aqkv, ao, ax, ah, adown, counter, gcount, clock};
+  extern __shared__ __align__(128) char smem[];
+  const uint32_t ring = smem_u32(smem + SMEM_RING);
+  const uint32_t full = smem_u32(smem + SMEM_BAR);
+  const uint32_t empty = full + NSTAGE * 8;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < NSTAGE; ++s) { mbar_init(full + 8 * s, 1); mbar_init(empty + 8 * s, NCW); }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncthreads();
+
+  if (warp == NCW) {  // producer
+    if (lane != 0) return;
+    int it = 0;
+    for (int layer = 0; layer < layers; ++layer)
+      for (int p = 0; p < 4; ++p) {
+        PhaseShape s = phase_shape(W, layer, p);
+        int part, g0, g1;
+        my_work(s, part, g0, g1);
+        for (int g = g0; g < g1; ++g)
+          for (int c = 0; c < CHUNKS; ++c, ++it) {
+            int slot = it % NSTAGE;
+            uint32_t par = (it / NSTAGE) & 1;
+            mbar_wait(empty + 8 * slot, par ^ 1);
+            mbar_expect_tx(full + 8 * slot, STAGE_TX);
+            const __nv_bfloat16* src = s.w + (((size_t)part * (s.n / ROWS) + g) * CHUNKS + c) * (ROWS * KC);
+            bulk_g2s(ring + slot * STAGE_BYTES, src, STAGE_TX, full + 8 * slot);
+          }
+      }
+    return;
+  }
+
+  // consumers
+  float* red = reinterpret_cast<float*>(smem + SMEM_RED);
+  uint32_t xb[CHUNKS][4][2];
+  int it = 0;
+  unsigned int phase_index = 0;
+  for (int layer = 0; layer < layers; ++layer)
+    for (int p = 0; p < 4; ++p, ++phase_index) {
+      if (phase_index > 0 && !no_grid_wait) grid_wait(A.counter, phase_index * gridDim.x);
+      PhaseShape s = phase_shape(W, layer, p);
+      int part, g0, g1;
+      my_work(s, part, g0, g1);
+      if (g1 > g0 && !stream_only) load_xb(xb, A, layer, p, part, warp, lane);
+      for (int g = g0; g < g1; ++g) {
+        float acc[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+        for (int c = 0; c < CHUNKS; ++c) {
+          int slot = (it + c) % NSTAGE;
+          mbar_wait(full + 8 * slot, ((it + c) / NSTAGE) & 1);
+          const uint32_t st = ring + slot * STAGE_BYTES;
+#pragma unroll
+          for (int ks = 0; ks < 4; ++ks) {
+            const int kk = warp * 64 + ks * 16;
+            const int arow = lane % 16, achunk = (kk + (lane / 16) * 8) / 8;
+            uint32_t a0, a1, a2, a3;
+            ldmatrix_x4(st + arow * ROW_STRIDE + ((achunk ^ (arow & 7)) * 16), a0, a1, a2, a3);
+            mma(acc, a0, a1, a2, a3, xb[c][ks][0], xb[c][ks][1]);
+          }
+          __syncwarp();
+          if (lane == 0) mbar_arrive(empty + 8 * slot);
+        }
+        it += CHUNKS;
+        int r = lane / 4, m = 2 * (lane % 4);
+        red[(warp * ROWS + r) * MR + m] = acc[0];
+        red[(warp * ROWS + r) * MR + m + 1] = acc[1];
+        red[(warp * ROWS + r + 8) * MR + m] = acc[2];
+        red[(warp * ROWS + r + 8) * MR + m + 1] = acc[3];
+        if (!stream_only) {
+          consumer_sync();
+          epilogue(smem, A, p, part, g);
+          consumer_sync();
+        }
+      }
+      if (p == 3 && !stream_only && g1 > g0) finish_down(A, g0, g1);
+      grid_arrive(A.counter);
+    }
+  if (A.clock && threadIdx.x == 0) {
+    unsigned long long t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    A.clock[blockIdx.x] = t;
+  }
+}
+
+extern "C" __global__ void mk_smem_size(int* out) { *out = SMEM_TOTAL; }
