@@ -1,20 +1,25 @@
-"""scripts/bench_weight_stream.py's weight layouts (CPU) and its exit without CUDA."""
+"""scripts/bench_weight_stream.py and bench_decode_stream.py: weight layouts and kernel parameters (CPU),
+their exit without CUDA."""
 from __future__ import annotations
 
 import importlib.util
+import re
 import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from conftest import CUDA
 
-SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "bench_weight_stream.py"
+SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
+SCRIPT = SCRIPTS / "bench_weight_stream.py"
+DECODE_SCRIPT = SCRIPTS / "bench_decode_stream.py"
 
 
-def _script():
-    spec = importlib.util.spec_from_file_location("bench_weight_stream", SCRIPT)
+def _script(path: Path = SCRIPT):
+    spec = importlib.util.spec_from_file_location(path.stem, path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -61,10 +66,26 @@ def test_interleave_gate_up_groups_eight_gate_then_eight_up_rows():
     assert gu[0, 16:24].equal(gate[0, 8:]) and gu[0, 24:].equal(up[0, 8:])
 
 
+def test_params_fields_follow_the_kernels_struct_in_order():
+    source = (SCRIPTS / "weight_stream" / "decode_stream.cu").read_text()
+    body = source[source.index("struct Params {"):source.index("};", source.index("struct Params {"))]
+    names = re.findall(r"^\s+[\w ]+?\**\s*(\w+);", body, flags=re.MULTILINE)
+    assert tuple(names[:-2]) == _script(DECODE_SCRIPT).FIELDS and names[-2:] == ["eps", "unused"]
+
+
+def test_pack_params_puts_eps_in_the_last_eight_bytes():
+    module = _script(DECODE_SCRIPT)
+    values = {name: i + 1 for i, name in enumerate(module.FIELDS)}
+    packed = module.pack_params(values, 1e-6)
+    assert packed.dtype == np.int64 and packed[:-1].tolist() == list(range(1, len(module.FIELDS) + 1))
+    assert packed[-1:].view(np.float32).tolist() == [np.float32(1e-6), 0.0]
+
+
 @pytest.mark.skipif(CUDA, reason="checks the exit without CUDA")
-def test_exits_cleanly_without_cuda(tmp_path):
-    out = tmp_path / "ws.json"
-    run = subprocess.run([sys.executable, str(SCRIPT), "--out", str(out)], check=False, capture_output=True, text=True,
+@pytest.mark.parametrize("script", [SCRIPT, DECODE_SCRIPT], ids=["weight_stream", "decode_stream"])
+def test_exits_cleanly_without_cuda(tmp_path, script):
+    out = tmp_path / "out.json"
+    run = subprocess.run([sys.executable, str(script), "--out", str(out)], check=False, capture_output=True, text=True,
                          timeout=120)
     assert run.returncode == 2 and "needs a CUDA GPU" in run.stderr and "Traceback" not in run.stderr
     assert not out.exists()

@@ -1,0 +1,393 @@
+// Decode-step layers for at most 8 sequences (one token each) as persistent "weight stream"
+// kernels, one launch between two decode attentions (scripts/bench_decode_stream.py).
+// Compile-time dims (-D): HID, INTER, HQ, HKV, HD (128), KPART (= HID = HQ * HD, divides INTER).
+// Global phase = layer * 5 + p, separated by grid barriers:
+//   p 0 input RMSNorm (weight folded into W_qkv) + qkv
+//   p 1 q/k RMSNorm + RoPE: rotated q to qrot, rotated k and v into the paged cache
+//   (the engine's Triton decode attention runs here, between two launches, and writes attn)
+//   p 2 o + residual add
+//   p 3 post-attention RMSNorm (folded) + gate_up + SiLU * up
+//   p 4 down (K in parts) + residual add (the last part of a row group adds the parts in order)
+// A launch runs phases [phase_begin, phase_end): o, gate_up, down of layer l, then qkv and RoPE of
+// layer l + 1. One CTA per SM: warp NCW (producer) streams every weight tile the CTA owns in those
+// phases into a ring of shared-memory stages with bulk copies (TMA), gated only by free stages, so
+// the weight stream runs on through the grid barriers; warps 0-7 (consumers) load each phase's
+// input into shared memory after its barrier and run mma.sync over the ring.
+#include <cuda_bf16.h>
+#include <stdint.h>
+
+#ifndef NSTAGE
+#define NSTAGE 9
+#endif
+#define ROWS 16
+#define KC 512
+#define ROW_BYTES (KC * 2)
+#define STAGE_BYTES (ROWS * ROW_BYTES)
+#define CHUNKS (KPART / KC)
+#define MR 8
+#define NCW 8
+#define QN (HQ * HD)
+#define QKV_N ((HQ + 2 * HKV) * HD)
+static_assert(HID == KPART && HQ * HD == KPART, "qkv, o and gate_up take K = KPART (one part, for the norms)");
+static_assert(INTER % KPART == 0 && KPART % KC == 0 && HD == 128, "shapes");
+
+#define XS (KPART * 2 + 16)
+#define SMEM_X (NSTAGE * STAGE_BYTES)
+#define SMEM_RED (SMEM_X + MR * XS)
+#define SMEM_NORM (SMEM_RED + NCW * ROWS * MR * 4)
+#define SMEM_BAR (SMEM_NORM + MR * 4)
+#define SMEM_TOTAL (SMEM_BAR + 2 * NSTAGE * 8)
+
+typedef __nv_bfloat16 bf16;
+
+// Every field 8 bytes: the host fills it as an int64 tensor.
+struct Params {
+  const bf16* wqkv;   // [L] stream-layout weights (input norm folded in)
+  const bf16* wo;
+  const bf16* wgu;    // gate/up interleaved by 8 rows, post-attention norm folded in
+  const bf16* wdown;
+  const bf16* qnorm;  // [L][HD], null without q/k norms
+  const bf16* knorm;
+  const float* cos;   // [P][HD / 2]
+  const float* sin;
+  bf16* kv;           // layer 0's K cache; V at +kv_stride, layer l at +l * layer_stride (elements)
+  long long kv_stride;
+  long long layer_stride;
+  long long block_size;
+  const long long* positions;  // [m]
+  const long long* slots;      // [m]
+  const int* block_tables;     // [m][bt_stride]
+  long long bt_stride;
+  const int* ctx_lens;         // [m], the new token included
+  bf16* stream;   // [MR][HID]: embeddings in, the last layer's residual stream out
+  bf16* qkv;      // [MR][QKV_N]
+  bf16* attn;     // [MR][QN]
+  bf16* h;        // [MR][INTER]
+  float* down;    // [INTER / KPART][MR][HID]
+  bf16* qrot;     // [MR][HQ][HD] rotated queries (phase 1 out, the attention kernel's q)
+  unsigned int* counter;  // grid barrier: zero at a step's first launch, counts every phase's end
+  unsigned int* gcount;   // [HID / ROWS] down parts done per row group (self-resetting)
+  long long m;
+  long long mode;         // bit 0: no grid waits, 1: stream and multiply only, 3: no norms (wrong values)
+  float eps;
+  float unused;
+};
+
+__constant__ Params c_params;  // the host copies a step's parameters here (a graph node before the launch)
+
+__device__ __forceinline__ uint32_t smem_u32(const void* p) { return static_cast<uint32_t>(__cvta_generic_to_shared(p)); }
+__device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count));
+}
+__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
+  asm volatile("{\n.reg .pred p;\nWAIT_%=:\nmbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n@!p bra WAIT_%=;\n}\n"
+               ::"r"(bar), "r"(parity) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
+}
+__device__ __forceinline__ void mbar_expect_tx(uint32_t bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void bulk_g2s(uint32_t dst, const void* src, uint32_t bytes, uint32_t bar) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+               ::"r"(dst), "l"(src), "r"(bytes), "r"(bar) : "memory");
+}
+__device__ __forceinline__ void consumer_sync() { asm volatile("bar.sync 1, 256;" ::: "memory"); }
+__device__ __forceinline__ void ldmatrix_x4(uint32_t addr, uint32_t& a0, uint32_t& a1, uint32_t& a2, uint32_t& a3) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+               : "=r"(a0), "=r"(a1), "=r"(a2), "=r"(a3) : "r"(addr));
+}
+__device__ __forceinline__ void mma(float* c, uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0, uint32_t b1) {
+  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+               : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+               : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+__device__ __forceinline__ float bfr(float x) { return __bfloat162float(__float2bfloat16_rn(x)); }
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int o = 16; o; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
+// ---- weight phases -------------------------------------------------------------------------
+struct PhaseShape { const bf16* w; int n, k, ksplit; };
+
+// phase 0 qkv, 2 o, 3 gate_up, 4 down
+__device__ __forceinline__ PhaseShape phase_shape(const Params& P, int layer, int p) {
+  PhaseShape s;
+  if (p == 0) { s.w = P.wqkv + (size_t)layer * QKV_N * HID; s.n = QKV_N; s.k = HID; }
+  else if (p == 2) { s.w = P.wo + (size_t)layer * HID * QN; s.n = HID; s.k = QN; }
+  else if (p == 3) { s.w = P.wgu + (size_t)layer * 2 * INTER * HID; s.n = 2 * INTER; s.k = HID; }
+  else { s.w = P.wdown + (size_t)layer * HID * INTER; s.n = HID; s.k = INTER; }
+  s.ksplit = s.k / KPART;
+  return s;
+}
+
+__device__ __forceinline__ void my_work(const PhaseShape& s, int& part, int& g0, int& g1) {
+  int per = gridDim.x / s.ksplit;
+  part = blockIdx.x / per;
+  int i = blockIdx.x % per, groups = s.n / ROWS;
+  if (part >= s.ksplit) { part = 0; g0 = g1 = 0; return; }
+  g0 = (int)((long)groups * i / per);
+  g1 = (int)((long)groups * (i + 1) / per);
+}
+
+__device__ __forceinline__ void grid_arrive(unsigned int* counter) {
+  consumer_sync();
+  if (threadIdx.x == 0) { __threadfence(); atomicAdd(counter, 1u); }
+}
+__device__ __forceinline__ void grid_wait(unsigned int* counter, unsigned int target) {
+  if (threadIdx.x == 0) {
+    unsigned int v;
+    do { asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(counter) : "memory"); } while (v < target);
+    __threadfence();
+  }
+  consumer_sync();
+}
+
+// The phase input x[:m] (bf16, row stride `stride`) into shared memory, rows >= m zero; with
+// `norm`, also each row's sum of squares into norm[row] (warp w sums row w).
+__device__ void load_x(char* smem, const bf16* src, int stride, int m, bool with_norm, int warp, int lane) {
+  char* xs = smem + SMEM_X;
+  for (int e = threadIdx.x; e < MR * KPART / 8; e += NCW * 32) {
+    const int r = e / (KPART / 8), c = (e % (KPART / 8)) * 8;
+    *reinterpret_cast<uint4*>(xs + r * XS + c * 2) =
+        r < m ? __ldcg(reinterpret_cast<const uint4*>(src + (size_t)r * stride + c)) : make_uint4(0, 0, 0, 0);
+  }
+  consumer_sync();
+  if (with_norm) {
+    float s = 0.f;
+    const __nv_bfloat162* row = reinterpret_cast<const __nv_bfloat162*>(xs + warp * XS);
+    for (int i = lane; i < KPART / 2; i += 32) {
+      const float2 f = __bfloat1622float2(row[i]);
+      s += f.x * f.x + f.y * f.y;
+    }
+    s = warp_sum(s);
+    if (lane == 0) reinterpret_cast<float*>(smem + SMEM_NORM)[warp] = s;
+    consumer_sync();
+  }
+}
+
+__device__ __forceinline__ float row_rsqrt(const float* norm, int m, float eps) { return rsqrtf(norm[m] / HID + eps); }
+
+__device__ void epilogue(char* smem, const Params& P, int p, int part, int g) {
+  const float* red = reinterpret_cast<const float*>(smem + SMEM_RED);
+  const float* norm = reinterpret_cast<const float*>(smem + SMEM_NORM);
+  const int t = threadIdx.x;
+  if (p == 3) {
+    if (t < 64) {
+      int r = t / MR, mm = t % MR;
+      if (mm >= P.m) return;
+      float gs = 0.f, us = 0.f;
+      for (int w = 0; w < NCW; ++w) { gs += red[(w * ROWS + r) * MR + mm]; us += red[(w * ROWS + r + 8) * MR + mm]; }
+      float rs = row_rsqrt(norm, mm, P.eps);
+      gs = bfr(gs * rs); us = bfr(us * rs);
+      P.h[(size_t)mm * INTER + g * 8 + r] = __float2bfloat16_rn(gs / (1.f + __expf(-gs)) * us);
+    }
+    return;
+  }
+  if (t >= ROWS * MR) return;
+  int r = t / MR, mm = t % MR, n = g * ROWS + r;
+  if (mm >= P.m) return;
+  float s = 0.f;
+  for (int w = 0; w < NCW; ++w) s += red[(w * ROWS + r) * MR + mm];
+  if (p == 0) {
+    P.qkv[(size_t)mm * QKV_N + n] = __float2bfloat16_rn(s * row_rsqrt(norm, mm, P.eps));
+  } else if (p == 2) {
+    bf16* st = P.stream + (size_t)mm * HID + n;
+    *st = __float2bfloat16_rn(__bfloat162float(*st) + bfr(s));
+  } else {
+    P.down[((size_t)part * MR + mm) * HID + n] = s;
+  }
+}
+
+// End of a down phase: the last K part of each row group adds the parts, in order, and the residual.
+__device__ void finish_down(const Params& P, int g0, int g1) {
+  __shared__ unsigned char lastg[128];
+  const int t = threadIdx.x, ng = g1 - g0;
+  consumer_sync();
+  if (t < ng) {
+    __threadfence();
+    lastg[t] = atomicAdd(P.gcount + g0 + t, 1u) == INTER / KPART - 1;
+    __threadfence();
+  }
+  consumer_sync();
+  for (int e = t; e < ng * ROWS * MR; e += NCW * 32) {
+    int gi = e / (ROWS * MR);
+    if (!lastg[gi]) continue;
+    int r = (e / MR) % ROWS, mm = e % MR, n = (g0 + gi) * ROWS + r;
+    if (r == 0 && mm == 0) P.gcount[g0 + gi] = 0;
+    if (mm >= P.m) continue;
+    float v = 0.f;
+    for (int q = 0; q < INTER / KPART; ++q) v += __ldcg(P.down + ((size_t)q * MR + mm) * HID + n);
+    bf16* st = P.stream + (size_t)mm * HID + n;
+    *st = __float2bfloat16_rn(__bfloat162float(*st) + bfr(v));
+  }
+}
+
+// ---- attention -------------------------------------------------------------------------------
+// Lane l holds dims 4l .. 4l+3 of a head. Per-head RMSNorm (weight w) then rotate-half RoPE,
+// rounded to bf16 where the engine's fused kernel rounds.
+__device__ __forceinline__ void norm_rope(float (&x)[4], const bf16* w, const float* cs, const float* sn, float eps,
+                                          int lane) {
+  if (w) {
+    float s = warp_sum(x[0] * x[0] + x[1] * x[1] + x[2] * x[2] + x[3] * x[3]);
+    float inv = rsqrtf(s / HD + eps);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) x[i] = bfr(__bfloat162float(w[4 * lane + i]) * bfr(x[i] * inv));
+  }
+  float other[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) other[i] = __shfl_xor_sync(0xffffffffu, x[i], 16);
+  const int d0 = (4 * lane) % (HD / 2);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    float c = cs[d0 + i], s = sn[d0 + i];
+    x[i] = bfr(lane < 16 ? x[i] * c - other[i] * s : x[i] * c + other[i] * s);
+  }
+}
+
+__device__ __forceinline__ void load4(float (&x)[4], const bf16* p) {
+  uint2 v = *reinterpret_cast<const uint2*>(p);
+  float2 a = __bfloat1622float2(*reinterpret_cast<__nv_bfloat162*>(&v.x));
+  float2 b = __bfloat1622float2(*reinterpret_cast<__nv_bfloat162*>(&v.y));
+  x[0] = a.x; x[1] = a.y; x[2] = b.x; x[3] = b.y;
+}
+
+__device__ __forceinline__ void store4(bf16* p, const float (&x)[4]) {
+  __nv_bfloat162 a = __floats2bfloat162_rn(x[0], x[1]), b = __floats2bfloat162_rn(x[2], x[3]);
+  uint2 v;
+  v.x = *reinterpret_cast<uint32_t*>(&a);
+  v.y = *reinterpret_cast<uint32_t*>(&b);
+  *reinterpret_cast<uint2*>(p) = v;
+}
+
+// Phase 1: q/k RMSNorm + RoPE; rotated q to qrot, rotated k and v into the paged cache. One warp a
+// (sequence, head) of the HQ query and HKV key heads.
+__device__ void rope_phase(const Params& P, int layer, int warp, int lane) {
+  const int items = (int)P.m * (HQ + HKV);
+  for (int item = blockIdx.x * NCW + warp; item < items; item += gridDim.x * NCW) {
+    const int s = item / (HQ + HKV), head = item % (HQ + HKV);
+    const long long pos = P.positions[s];
+    const float* cs = P.cos + pos * (HD / 2);
+    const float* sn = P.sin + pos * (HD / 2);
+    const bf16* row = P.qkv + (size_t)s * QKV_N;
+    float x[4];
+    if (head < HQ) {
+      load4(x, row + head * HD + 4 * lane);
+      norm_rope(x, P.qnorm ? P.qnorm + (size_t)layer * HD : nullptr, cs, sn, P.eps, lane);
+      store4(P.qrot + ((size_t)s * HQ + head) * HD + 4 * lane, x);
+    } else {
+      const int kvh = head - HQ;
+      bf16* kc = P.kv + (size_t)layer * P.layer_stride;
+      const size_t at = ((size_t)P.slots[s] * HKV + kvh) * HD + 4 * lane;
+      load4(x, row + QN + kvh * HD + 4 * lane);
+      norm_rope(x, P.knorm ? P.knorm + (size_t)layer * HD : nullptr, cs, sn, P.eps, lane);
+      store4(kc + at, x);
+      load4(x, row + QN + HKV * HD + kvh * HD + 4 * lane);
+      store4(kc + P.kv_stride + at, x);
+    }
+  }
+}
+
+// Runs global phases [phase_begin, phase_end) (phase = layer * 5 + p); the counter is zero at the
+// step's first launch and counts every phase's end across launches.
+extern "C" __global__ void __launch_bounds__((NCW + 1) * 32, 1) decode_stream(int phase_begin, int phase_end) {
+  extern __shared__ __align__(128) char smem[];
+  const Params& P = c_params;
+  const uint32_t ring = smem_u32(smem);
+  const uint32_t full = smem_u32(smem + SMEM_BAR);
+  const uint32_t empty = full + NSTAGE * 8;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < NSTAGE; ++s) { mbar_init(full + 8 * s, 1); mbar_init(empty + 8 * s, NCW); }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncthreads();
+
+  if (warp == NCW) {  // producer
+    if (lane != 0) return;
+    int it = 0;
+    for (int phase = phase_begin; phase < phase_end; ++phase) {
+        const int layer = phase / 5, p = phase % 5;
+        if (p == 1) continue;
+        PhaseShape s = phase_shape(P, layer, p);
+        int part, g0, g1;
+        my_work(s, part, g0, g1);
+        for (int g = g0; g < g1; ++g)
+          for (int c = 0; c < CHUNKS; ++c, ++it) {
+            const int slot = it % NSTAGE;
+            mbar_wait(empty + 8 * slot, ((it / NSTAGE) & 1) ^ 1);
+            mbar_expect_tx(full + 8 * slot, STAGE_BYTES);
+            bulk_g2s(ring + slot * STAGE_BYTES, s.w + (((size_t)part * (s.n / ROWS) + g) * CHUNKS + c) * (ROWS * KC),
+                     STAGE_BYTES, full + 8 * slot);
+          }
+      }
+    return;
+  }
+
+  const int no_grid_wait = P.mode & 1, stream_only = P.mode & 2;
+  const int m = (int)P.m;
+  float* red = reinterpret_cast<float*>(smem + SMEM_RED);
+  int it = 0;
+  for (int phase = phase_begin; phase < phase_end; ++phase) {
+      const int layer = phase / 5, p = phase % 5;
+      if (phase > phase_begin && !no_grid_wait) grid_wait(P.counter, phase * gridDim.x);
+      if (p == 1) {
+        if (!stream_only) rope_phase(P, layer, warp, lane);
+        grid_arrive(P.counter);
+        continue;
+      }
+      PhaseShape s = phase_shape(P, layer, p);
+      int part, g0, g1;
+      my_work(s, part, g0, g1);
+      if (g1 > g0 && !stream_only) {
+        const bf16* src; int stride;
+        if (p == 0 || p == 3) { src = P.stream; stride = HID; }
+        else if (p == 2) { src = P.attn; stride = QN; }
+        else { src = P.h + part * KPART; stride = INTER; }
+        load_x(smem, src, stride, m, (p == 0 || p == 3) && !(P.mode & 8), warp, lane);
+      }
+      // this lane's B fragments of chunk c: x[lane / 4][c * KC + warp * 64 + 16 (lane % 4) .. + 16]
+      const uint32_t xrow = smem_u32(smem + SMEM_X) + (lane / 4) * XS + (warp * 64 + 16 * (lane % 4)) * 2;
+      for (int g = g0; g < g1; ++g) {
+        float acc[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+        for (int c = 0; c < CHUNKS; ++c) {
+          const int slot = (it + c) % NSTAGE;
+          mbar_wait(full + 8 * slot, ((it + c) / NSTAGE) & 1);
+          const uint32_t st = ring + slot * STAGE_BYTES;
+          uint32_t xb[4][2];
+          asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(xb[0][0]), "=r"(xb[0][1]), "=r"(xb[1][0]),
+                       "=r"(xb[1][1]) : "r"(xrow + c * KC * 2));
+          asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(xb[2][0]), "=r"(xb[2][1]), "=r"(xb[3][0]),
+                       "=r"(xb[3][1]) : "r"(xrow + c * KC * 2 + 16));
+#pragma unroll
+          for (int ks = 0; ks < 4; ++ks) {
+            const int kk = warp * 64 + ks * 16, arow = lane % 16, achunk = (kk + (lane / 16) * 8) / 8;
+            uint32_t a0, a1, a2, a3;
+            ldmatrix_x4(st + arow * ROW_BYTES + ((achunk ^ (arow & 7)) * 16), a0, a1, a2, a3);
+            mma(acc, a0, a1, a2, a3, xb[ks][0], xb[ks][1]);
+          }
+          __syncwarp();
+          if (lane == 0) mbar_arrive(empty + 8 * slot);
+        }
+        it += CHUNKS;
+        if (!stream_only) {
+          const int r = lane / 4, mm = 2 * (lane % 4);
+          red[(warp * ROWS + r) * MR + mm] = acc[0];
+          red[(warp * ROWS + r) * MR + mm + 1] = acc[1];
+          red[(warp * ROWS + r + 8) * MR + mm] = acc[2];
+          red[(warp * ROWS + r + 8) * MR + mm + 1] = acc[3];
+          consumer_sync();
+          epilogue(smem, P, p, part, g);
+          consumer_sync();
+        }
+      }
+      if (p == 4 && !stream_only && g1 > g0) finish_down(P, g0, g1);
+      grid_arrive(P.counter);
+    }
+}
+
+extern "C" __global__ void decode_stream_smem(int* out) { *out = SMEM_TOTAL; }
