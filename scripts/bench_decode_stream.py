@@ -62,8 +62,7 @@ def pack_params(values: dict, eps: float) -> np.ndarray:
 class DecodeStream:
     """Stream-layout weights, buffers and launches for ``engine``'s model (Qwen3, at most 8 rows)."""
 
-    def __init__(self, engine, stages: int):
-        import cupy
+    def __init__(self, engine):
         ws = _weight_stream()
         self.engine, self.model, d = engine, engine.model, engine.model.dims
         self.d = d
@@ -93,20 +92,30 @@ class DecodeStream:
         self.counter, self.gcount = z(1, dt=torch.int32), z(d.hidden_size // 16, dt=torch.int32)
         self.attn_counters = z(MR * d.num_kv_heads, dt=torch.int32)
         self.params = z(len(FIELDS) + 1, dt=torch.int64)
-        build = Path(tempfile.mkdtemp(prefix="decode_stream_")) / "decode_stream.cubin"
-        defs = {"HID": d.hidden_size, "INTER": n, "HQ": d.num_heads, "HKV": d.num_kv_heads, "HD": d.head_dim,
-                "KPART": d.hidden_size, "NSTAGE": stages}
+        self.sms = torch.cuda.get_device_properties(0).multi_processor_count
+        self._built = {}
+
+    def build(self, stages: int) -> None:
+        """Compile the kernel for this model with ``stages`` ring stages (nvcc, sm_90a) and use it from now on."""
+        import cupy
+        if stages in self._built:
+            self.kernel, self.smem, self.symbol = self._built[stages]
+            return
+        d = self.d
+        path = Path(tempfile.mkdtemp(prefix="decode_stream_")) / "decode_stream.cubin"
+        defs = {"HID": d.hidden_size, "INTER": d.intermediate_size, "HQ": d.num_heads, "HKV": d.num_kv_heads,
+                "HD": d.head_dim, "KPART": d.hidden_size, "NSTAGE": stages}
         subprocess.run([shutil.which("nvcc") or "/usr/local/cuda/bin/nvcc", "-cubin",
                         "-gencode=arch=compute_90a,code=sm_90a", "-O3", *(f"-D{k}={v}" for k, v in defs.items()),
-                        "-o", str(build), str(SOURCE)], check=True)
-        module = cupy.RawModule(path=str(build))
+                        "-o", str(path), str(SOURCE)], check=True)
+        module = cupy.RawModule(path=str(path))
         self.cupy, self.kernel = cupy, module.get_function("decode_stream")
         out = cupy.zeros(1, dtype=cupy.int32)
         module.get_function("decode_stream_smem")((1,), (1,), (out,))
         self.smem = int(out.get()[0])
         self.kernel.max_dynamic_shared_size_bytes = self.smem
         self.symbol = module.get_global("c_params")
-        self.sms = torch.cuda.get_device_properties(0).multi_processor_count
+        self._built[stages] = self.kernel, self.smem, self.symbol
 
     def set_inputs(self, inputs, mode: int = 0) -> None:
         """The step's inputs (``ModelRunner._prepare`` of a decode-only batch); ``mode``: the kernel's
@@ -174,7 +183,8 @@ def events_ms(fn, replays: int = 20) -> float:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("out/decode_stream.json"))
-    parser.add_argument("--stages", type=int, default=9, help="ring stages (16 KB each)")
+    parser.add_argument("--stages", type=int, nargs="+", default=[9, 8],
+                        help="ring depths (16 KB stages) to build and time; the first is also checked and profiled")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("bench_decode_stream.py needs a CUDA GPU", file=sys.stderr)
@@ -194,7 +204,7 @@ def main() -> int:
     for k, v in engine.runner.kv_caches:
         k.normal_()
         v.normal_()
-    ds = DecodeStream(engine, args.stages)
+    ds = DecodeStream(engine)
     emb = engine.model.model.embed_tokens.weight
     wbytes = sum(p.numel() * p.element_size() for p in engine.model.parameters() if p is not emb)
     rel = lambda a, b: float((a.float() - b.float()).norm() / b.float().norm())
@@ -214,6 +224,7 @@ def main() -> int:
             hidden_ref = engine.model(inputs.input_ids, inputs.positions, engine.runner.kv_caches, inputs.meta)
             logits_ref, kv_ref = engine.model.compute_logits(hidden_ref), new_kv()
             logits_graph = engine_step().clone()
+            ds.build(args.stages[0])
             ds.set_inputs(inputs)
             logits, hidden = ds.run()
             again, _ = ds.run()
@@ -223,8 +234,12 @@ def main() -> int:
                    "argmax_agree": float((logits.argmax(-1) == logits_ref.argmax(-1)).float().mean()),
                    "deterministic": bool(torch.equal(logits, again)), "nan": bool(hidden.float().isnan().any())}
             floor = (wbytes + batch * ctx * kv_per_token) / COPY_BW * 1e3
-            row.update(floor_ms=floor, stream_ms=graph_ms(ds.run),
-                       engine_ms=events_ms(engine_step))
+            row.update(floor_ms=floor, engine_ms=events_ms(engine_step), stream_ms={})
+            for v in args.stages:
+                ds.build(v)
+                ds.set_inputs(inputs)
+                row["stream_ms"][str(v)] = graph_ms(ds.run)
+            ds.build(args.stages[0])
             for mode, name in ((2, "stream_only_ms"), (1, "no_grid_wait_ms")):
                 ds.set_inputs(inputs, mode)
                 row[name] = graph_ms(ds.run)
@@ -236,14 +251,14 @@ def main() -> int:
             engine.block_manager.free(s.seq)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"stages": args.stages, "rows": rows}, indent=1))
-    print(f"\ndecode step to logits (no sampling), ms and ratio to the floor; {args.stages} stages")
-    print(f"{'shape':>8} {'floor':>7} {'engine graph':>14} {'weight stream':>14} {'stream only':>11}  "
-          f"hidden err (engine graph vs eager logits)")
+    print("\ndecode step to logits (no sampling), ms and ratio to the floor; weight stream with N ring stages")
+    print(f"{'shape':>8} {'floor':>7} {'engine graph':>14} " + " ".join(f"{f'{v} stages':>14}" for v in args.stages)
+          + f" {'stream only':>11}  hidden err (engine graph vs eager logits)")
     for r in rows:
         f = r["floor_ms"]
-        print(f"{r['batch']:>3}x{r['ctx']:<5}{f:7.3f} {r['engine_ms']:7.3f} x{r['engine_ms'] / f:.3f} "
-              f"{r['stream_ms']:7.3f} x{r['stream_ms'] / f:.3f} {r['stream_only_ms']:11.3f}  {r['hidden_rel_err']:.1e} "
-              f"({r['engine_graph_vs_eager_logits_rel_err']:.1e})")
+        cols = " ".join(f"{ms:7.3f} x{ms / f:.3f}" for ms in r["stream_ms"].values())
+        print(f"{r['batch']:>3}x{r['ctx']:<5}{f:7.3f} {r['engine_ms']:7.3f} x{r['engine_ms'] / f:.3f} {cols} "
+              f"{r['stream_only_ms']:11.3f}  {r['hidden_rel_err']:.1e} ({r['engine_graph_vs_eager_logits_rel_err']:.1e})")
     return 0
 
 
