@@ -3,7 +3,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-
 GREEDY_TEMPERATURE = 1e-5
 
 
@@ -25,9 +24,12 @@ class SamplingParams:
         top_p: nucleus mass in (0, 1].
         top_k: keep the k most likely tokens; 0 or -1 keeps all.
         seed: per-request seed; None draws from the engine's generator.
-        stop: strings that end generation (not included in the output text).
+        stop: strings that end generation (not included in the output text unless
+            ``include_stop_str_in_output``).
         stop_token_ids: token ids that end generation (besides EOS).
         ignore_eos: keep generating past EOS until ``max_tokens``.
+        include_stop_str_in_output: end the text after the stop string that ended it, not
+            before (vLLM's option of that name).
     """
 
     max_tokens: int = 16
@@ -38,6 +40,7 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
 
     @property
     def greedy(self) -> bool:

@@ -131,6 +131,17 @@ def test_detokenizer_streams_deltas_and_stops():
     assert hit and delta == "" and det.text == "abc"
 
 
+def test_detokenizer_keeps_the_stop_string_when_asked():
+    det = IncrementalDetokenizer(CharTokenizer(), [], stop=["N!", "END"], include_stop=True)
+    deltas = [det.add([ord(c)]) for c in "abcEND"]
+    # "END" ends the text right after it: held-back characters up to its end are emitted
+    assert "".join(d for d, _ in deltas) == "abcEND" and det.text == "abcEND"
+    assert [hit for _, hit in deltas] == [False] * 5 + [True]
+    # a stop string split over two tokens, the text after it in the same token cut off
+    det = IncrementalDetokenizer(CharTokenizer(), [], stop=["N!"], include_stop=True)
+    assert det.add([ord("N")]) == ("", False) and det.add([ord("!"), ord("x")]) == ("N!", True)
+
+
 def test_detokenizer_holds_incomplete_characters():
     det = IncrementalDetokenizer(CharTokenizer(), [], stop=[])
     assert det.add([0xE000]) == ("", False)      # decodes to U+FFFD: wait for more

@@ -132,6 +132,11 @@ def test_non_streaming_completion(server):
     r = httpx.post(f"{server}/v1/completions", headers=AUTH, timeout=120,
                    json={"prompt": "1, 2, 3, 4,", "max_tokens": 5, "temperature": 0, "stop": [", 6"]})
     assert r.json()["choices"][0] == {**r.json()["choices"][0], "text": " 5", "finish_reason": "stop"}
+    # vLLM's include_stop_str_in_output: the text ends after the stop string
+    r = httpx.post(f"{server}/v1/completions", headers=AUTH, timeout=120,
+                   json={"prompt": "1, 2, 3, 4,", "max_tokens": 5, "temperature": 0, "stop": [", 6"],
+                         "include_stop_str_in_output": True})
+    assert r.json()["choices"][0] == {**r.json()["choices"][0], "text": " 5, 6", "finish_reason": "stop"}
     # unsupported OpenAI fields at their "off" values (as client libraries send them) are fine
     r = httpx.post(f"{server}/v1/completions", headers=AUTH, timeout=120,
                    json={"prompt": "The capital of France is", "max_tokens": 5, "temperature": 0, "logprobs": None,
@@ -487,7 +492,7 @@ UNSUPPORTED_ON = {
     "add_generation_prompt": False, "continue_final_message": True, "chat_template": "{{ messages }}",
     "chat_template_kwargs": {"enable_thinking": False}, "documents": [{"title": "t", "text": "x"}],
     "use_beam_search": True, "length_penalty": 0.5, "allowed_token_ids": [5], "bad_words": ["Paris"],
-    "include_stop_str_in_output": True, "prompt_logprobs": 0, "truncate_prompt_tokens": 4,
+    "prompt_logprobs": 0, "truncate_prompt_tokens": 4,
     "skip_special_tokens": False, "spaces_between_special_tokens": False, "add_special_tokens": (False, True),
     "return_tokens_as_token_ids": True, "return_token_ids": True, "priority": 1,
     "logits_processors": ["my.Processor"], "prompt_embeds": "AAAA",

@@ -8,13 +8,15 @@ class IncrementalDetokenizer:
     Each step decodes only a short window: the tokens from ``prefix_offset`` (already
     emitted, kept for context such as leading spaces) to the end, minus the text of the
     window's emitted part. A delta ending in an incomplete UTF-8 character (U+FFFD) is held
-    back until the next token completes it. Stop strings end the text before the stop;
-    the last ``len(longest stop) - 1`` characters are held back until they cannot start one.
+    back until the next token completes it. Stop strings end the text before the stop (after
+    it with ``include_stop``); the last ``len(longest stop) - 1`` characters are held back
+    until they cannot start one.
     """
 
-    def __init__(self, tokenizer, prompt_ids: list[int], stop: list[str]):
+    def __init__(self, tokenizer, prompt_ids: list[int], stop: list[str], include_stop: bool = False):
         self.tokenizer = tokenizer
         self.stop = stop
+        self.include_stop = include_stop
         self.hold = max((len(s) for s in stop), default=1) - 1
         # A few prompt tokens give the first output token its context (e.g. a leading space).
         self.ids: list[int] = list(prompt_ids[-5:])
@@ -39,7 +41,7 @@ class IncrementalDetokenizer:
         for stop in self.stop:
             at = self.text.find(stop, max(0, self.emitted - len(stop) + 1))
             if at != -1:
-                self.text = self.text[:at]
+                self.text = self.text[:at + len(stop) if self.include_stop else at]
                 return self._emit(len(self.text)), True
         end = len(self.text) if final else max(self.emitted, len(self.text) - self.hold)
         return self._emit(end), False

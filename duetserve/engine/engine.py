@@ -241,7 +241,7 @@ class LLMEngine:
                        arrival_time if arrival_time is not None else time.monotonic(), self.eos_token_ids)
         self.scheduler.add(seq)
         self._requests[request_id] = _Request(request_id, seq, IncrementalDetokenizer(
-            self.tokenizer, prompt_token_ids, params.stop))
+            self.tokenizer, prompt_token_ids, params.stop, params.include_stop_str_in_output))
 
     def abort(self, request_id: str) -> None:
         """Drop a request and free its KV blocks (no-op if it is unknown or finished)."""

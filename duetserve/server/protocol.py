@@ -85,7 +85,7 @@ _UNSUPPORTED: dict[str, tuple] = {
     "chat_template": (None,), "chat_template_kwargs": (None, {}), "documents": (None, []),
     # vLLM's sampling and output extensions
     "use_beam_search": (None, False), "length_penalty": (None, 1), "allowed_token_ids": (None, []),
-    "bad_words": (None, []), "include_stop_str_in_output": (None, False), "prompt_logprobs": (None,),
+    "bad_words": (None, []), "prompt_logprobs": (None,),
     "truncate_prompt_tokens": (None,), "skip_special_tokens": (None, True),
     "spaces_between_special_tokens": (None, True), "add_special_tokens": (None, True),
     "return_tokens_as_token_ids": (None, False), "return_token_ids": (None, False), "priority": (None, 0),
@@ -111,6 +111,7 @@ class _SamplingFields(BaseModel):
     stop: Annotated[str | list[str] | None, _one_of("a string or a list of strings")] = None
     stop_token_ids: list[Int] = Field(default_factory=list)
     ignore_eos: StrictBool = False
+    include_stop_str_in_output: StrictBool = False
     n: Int = 1
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
@@ -140,7 +141,8 @@ class _SamplingFields(BaseModel):
         params = SamplingParams(
             max_tokens=self.max_tokens if self.max_tokens is not None else default_max_tokens,
             temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, seed=self.seed,
-            stop=stop, stop_token_ids=list(self.stop_token_ids), ignore_eos=self.ignore_eos)
+            stop=stop, stop_token_ids=list(self.stop_token_ids), ignore_eos=self.ignore_eos,
+            include_stop_str_in_output=self.include_stop_str_in_output)
         params.validate()
         return params
 
