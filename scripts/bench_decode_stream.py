@@ -22,6 +22,7 @@ Writes JSON to ``--out``; prints a short table last. Exit code 2 without CUDA.
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.util
 import json
 import shutil
@@ -45,6 +46,7 @@ FIELDS = ("wqkv", "wo", "wgu", "wdown", "qnorm", "knorm", "cos", "sin", "kv", "k
 SHAPES = ((8, 512), (8, 2048), (8, 8192), (1, 512), (4, 2048))
 
 
+@functools.cache
 def _weight_stream():
     spec = importlib.util.spec_from_file_location("bench_weight_stream", HERE / "bench_weight_stream.py")
     module = importlib.util.module_from_spec(spec)
@@ -162,24 +164,6 @@ class DecodeStream:
         return self.model.compute_logits(hidden), hidden
 
 
-def graph_ms(fn, replays: int = 20) -> float:
-    return _weight_stream().graph_ms(fn, replays)
-
-
-def events_ms(fn, replays: int = 20) -> float:
-    """Median ms of ``fn`` between two events (``fn`` replays its own graph)."""
-    fn()
-    times = []
-    for _ in range(replays):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return float(np.median(times))
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("out/decode_stream.json"))
@@ -205,6 +189,7 @@ def main() -> int:
         k.normal_()
         v.normal_()
     ds = DecodeStream(engine)
+    graph_ms, events_ms = _weight_stream().graph_ms, _weight_stream().events_ms
     emb = engine.model.model.embed_tokens.weight
     wbytes = sum(p.numel() * p.element_size() for p in engine.model.parameters() if p is not emb)
     rel = lambda a, b: float((a.float() - b.float()).norm() / b.float().norm())

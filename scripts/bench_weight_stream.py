@@ -157,8 +157,22 @@ def engine_chain(c: Chain):
     return run
 
 
+def events_ms(fn, replays: int = 20) -> float:
+    """Median ms of ``fn`` between two CUDA events, after one call to warm it."""
+    fn()
+    times = []
+    for _ in range(replays):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return float(np.median(times))
+
+
 def graph_ms(fn, replays: int = 20) -> float:
-    """Median ms of ``fn`` replayed in a CUDA graph."""
+    """Median ms of ``fn`` replayed in a CUDA graph (run once on a side stream before capture)."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -167,16 +181,7 @@ def graph_ms(fn, replays: int = 20) -> float:
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         fn()
-    graph.replay()
-    times = []
-    for _ in range(replays):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        graph.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return float(np.median(times))
+    return events_ms(graph.replay, replays)
 
 
 def main() -> int:

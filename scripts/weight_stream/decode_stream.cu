@@ -13,19 +13,13 @@
 // phases into a ring of shared-memory stages with bulk copies (TMA), gated only by free stages, so
 // the weight stream runs on through the grid barriers; warps 0-7 (consumers) load each phase's
 // input into shared memory after its barrier and run mma.sync over the ring.
-#include <cuda_bf16.h>
-#include <stdint.h>
+#include "stream_common.cuh"
 
 #ifndef NSTAGE
 #define NSTAGE 9
 #endif
-#define ROWS 16
-#define KC 512
-#define ROW_BYTES (KC * 2)
 #define STAGE_BYTES (ROWS * ROW_BYTES)
 #define CHUNKS (KPART / KC)
-#define MR 8
-#define NCW 8
 #define QN (HQ * HD)
 #define QKV_N ((HQ + 2 * HKV) * HD)
 static_assert(HID == KPART && HQ * HD == KPART, "qkv, o and gate_up take K = KPART (one part, for the norms)");
@@ -38,7 +32,6 @@ static_assert(INTER % KPART == 0 && KPART % KC == 0 && HD == 128, "shapes");
 #define SMEM_BAR (SMEM_NORM + MR * 4)
 #define SMEM_TOTAL (SMEM_BAR + 2 * NSTAGE * 8)
 
-typedef __nv_bfloat16 bf16;
 
 // Every field 8 bytes: the host fills it as an int64 tensor.
 struct Params {
@@ -75,34 +68,6 @@ struct Params {
 
 __constant__ Params c_params;  // the host copies a step's parameters here (a graph node before the launch)
 
-__device__ __forceinline__ uint32_t smem_u32(const void* p) { return static_cast<uint32_t>(__cvta_generic_to_shared(p)); }
-__device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count));
-}
-__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
-  asm volatile("{\n.reg .pred p;\nWAIT_%=:\nmbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n@!p bra WAIT_%=;\n}\n"
-               ::"r"(bar), "r"(parity) : "memory");
-}
-__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
-}
-__device__ __forceinline__ void mbar_expect_tx(uint32_t bar, uint32_t bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
-}
-__device__ __forceinline__ void bulk_g2s(uint32_t dst, const void* src, uint32_t bytes, uint32_t bar) {
-  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
-               ::"r"(dst), "l"(src), "r"(bytes), "r"(bar) : "memory");
-}
-__device__ __forceinline__ void consumer_sync() { asm volatile("bar.sync 1, 256;" ::: "memory"); }
-__device__ __forceinline__ void ldmatrix_x4(uint32_t addr, uint32_t& a0, uint32_t& a1, uint32_t& a2, uint32_t& a3) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
-               : "=r"(a0), "=r"(a1), "=r"(a2), "=r"(a3) : "r"(addr));
-}
-__device__ __forceinline__ void mma(float* c, uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0, uint32_t b1) {
-  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
-               : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-               : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
 __device__ __forceinline__ float bfr(float x) { return __bfloat162float(__float2bfloat16_rn(x)); }
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
@@ -111,7 +76,6 @@ __device__ __forceinline__ float warp_sum(float v) {
 }
 
 // ---- weight phases -------------------------------------------------------------------------
-struct PhaseShape { const bf16* w; int n, k, ksplit; };
 
 // phase 0 qkv, 2 o, 3 gate_up, 4 down
 __device__ __forceinline__ PhaseShape phase_shape(const Params& P, int layer, int p) {
@@ -122,28 +86,6 @@ __device__ __forceinline__ PhaseShape phase_shape(const Params& P, int layer, in
   else { s.w = P.wdown + (size_t)layer * HID * INTER; s.n = HID; s.k = INTER; }
   s.ksplit = s.k / KPART;
   return s;
-}
-
-__device__ __forceinline__ void my_work(const PhaseShape& s, int& part, int& g0, int& g1) {
-  int per = gridDim.x / s.ksplit;
-  part = blockIdx.x / per;
-  int i = blockIdx.x % per, groups = s.n / ROWS;
-  if (part >= s.ksplit) { part = 0; g0 = g1 = 0; return; }
-  g0 = (int)((long)groups * i / per);
-  g1 = (int)((long)groups * (i + 1) / per);
-}
-
-__device__ __forceinline__ void grid_arrive(unsigned int* counter) {
-  consumer_sync();
-  if (threadIdx.x == 0) { __threadfence(); atomicAdd(counter, 1u); }
-}
-__device__ __forceinline__ void grid_wait(unsigned int* counter, unsigned int target) {
-  if (threadIdx.x == 0) {
-    unsigned int v;
-    do { asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(counter) : "memory"); } while (v < target);
-    __threadfence();
-  }
-  consumer_sync();
 }
 
 // The phase input x[:m] (bf16, row stride `stride`) into shared memory, rows >= m zero; with
@@ -202,28 +144,12 @@ __device__ void epilogue(char* smem, const Params& P, int p, int part, int g) {
   }
 }
 
-// End of a down phase: the last K part of each row group adds the parts, in order, and the residual.
+// End of a down phase: the sum of the K parts added to the residual stream.
 __device__ void finish_down(const Params& P, int g0, int g1) {
-  __shared__ unsigned char lastg[128];
-  const int t = threadIdx.x, ng = g1 - g0;
-  consumer_sync();
-  if (t < ng) {
-    __threadfence();
-    lastg[t] = atomicAdd(P.gcount + g0 + t, 1u) == INTER / KPART - 1;
-    __threadfence();
-  }
-  consumer_sync();
-  for (int e = t; e < ng * ROWS * MR; e += NCW * 32) {
-    int gi = e / (ROWS * MR);
-    if (!lastg[gi]) continue;
-    int r = (e / MR) % ROWS, mm = e % MR, n = (g0 + gi) * ROWS + r;
-    if (r == 0 && mm == 0) P.gcount[g0 + gi] = 0;
-    if (mm >= P.m) continue;
-    float v = 0.f;
-    for (int q = 0; q < INTER / KPART; ++q) v += __ldcg(P.down + ((size_t)q * MR + mm) * HID + n);
-    bf16* st = P.stream + (size_t)mm * HID + n;
+  finish_parts(P.gcount, P.down, HID, INTER / KPART, g0, g1 - g0, (int)P.m, [&](int row, int col, float v) {
+    bf16* st = P.stream + (size_t)row * HID + col;
     *st = __float2bfloat16_rn(__bfloat162float(*st) + bfr(v));
-  }
+  });
 }
 
 // ---- attention -------------------------------------------------------------------------------
@@ -300,30 +226,15 @@ extern "C" __global__ void __launch_bounds__((NCW + 1) * 32, 1) decode_stream(in
   const uint32_t full = smem_u32(smem + SMEM_BAR);
   const uint32_t empty = full + NSTAGE * 8;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  if (threadIdx.x == 0) {
-    for (int s = 0; s < NSTAGE; ++s) { mbar_init(full + 8 * s, 1); mbar_init(empty + 8 * s, NCW); }
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-  }
-  __syncthreads();
+  ring_init(full, NSTAGE);
 
   if (warp == NCW) {  // producer
     if (lane != 0) return;
     int it = 0;
     for (int phase = phase_begin; phase < phase_end; ++phase) {
-        const int layer = phase / 5, p = phase % 5;
-        if (p == 1) continue;
-        PhaseShape s = phase_shape(P, layer, p);
-        int part, g0, g1;
-        my_work(s, part, g0, g1);
-        for (int g = g0; g < g1; ++g)
-          for (int c = 0; c < CHUNKS; ++c, ++it) {
-            const int slot = it % NSTAGE;
-            mbar_wait(empty + 8 * slot, ((it / NSTAGE) & 1) ^ 1);
-            mbar_expect_tx(full + 8 * slot, STAGE_BYTES);
-            bulk_g2s(ring + slot * STAGE_BYTES, s.w + (((size_t)part * (s.n / ROWS) + g) * CHUNKS + c) * (ROWS * KC),
-                     STAGE_BYTES, full + 8 * slot);
-          }
-      }
+      const int layer = phase / 5, p = phase % 5;
+      if (p != 1) produce_phase(ring, full, NSTAGE, STAGE_BYTES, phase_shape(P, layer, p), CHUNKS, it);
+    }
     return;
   }
 

@@ -2,24 +2,17 @@
 // (qkv, o, gate_up + SiLU*mul, down), M = 8 rows, bf16 weights, fp32 accumulation.
 // One CTA per SM. Warp 8 (producer) streams every weight tile this CTA owns, phase after phase,
 // layer after layer, into a ring of shared-memory stages with 1-D bulk copies (TMA), gated only
-// by free stages. Warps 0-7 (consumers) wait at a grid barrier for each phase's input, copy it
-// into shared memory, and run mma.sync over the ring. The weight stream never waits for a barrier.
-#include <cuda_bf16.h>
-#include <stdint.h>
+// by free stages. Warps 0-7 (consumers) wait at a grid barrier for each phase's input, load it
+// into registers, and run mma.sync over the ring. The weight stream never waits for a barrier.
+#include "stream_common.cuh"
 
 #ifndef NSTAGE
 #define NSTAGE 13
 #endif
-#define ROWS 16
-#define KC 512
-#define ROW_BYTES (KC * 2)
 #define ROW_STRIDE ROW_BYTES
 #define STAGE_BYTES (ROWS * ROW_STRIDE)
-#define STAGE_TX (ROWS * ROW_BYTES)
 #define KPART 4096
 #define CHUNKS (KPART / KC)
-#define MR 8
-#define NCW 8
 #define HID 4096
 #define QKV_N 6144
 #define INTER 12288
@@ -49,60 +42,7 @@ struct Acts {
   unsigned long long* clock;  // per CTA end time (globaltimer), or null
 };
 
-__device__ __forceinline__ uint32_t smem_u32(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-
-__device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count));
-}
-
-__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
-  asm volatile(
-      "{\n"
-      ".reg .pred p;\n"
-      "WAIT_%=:\n"
-      "mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n"
-      "@!p bra WAIT_%=;\n"
-      "}\n" ::"r"(bar),
-      "r"(parity)
-      : "memory");
-}
-
-__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
-}
-
-__device__ __forceinline__ void mbar_expect_tx(uint32_t bar, uint32_t bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
-}
-
-__device__ __forceinline__ void bulk_g2s(uint32_t dst, const void* src, uint32_t bytes, uint32_t bar) {
-  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
-               ::"r"(dst), "l"(src), "r"(bytes), "r"(bar) : "memory");
-}
-
-__device__ __forceinline__ void consumer_sync() { asm volatile("bar.sync 1, 256;" ::: "memory"); }
-
-__device__ __forceinline__ void ldmatrix_x4(uint32_t addr, uint32_t& a0, uint32_t& a1, uint32_t& a2, uint32_t& a3) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
-               : "=r"(a0), "=r"(a1), "=r"(a2), "=r"(a3) : "r"(addr));
-}
-
-__device__ __forceinline__ void mma(float* c, uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0,
-                                    uint32_t b1) {
-  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-               "{%0,%1,%2,%3};"
-               : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-               : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
-
 // Phase p of a layer: 0 qkv, 1 o, 2 gate_up, 3 down.
-struct PhaseShape {
-  const __nv_bfloat16* w;
-  int n, k, ksplit;
-};
-
 __device__ __forceinline__ PhaseShape phase_shape(const Weights& W, int layer, int p) {
   PhaseShape s;
   if (p == 0) { s.w = W.qkv + (size_t)layer * QKV_N * HID; s.n = QKV_N; s.k = HID; s.ksplit = 1; }
@@ -110,41 +50,6 @@ __device__ __forceinline__ PhaseShape phase_shape(const Weights& W, int layer, i
   else if (p == 2) { s.w = W.gu + (size_t)layer * GU_N * HID; s.n = GU_N; s.k = HID; s.ksplit = 1; }
   else { s.w = W.down + (size_t)layer * HID * INTER; s.n = HID; s.k = INTER; s.ksplit = INTER / KPART; }
   return s;
-}
-
-// This CTA's 4096-column part of K and its 16-row groups [g0, g1).
-__device__ __forceinline__ void my_work(const PhaseShape& s, int& part, int& g0, int& g1) {
-  int per = gridDim.x / s.ksplit;
-  part = blockIdx.x / per;
-  int i = blockIdx.x % per;
-  int groups = s.n / ROWS;
-  if (part >= s.ksplit) { part = 0; g0 = g1 = 0; return; }
-  g0 = (int)((long)groups * i / per);
-  g1 = (int)((long)groups * (i + 1) / per);
-}
-
-__device__ __forceinline__ void grid_arrive(unsigned int* counter) {
-  consumer_sync();
-  if (threadIdx.x == 0) {
-    __threadfence();
-    atomicAdd(counter, 1u);
-  }
-}
-
-__device__ __forceinline__ void grid_wait(unsigned int* counter, unsigned int target) {
-  if (threadIdx.x == 0) {
-    unsigned int v;
-    do {
-      asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(counter) : "memory");
-    } while (v < target);
-    __threadfence();
-  }
-  consumer_sync();
-}
-
-__device__ __forceinline__ uint32_t pack_bf16(float a, float b) {
-  __nv_bfloat162 v = __floats2bfloat162_rn(a, b);
-  return *reinterpret_cast<uint32_t*>(&v);
 }
 
 // This warp's B fragments of the phase input. The weight tiles permute the columns of each warp's
@@ -190,27 +95,11 @@ __device__ void epilogue(char* smem, const Acts& A, int p, int part, int g) {
   }
 }
 
-// End of a down phase: for each of this CTA's groups, the last K part to finish adds the parts, in
-// order, into x. One fence and one atomic round for all groups.
+// End of a down phase: the sum of the K parts into x.
 __device__ void finish_down(const Acts& A, int g0, int g1) {
-  __shared__ unsigned char lastg[64];
-  const int t = threadIdx.x, ng = g1 - g0;
-  consumer_sync();
-  if (t < ng) {
-    __threadfence();
-    lastg[t] = atomicAdd(A.gcount + g0 + t, 1u) == INTER / KPART - 1;
-    __threadfence();
-  }
-  consumer_sync();
-  for (int e = t; e < ng * ROWS * MR; e += NCW * 32) {
-    int gi = e / (ROWS * MR);
-    if (!lastg[gi]) continue;
-    int r = (e / MR) % ROWS, m = e % MR, n = (g0 + gi) * ROWS + r;
-    float v = 0.f;
-    for (int q = 0; q < INTER / KPART; ++q) v += __ldcg(A.down + ((size_t)q * MR + m) * HID + n);
-    A.x[(size_t)m * HID + n] = __float2bfloat16_rn(v);
-    if (r == 0 && m == 0) A.gcount[g0 + gi] = 0;
-  }
+  finish_parts(A.gcount, A.down, HID, INTER / KPART, g0, g1 - g0, MR, [&](int row, int col, float v) {
+    A.x[(size_t)row * HID + col] = __float2bfloat16_rn(v);
+  });
 }
 
 extern "C" __global__ void __launch_bounds__((NCW + 1) * 32, 1)
@@ -226,30 +115,13 @@ mk_chain(const __nv_bfloat16* wqkv, const __nv_bfloat16* wo, const __nv_bfloat16
   const uint32_t full = smem_u32(smem + SMEM_BAR);
   const uint32_t empty = full + NSTAGE * 8;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  if (threadIdx.x == 0) {
-    for (int s = 0; s < NSTAGE; ++s) { mbar_init(full + 8 * s, 1); mbar_init(empty + 8 * s, NCW); }
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-  }
-  __syncthreads();
+  ring_init(full, NSTAGE);
 
   if (warp == NCW) {  // producer
     if (lane != 0) return;
     int it = 0;
     for (int layer = 0; layer < layers; ++layer)
-      for (int p = 0; p < 4; ++p) {
-        PhaseShape s = phase_shape(W, layer, p);
-        int part, g0, g1;
-        my_work(s, part, g0, g1);
-        for (int g = g0; g < g1; ++g)
-          for (int c = 0; c < CHUNKS; ++c, ++it) {
-            int slot = it % NSTAGE;
-            uint32_t par = (it / NSTAGE) & 1;
-            mbar_wait(empty + 8 * slot, par ^ 1);
-            mbar_expect_tx(full + 8 * slot, STAGE_TX);
-            const __nv_bfloat16* src = s.w + (((size_t)part * (s.n / ROWS) + g) * CHUNKS + c) * (ROWS * KC);
-            bulk_g2s(ring + slot * STAGE_BYTES, src, STAGE_TX, full + 8 * slot);
-          }
-      }
+      for (int p = 0; p < 4; ++p) produce_phase(ring, full, NSTAGE, STAGE_BYTES, phase_shape(W, layer, p), CHUNKS, it);
     return;
   }
 
