@@ -118,6 +118,21 @@ def non_negative_int(text: str) -> int:
 
 
 @argtype
+def trim_margin(text: str) -> float | str:
+    """``--trim-margin``: ``auto`` (returned as is) or a number in (0, 1]; else
+    "must be a number in (0, 1] or auto, got 'TEXT'"."""
+    if text.strip() == "auto":
+        return "auto"
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0 < value <= 1:
+        raise ValueError(f"must be a number in (0, 1] or auto, got {text!r}")
+    return value
+
+
+@argtype
 def rate(text: str) -> float:
     """A request rate in req/s: a number > 0, or ``inf`` (all at once); nan is refused."""
     return _positive(number(text, float), text, "rate (req/s) or inf")

@@ -11,7 +11,12 @@ import socket
 import sys
 from pathlib import Path
 
-from duetserve.argtypes import join_negative_values, non_empty, positive_duration
+from duetserve.argtypes import (
+    join_negative_values,
+    non_empty,
+    positive_duration,
+    trim_margin,
+)
 from duetserve.bench import cli as bench_cli
 from duetserve.calibrate import cli as calibrate_cli
 from duetserve.config import ATTENTION_BACKENDS, POLICIES, EngineConfig
@@ -102,10 +107,11 @@ def _add_serve(sub) -> None:
     p.add_argument("--num-decode-steps", type=int, default=1, metavar="N",
                    help="decode-only iterations run up to N steps back to back, stopping when a request "
                         "arrives (hides the host time between steps; 1 = off)")
-    p.add_argument("--trim-margin", type=_positive_float("--trim-margin"), default=None, metavar="FRACTION",
+    p.add_argument("--trim-margin", type=trim_margin, default=None, metavar="FRACTION|auto",
                    help="duet: when a split is planned, run a temporal batch with its prefill trimmed to fit "
-                        "FRACTION x --tbt-slo instead if its predicted token rate is higher (e.g. 0.85; "
-                        "default: off, the paper's rule)")
+                        "FRACTION x --tbt-slo instead if its predicted token rate is higher (e.g. 0.85; auto: "
+                        "a margin that follows the measured error of temporal iterations; default: off, the "
+                        "paper's rule)")
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"),
                    help="server log level")
 

@@ -64,7 +64,9 @@ class EngineConfig:
             scheduling), stopping early when a request arrives or is aborted; 1 turns it off.
         trim_margin: duet: also consider a temporal batch with its prefill trimmed to fit this
             share of ``tbt_slo_s`` and run it instead of a split when its predicted token rate
-            is higher (``plan_iteration``); None (default) keeps the paper's rule.
+            is higher (``plan_iteration``); ``"auto"``: a share that follows the measured error
+            of temporal iterations (``DuetPolicy.trim_margin``); None (default) keeps the
+            paper's rule.
     """
 
     model: str | None = None
@@ -86,7 +88,7 @@ class EngineConfig:
     attention_backend: str = "auto"
     enforce_eager: bool = False
     num_decode_steps: int = 1
-    trim_margin: float | None = None
+    trim_margin: float | str | None = None
 
     def __post_init__(self) -> None:
         checks = [
@@ -99,7 +101,8 @@ class EngineConfig:
             (self.max_num_seqs >= 1, "--max-num-seqs", "must be >= 1"),
             (self.max_num_batched_tokens >= 1, "--max-num-batched-tokens", "must be >= 1"),
             (1 <= self.num_decode_steps <= 256, "--num-decode-steps", "must be in [1, 256]"),
-            (self.trim_margin is None or 0 < self.trim_margin <= 1, "--trim-margin", "must be in (0, 1]"),
+            (self.trim_margin in (None, "auto") or (not isinstance(self.trim_margin, str) and 0 < self.trim_margin <= 1),
+             "--trim-margin", "must be in (0, 1] or auto"),
             (self.block_size >= 1, "--block-size", "must be >= 1"),
             (self.num_kv_blocks is None or self.num_kv_blocks >= 1, "--num-kv-blocks", "must be >= 1"),
             (0 < self.kv_cache_memory_fraction <= 1, "--kv-cache-memory-fraction", "must be in (0, 1]"),

@@ -9,7 +9,15 @@ from pathlib import Path
 import pytest
 
 from duetserve import argtypes
-from duetserve.argtypes import argtype, number, output_file, positive_duration, positive_int, rate, rates
+from duetserve.argtypes import (
+    argtype,
+    number,
+    output_file,
+    positive_duration,
+    positive_int,
+    rate,
+    rates,
+)
 from duetserve.traces import parse_length
 
 
@@ -181,3 +189,11 @@ def test_trace_format_resolves_or_names_the_flag(tmp_path):
         argtypes.trace_format(txt, "auto", "--format")
     with pytest.raises(argtypes.UsageError, match=r"^no such trace file: .*missing\.csv$"):
         argtypes.trace_format(tmp_path / "missing.csv", "auto", "--format")
+
+
+def test_trim_margin_is_auto_or_a_fraction():
+    assert argtypes.trim_margin("auto") == "auto" and argtypes.trim_margin("0.85") == 0.85
+    assert argtypes.trim_margin("1") == 1.0
+    for bad in ("0", "1.5", "-0.5", "nan", "sometimes", ""):
+        with pytest.raises(argparse.ArgumentTypeError, match="must be a number in \\(0, 1\\] or auto"):
+            argtypes.trim_margin(bad)

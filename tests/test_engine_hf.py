@@ -205,6 +205,27 @@ def test_decode_stops_starting_steps_once_the_prefill_is_done(tiny_qwen3_folder,
     assert [got["a"], got["b"]] == expected
 
 
+def test_the_policy_sees_the_wall_time_of_temporal_iterations_with_decodes_and_prefill(tiny_qwen3_folder):
+    """``Policy.observe_iteration`` (duet's ``--trim-margin auto`` learns from it) gets the plan
+    and the iteration's measured seconds (its ``StepStats.duration_s``), and only for temporal
+    iterations that hold both decodes and prefill."""
+    engine = LLMEngine(EngineConfig(model=str(tiny_qwen3_folder), max_num_batched_tokens=64, num_kv_blocks=64,
+                                    block_size=8))
+    seen = []
+    engine.scheduler.policy.observe_iteration = lambda plan, measured_s: seen.append((plan, measured_s))
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    engine.add_request("a", list(range(3, 15)), params)
+    engine.step()  # a's prefill alone
+    assert seen == []
+    engine.add_request("b", list(range(3, 28)), params)
+    engine.step()  # a decodes beside b's prefill
+    stats = engine.last_stats
+    assert stats.num_decodes == 1 and stats.num_prefill_tokens == 25
+    assert seen == [(stats.plan, stats.duration_s)] and not stats.plan.spatial
+    engine.step()  # decodes only
+    assert len(seen) == 1
+
+
 def test_multi_step_decode_gives_single_step_tokens_and_stops_for_new_work(tiny_qwen3_folder):
     """``num_decode_steps=4``: decode-only iterations run 4 steps (one output per step; a request
     ends inside one), the tokens equal single steps'; an interrupt (new work waiting) stops an

@@ -13,7 +13,12 @@ import pytest
 
 from duetserve.planner.cost_model import CostModel, ModelShape
 from duetserve.planner.hardware import load_profile, roofline_only
-from duetserve.planner.optimizer import Plan, executed_steps, plan_iteration, trim_prefill
+from duetserve.planner.optimizer import (
+    Plan,
+    executed_steps,
+    plan_iteration,
+    trim_prefill,
+)
 
 DECODE = [(1, 500)] * 4
 PREFILL = [(1000, 0)]
@@ -205,8 +210,17 @@ def test_trim_margin_prefers_a_smaller_temporal_chunk_only_when_it_is_faster():
     decode, prefill = [(1, 16000)] * 64, [(8192, 24000)]
     split = plan_iteration(cm, decode, prefill, 0.1, 132, 8)
     assert split.spatial and plan_iteration(cm, decode, prefill, 0.1, 132, 8, trim_margin=0.85) == split
+    # temporal iterations measured at 0.8x their prediction (DuetPolicy.temporal_scale): the
+    # trimmed batch (1256 tokens in 85 ms predicted, 68 ms at that scale) now beats the split
+    trimmed = plan_iteration(cm, decode, prefill, 0.1, 132, 8, trim_margin=0.85, temporal_scale=0.8)
+    assert (trimmed.spatial, trimmed.prefill_token_limit) == (False, 1256)
+    steps = executed_steps(split.predicted_decode_s, split.predicted_prefill_s)
+    split_rate = (steps * 64 + 8192) / max(steps * split.predicted_decode_s, split.predicted_prefill_s)
+    assert (64 + 1256) / trimmed.predicted_s < split_rate < (64 + 1256) / (0.8 * trimmed.predicted_s)
     with pytest.raises(ValueError):
         plan_iteration(cm, decode, prefill, 0.1, 132, 8, trim_margin=1.5)
+    with pytest.raises(ValueError):
+        plan_iteration(cm, decode, prefill, 0.1, 132, 8, trim_margin=0.85, temporal_scale=0)
 
 
 def test_executed_steps_start_while_half_a_step_of_prefill_is_left():

@@ -8,8 +8,8 @@ import pytest
 from duetserve.config import EngineConfig
 from duetserve.engine.kv_cache import BlockManager
 from duetserve.engine.policy import (
-    Plan,
     ChunkedPolicy,
+    Plan,
     PrefillFirstPolicy,
     make_policy,
     policy_by_name,
@@ -18,7 +18,15 @@ from duetserve.engine.scheduler import Scheduler
 from duetserve.engine.sequence import Sequence
 from duetserve.planner import ModelShape, load_profile
 from duetserve.planner.hardware import roofline_only
-from duetserve.planner.policies import DuetPolicy, PdmuxPolicy, PlannerConfig
+from duetserve.planner.policies import (
+    TRIM_AUTO,
+    TRIM_MIN_SAMPLES,
+    TRIM_START,
+    TRIM_WINDOW,
+    DuetPolicy,
+    PdmuxPolicy,
+    PlannerConfig,
+)
 from duetserve.sampling import SamplingParams
 
 DECODE = [(1, 2000)] * 16
@@ -119,6 +127,54 @@ def test_engine_policy_from_the_model_config():
     assert make_policy(config, hf).plan(DECODE, PREFILL, 100).spatial
     trimmed = make_policy(dataclasses.replace(config, trim_margin=0.85), hf).plan(DECODE, PREFILL, 100)
     assert not trimmed.spatial and trimmed.predicted_s <= 0.85 * 0.1 and 0 < trimmed.prefill_token_limit < 4096
+    # --trim-margin auto reaches it too (0.7 until it has measured temporal iterations)
+    auto = make_policy(dataclasses.replace(config, trim_margin="auto"), hf)
+    assert auto.config.trim_margin == TRIM_AUTO and auto.trim_margin == TRIM_START
+    with pytest.raises(ValueError, match="--trim-margin"):
+        EngineConfig(trim_margin="sometimes")
+
+
+def test_auto_trim_margin_follows_the_measured_error_of_temporal_iterations():
+    """``--trim-margin auto``: 0.7 until 32 temporal iterations were measured; then 1 / p95 of
+    measured / predicted (90 at 1.0 and 10 at 1.2: p95 is 1.2, margin 1/1.2), within [0.5, 1];
+    the trimmed batch's rate is taken at the median ratio. Spatial plans and unpredicted ones
+    are not counted."""
+    policy = DuetPolicy(dataclasses.replace(planner(0.1), trim_margin=TRIM_AUTO))
+    temporal = Plan(predicted_s=0.05)
+    for _ in range(31):
+        policy.observe_iteration(temporal, 0.05)
+    policy.observe_iteration(Plan(spatial=True, s_prefill=124, s_decode=8, predicted_s=0.05), 1.0)
+    policy.observe_iteration(Plan(), 1.0)  # no prediction
+    assert (policy.trim_margin, policy.temporal_scale) == (TRIM_START, 1.0)
+    for ratio in [1.0] * 59 + [1.2] * 10:
+        policy.observe_iteration(temporal, 0.05 * ratio)
+    assert policy.trim_margin == pytest.approx(1 / 1.2) and policy.temporal_scale == pytest.approx(1.0)
+    for _ in range(TRIM_WINDOW):  # the window forgets: all slow now, the margin stops at 0.5
+        policy.observe_iteration(temporal, 0.05 * 3)
+    assert policy.trim_margin == 0.5 and policy.temporal_scale == pytest.approx(3.0)
+    # a fixed margin is the configured one, and no scale
+    fixed = DuetPolicy(dataclasses.replace(planner(0.1), trim_margin=0.85))
+    fixed.observe_iteration(temporal, 0.1)
+    assert (fixed.trim_margin, fixed.temporal_scale) == (0.85, 1.0)
+    with pytest.raises(ValueError, match="auto"):
+        dataclasses.replace(planner(0.1), trim_margin="sometimes")
+
+
+def test_auto_trim_margin_plans_with_the_learned_margin_and_scale():
+    """64 decodes at 16k beside an 8192-token chunk after 24k cached tokens, tau 100 ms (pure
+    roofline, green contexts): before any measurement (margin 0.7, scale 1) the split wins.
+    After 32 temporal iterations measured at 0.8x their prediction, the margin is 1 (1 / 0.8,
+    capped) and the trimmed batch, 1659 prefill tokens predicted at tau, is priced at 0.8x:
+    it wins (tests/test_planner_optimizer.py prices the same batch)."""
+    decode, prefill = [(1, 16000)] * 64, [(8192, 24000)]
+    config = dataclasses.replace(planner(0.1), trim_margin=TRIM_AUTO)
+    assert DuetPolicy(config).plan(decode, prefill, 100).spatial
+    policy = DuetPolicy(config)  # a fresh one: nothing carried from a split into its first-token budget
+    for _ in range(TRIM_MIN_SAMPLES):
+        policy.observe_iteration(Plan(predicted_s=0.05), 0.04)
+    assert policy.trim_margin == 1.0 and policy.temporal_scale == pytest.approx(0.8)
+    plan = policy.plan(decode, prefill, 100)
+    assert (plan.spatial, plan.prefill_token_limit) == (False, 1659) and plan.predicted_s <= 0.1
 
 
 def test_engine_refuses_pdmux_without_partition_backend():

@@ -41,6 +41,11 @@ def test_model_config_file_and_single_policy(tmp_path, capsys):
     assert lines[2].startswith("duet") and len([x for x in lines if x.startswith("duet ")]) == 1
 
 
+def test_trim_margin_auto_is_accepted(capsys):
+    assert main([*SMALL, "--qps", "5", "--policy", "duet", "--trim-margin", "auto", "--model-config", "qwen3-8b"]) == 0
+    assert any(line.startswith("duet") for line in capsys.readouterr().out.splitlines())
+
+
 @pytest.mark.parametrize("args, flag", [
     (["--qps", "2", "--policy", "fastest"], "--policy"),
     (["--qps", "fast"], "--qps"),
@@ -69,7 +74,7 @@ def test_bad_flags_are_usage_errors_naming_the_flag(args, flag, capsys):
     (["--qps", "-2,4"], "argument --qps: must be a positive rate (req/s) or inf, got '-2'"),
     (["--qps", "2", "--input-len", "-5:10"],
      "argument --input-len: bad length '-5:10': expected N, LOW:HIGH or lognormal:MEAN:SIGMA with lengths >= 1"),
-    (["--qps", "2", "--trim-margin", "-.5"], "argument --trim-margin: must be in (0, 1], got '-.5'"),
+    (["--qps", "2", "--trim-margin", "-.5"], "argument --trim-margin: must be a number in (0, 1] or auto, got '-.5'"),
 ])
 def test_a_negative_value_after_a_space_is_the_flags_value(args, message, capsys):
     """``--tbt-slo -5ms`` was read as an unknown option: "argument --tbt-slo: expected one argument"."""

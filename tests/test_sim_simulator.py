@@ -1,6 +1,8 @@
 """The trace simulator against the cost model's own numbers (Qwen3-8B on the H200 profile)."""
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -8,7 +10,7 @@ from duetserve.engine.policy import policy_by_name
 from duetserve.planner import ModelShape, load_profile
 from duetserve.planner.hardware import roofline_only
 from duetserve.planner.optimizer import executed_steps
-from duetserve.planner.policies import PlannerConfig
+from duetserve.planner.policies import TRIM_AUTO, TRIM_MIN_SAMPLES, TRIM_START, DuetPolicy, PlannerConfig
 from duetserve.sim.simulator import SimConfig, kv_cache_tokens, simulate, weight_bytes
 from duetserve.traces import (
     FixedLength,
@@ -71,6 +73,20 @@ def test_duet_iterations_last_what_the_policy_predicted(planner):
     assert spatial and any(it.k > 1 for it in spatial)
     for it in result.iterations:  # the policy and the clock share one cost model
         assert it.duration_s == pytest.approx(it.predicted_s, rel=1e-9)
+
+
+def test_auto_trim_margin_learns_the_simulators_exact_predictions(planner):
+    """The simulator reports each temporal iteration with decodes and prefill to the policy, as
+    the engine does; its clock is the cost model, so measured / predicted is 1: the automatic
+    trim margin rises from 0.7 to 1 and the scale stays 1."""
+    trace = load_trace(None, TraceSpec(qps=20, num_requests=150, input_len=UniformLength(1000, 7000),
+                                       output_len=UniformLength(10, 100), seed=2))
+    policy = DuetPolicy(dataclasses.replace(planner, trim_margin=TRIM_AUTO))
+    assert policy.trim_margin == TRIM_START
+    result = simulate(trace, policy, SimConfig(planner))
+    mixed = [it for it in result.iterations if not it.spatial and it.num_decodes and it.num_prefill_tokens]
+    assert len(mixed) >= TRIM_MIN_SAMPLES
+    assert policy.trim_margin == pytest.approx(1.0) and policy.temporal_scale == pytest.approx(1.0)
 
 
 def test_spatial_iteration_emits_decode_tokens_per_step(planner):

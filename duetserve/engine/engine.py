@@ -292,10 +292,13 @@ class LLMEngine:
                     outputs.append(self._emit(req, new_ids))
             if part.final:
                 stream_s = self.runner.last_stream_seconds
+                duration = time.perf_counter() - start
                 if out.plan.spatial and steps and stream_s.get("decode"):  # the policy learns from it
                     self.scheduler.policy.observe(out.plan, stream_s["decode"] / steps, stream_s.get("prefill"))
+                elif not out.plan.spatial and out.decodes and out.num_prefill_tokens:
+                    self.scheduler.policy.observe_iteration(out.plan, duration)
                 self.last_stats = StepStats(out.plan, len(out.decodes), out.num_prefill_tokens,
-                                            time.perf_counter() - start, len(out.preempted),
+                                            duration, len(out.preempted),
                                             steps or int(bool(out.decodes)),
                                             dict(stream_s), len(out.prefills), out.scheduled)
             if outputs or part.final:

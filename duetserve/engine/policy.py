@@ -49,6 +49,10 @@ class Policy(Protocol):
         stream (None: it had no prefill) (GPU only)."""
         ...
 
+    def observe_iteration(self, plan: Plan, measured_s: float) -> None:
+        """Measured wall seconds of a temporal iteration with decodes and prefill that ran ``plan``."""
+        ...
+
 
 @dataclass
 class ChunkedPolicy:
@@ -62,6 +66,9 @@ class ChunkedPolicy:
         return TEMPORAL
 
     def observe(self, plan: Plan, decode_step_s: float, prefill_s: float | None) -> None:
+        """No feedback: nothing is predicted."""
+
+    def observe_iteration(self, plan: Plan, measured_s: float) -> None:
         """No feedback: nothing is predicted."""
 
 

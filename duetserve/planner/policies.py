@@ -26,8 +26,11 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+from collections import deque
 from dataclasses import dataclass, field
 from functools import cached_property
+
+import numpy as np
 
 from duetserve.partition.base import BACKENDS
 from duetserve.planner.cost_model import CostModel, ModelShape, Request
@@ -39,6 +42,13 @@ from duetserve.planner.pdmux import (
     prefill_layers_per_round,
     stream_groups,
 )
+
+TRIM_AUTO = "auto"  # PlannerConfig.trim_margin: follow the measured error (DuetPolicy.trim_margin)
+TRIM_WINDOW = 256  # DuetPolicy.observe_iteration: temporal iterations remembered
+TRIM_MIN_SAMPLES = 32  # before this many, the automatic margin is TRIM_START and the scale 1
+TRIM_START = 0.7
+TRIM_QUANTILE = 0.95  # the automatic margin leaves room for this quantile of measured / predicted
+TRIM_BOUNDS = (0.5, 1.0)
 
 
 @dataclass(frozen=True)
@@ -57,10 +67,11 @@ class PlannerConfig:
         cuda_graphs: whether the engine replays decode-only iterations from CUDA graphs (False
             under ``enforce_eager``); with a profile that has per-kernel overheads, graph-replayed
             and eager iterations are priced differently (``cost_model`` module docstring).
-        trim_margin: duet only: ``plan_iteration``'s ``trim_margin`` (None: off).
+        trim_margin: duet only: ``plan_iteration``'s ``trim_margin`` (None: off), or ``TRIM_AUTO``
+            to follow the measured error of temporal iterations (``DuetPolicy.trim_margin``).
 
     Raises:
-        ValueError: ``tau_s <= 0``, ``trim_margin`` outside (0, 1], or a backend that is not in
+        ValueError: ``tau_s <= 0``, ``trim_margin`` neither ``TRIM_AUTO`` nor in (0, 1], or a backend that is not in
             ``BACKENDS`` or not in the profile.
     """
 
@@ -71,13 +82,14 @@ class PlannerConfig:
     pdmux: PdmuxConfig = field(default_factory=PdmuxConfig)
     tp: int = 1
     cuda_graphs: bool = True
-    trim_margin: float | None = None
+    trim_margin: float | str | None = None
 
     def __post_init__(self) -> None:
         if self.tau_s <= 0:
             raise ValueError("the TBT SLO must be positive")
-        if self.trim_margin is not None and not 0 < self.trim_margin <= 1:
-            raise ValueError("the trim margin must be in (0, 1]")
+        if self.trim_margin not in (None, TRIM_AUTO) and (isinstance(self.trim_margin, str)
+                                                          or not 0 < self.trim_margin <= 1):
+            raise ValueError(f"the trim margin must be in (0, 1] or {TRIM_AUTO!r}")
         if self.partition_backend not in BACKENDS:
             raise ValueError(f"unknown partition backend {self.partition_backend!r}; known {', '.join(BACKENDS)}")
         if self.partition_backend != "none":
@@ -123,6 +135,39 @@ class DuetPolicy:
         self.cost_model = copy.copy(config.cost_model)  # its decode margin and prefill scale follow the feedback
         self.decode_correction = 1.0  # measured / predicted decode step of spatial plans (observe)
         self._base_margin = self.cost_model.decode_margin
+        self._temporal_ratios: deque[float] = deque(maxlen=TRIM_WINDOW)  # observe_iteration
+
+    @property
+    def trim_margin(self) -> float | None:
+        """The margin temporal batches are trimmed to when a split is planned (``plan_iteration``):
+        the configured one, or with ``TRIM_AUTO`` ``1 / q`` for ``q`` the ``TRIM_QUANTILE``
+        of measured / predicted over the last ``TRIM_WINDOW`` temporal iterations with decodes
+        and prefill (``observe_iteration``), within ``TRIM_BOUNDS``; ``TRIM_START`` until
+        ``TRIM_MIN_SAMPLES`` were seen. Beyond the paper: a fixed 0.85 broke the SLO on an H200
+        host where those iterations ran 1.03x their prediction at the median and 1.28x at p90
+        (docs/benchmarks.md, eleventh session)."""
+        if self.config.trim_margin != TRIM_AUTO:
+            return self.config.trim_margin
+        if len(self._temporal_ratios) < TRIM_MIN_SAMPLES:
+            return TRIM_START
+        low, high = TRIM_BOUNDS
+        return min(high, max(low, 1.0 / float(np.quantile(self._temporal_ratios, TRIM_QUANTILE))))
+
+    @property
+    def temporal_scale(self) -> float:
+        """Median measured / predicted of the temporal iterations ``observe_iteration`` saw (with
+        ``TRIM_AUTO``, once ``TRIM_MIN_SAMPLES`` were seen; else 1): ``plan_iteration``'s
+        ``temporal_scale``."""
+        if self.config.trim_margin != TRIM_AUTO or len(self._temporal_ratios) < TRIM_MIN_SAMPLES:
+            return 1.0
+        return float(np.median(self._temporal_ratios))
+
+    def observe_iteration(self, plan: Plan, measured_s: float) -> None:
+        """Wall seconds ``measured_s`` of an iteration with decodes and prefill that ran
+        ``plan``; temporal plans with a prediction feed ``trim_margin`` and
+        ``temporal_scale``, others are ignored."""
+        if not plan.spatial and plan.predicted_s and measured_s > 0:
+            self._temporal_ratios.append(measured_s / plan.predicted_s)
 
     def plan(self, decode_reqs: list[Request], prefill_reqs: list[Request], max_k: int) -> Plan:
         """The optimizer's plan for the batch: ``(q, c)`` per decode and prefill request, at most
@@ -136,7 +181,7 @@ class DuetPolicy:
         first-token budget (``plan_iteration``'s ``carry_s``)."""
         c = self.config
         plan = plan_iteration(self.cost_model, decode_reqs, prefill_reqs, c.tau_s, c.profile.num_sms,
-                              c.granularity, c.min_sms, max_k, self.carry_s, c.trim_margin)
+                              c.granularity, c.min_sms, max_k, self.carry_s, self.trim_margin, self.temporal_scale)
         self.carry_s = 0.0
         if plan.spatial and prefill_reqs:  # room for a prefill slower than predicted (executor stops at its end)
             k = min(max_k, LOOKAHEAD_SLACK * plan.k)
@@ -217,6 +262,9 @@ class PdmuxPolicy:
 
     def observe(self, plan: Plan, decode_step_s: float, prefill_s: float | None) -> None:
         """No feedback: SGLang's levels are fixed."""
+
+    def observe_iteration(self, plan: Plan, measured_s: float) -> None:
+        """No feedback (see ``observe``)."""
 
     def decode_levels(self) -> list[int]:
         """Decode SM counts of the split groups (the engine records decode graphs for these)."""

@@ -204,6 +204,8 @@ class _Run:
         """Run one scheduled iteration on the simulated clock; returns the finished sequences."""
         duration, decode_times, prefill_time = self._timing(out)
         plan = out.plan
+        if not plan.spatial and out.decodes and out.num_prefill_tokens:  # as the engine reports it
+            self.scheduler.policy.observe_iteration(plan, duration)
         self.iterations.append(IterationRecord(self.now, duration, plan.predicted_s, plan.spatial, plan.slo_risk,
                                                plan.s_decode, plan.k, len(out.decodes), out.num_prefill_tokens))
         before = {s.seq.seq_id: s.seq.num_output_tokens for s in out.scheduled}
