@@ -91,6 +91,7 @@ class Chain:
         self.qkv, self.o = rand(layers, QKV, HID), rand(layers, HID, HID)
         gate, up = rand(layers, INTER, HID), rand(layers, INTER, HID)
         self.gate_up = interleave_gate_up(gate, up)
+        self.gate_up_rows = torch.cat([gate, up], dim=1)  # the engine's layout: [gate; up]
         self.down = rand(layers, HID, INTER)
         self.reference_weights = (gate, up) if keep_reference else None
         self.stream = [stream_layout(w) for w in (self.qkv, self.o, self.gate_up, self.down)]
@@ -115,28 +116,30 @@ class Chain:
         return x
 
 
-def load_kernel(stages: int, build: Path):
-    """Compile the kernel with ``stages`` ring stages (nvcc, sm_90a) and load it with CuPy."""
+def load_kernel(name: str, build: Path):
+    """Compile the kernel ``name`` (ring stages, then ``r`` to read the weights' own ``[N, K]`` layout
+    by one-row copies) with nvcc for sm_90a and load it with CuPy."""
     import cupy
     nvcc = shutil.which("nvcc") or "/usr/local/cuda/bin/nvcc"
-    cubin = build / f"weight_stream_s{stages}.cubin"
-    subprocess.run([nvcc, "-cubin", "-gencode=arch=compute_90a,code=sm_90a", "-O3", f"-DNSTAGE={stages}",
-                    "-o", str(cubin), str(SOURCE)], check=True)
+    cubin = build / f"weight_stream_{name}.cubin"
+    rows = name.endswith("r")
+    subprocess.run([nvcc, "-cubin", "-gencode=arch=compute_90a,code=sm_90a", "-O3", f"-DNSTAGE={name.rstrip('r')}",
+                    f"-DROWCOPY={int(rows)}", "-o", str(cubin), str(SOURCE)], check=True)
     module = cupy.RawModule(path=str(cubin))
     kernel = module.get_function("mk_chain")
     out = cupy.zeros(1, dtype=cupy.int32)
     module.get_function("mk_smem_size")((1,), (1,), (out,))
     smem = int(out.get()[0])
     kernel.max_dynamic_shared_size_bytes = smem
-    return cupy, kernel, smem
+    return cupy, kernel, smem, rows
 
 
 def launch(kernel, c: Chain, mode: int = 0) -> None:
     """``mode`` bit 0: no grid waits (wrong values); bit 1: stream and multiply only."""
-    cupy, fn, smem = kernel
+    cupy, fn, smem, rows = kernel
     c.counter.zero_()
     p = lambda t: np.uint64(t.data_ptr())
-    w = c.stream
+    w = (c.qkv, c.o, c.gate_up_rows, c.down) if rows else c.stream
     with cupy.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream):
         fn((torch.cuda.get_device_properties(0).multi_processor_count,), (288,),
            (p(w[0]), p(w[1]), p(w[2]), p(w[3]), p(c.x0), p(c.a_qkv), p(c.a_o), p(c.a_x), p(c.a_h), p(c.a_down),
@@ -187,7 +190,8 @@ def graph_ms(fn, replays: int = 20) -> float:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("out/weight_stream.json"))
-    parser.add_argument("--stages", type=int, nargs="+", default=[9, 13], help="ring depths to compile")
+    parser.add_argument("--kernels", nargs="+", default=["9", "9r"],
+                        help="builds to compare: ring stages, then 'r' to read the weights' own [N, K] layout")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("bench_weight_stream.py needs a CUDA GPU", file=sys.stderr)
@@ -195,7 +199,7 @@ def main() -> int:
     import warnings
     warnings.filterwarnings("ignore", category=DeprecationWarning)  # CuPy's ExternalStream
     build = Path(tempfile.mkdtemp(prefix="weight_stream_"))
-    kernels = {s: load_kernel(s, build) for s in args.stages}
+    kernels = {k: load_kernel(k, build) for k in args.kernels}
     checks = []
     for layers in (1, 3):
         c = Chain(layers, keep_reference=True)
@@ -207,20 +211,21 @@ def main() -> int:
                 torch.cuda.synchronize()
                 outs.append(c.a_x.clone())
             err = float((outs[0].float() - ref).norm() / ref.norm())
-            checks.append({"layers": layers, "stages": s, "rel_err": err, "deterministic": bool(torch.equal(*outs)),
+            checks.append({"layers": layers, "kernel": s, "rel_err": err, "deterministic": bool(torch.equal(*outs)),
                            "nan": bool(outs[0].float().isnan().any())})
             print(checks[-1], flush=True)
         del c
     torch.cuda.empty_cache()
     c = Chain(LAYERS, keep_reference=False)
     floor = c.weight_bytes() / COPY_BW * 1e3
-    first = args.stages[0]
-    variants = [(f"weight stream, {s} stages", lambda k=k: launch(k, c)) for s, k in kernels.items()]
-    variants += [(f"  {first} stages, no grid waits (wrong values)", lambda: launch(kernels[first], c, 1)),
-                 (f"  {first} stages, stream + mma only", lambda: launch(kernels[first], c, 2)),
-                 (f"  {first} stages, stream + mma only, no waits", lambda: launch(kernels[first], c, 3)),
-                 ("engine kernels (Triton GEMM, cuBLAS gate_up, SiLU)", engine_chain(c)),
-                 (f"weight stream, {first} stages, again", lambda: launch(kernels[first], c))]
+    variants = []
+    for name, k in kernels.items():
+        variants += [(f"weight stream {name}", lambda k=k: launch(k, c)),
+                     (f"  {name}, no grid waits (wrong values)", lambda k=k: launch(k, c, 1)),
+                     (f"  {name}, stream + mma only", lambda k=k: launch(k, c, 2)),
+                     (f"  {name}, stream + mma only, no waits", lambda k=k: launch(k, c, 3))]
+    variants.append(("engine kernels (Triton GEMM, cuBLAS gate_up, SiLU)", engine_chain(c)))
+    variants += [(f"weight stream {name}, again", lambda k=k: launch(k, c)) for name, k in kernels.items()]
     rows = []
     t0 = time.monotonic()
     for name, fn in variants:

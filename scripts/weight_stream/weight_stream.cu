@@ -9,7 +9,14 @@
 #ifndef NSTAGE
 #define NSTAGE 13
 #endif
+#ifndef ROWCOPY
+#define ROWCOPY 0  // 1: weights in their own [N, K] layout, a stage = 16 one-row bulk copies from 16 lanes
+#endif
+#if ROWCOPY
+#define ROW_STRIDE (ROW_BYTES + 16)  // padded: ldmatrix without bank conflicts
+#else
 #define ROW_STRIDE ROW_BYTES
+#endif
 #define STAGE_BYTES (ROWS * ROW_STRIDE)
 #define KPART 4096
 #define CHUNKS (KPART / KC)
@@ -63,6 +70,16 @@ __device__ __forceinline__ void load_xb(uint32_t (&xb)[CHUNKS][4][2], const Acts
   else if (p == 1) { src = A.qkv; stride = QKV_N; }
   else if (p == 2) { src = A.o; stride = HID; }
   else { src = A.h + part * KPART; stride = INTER; }
+#if ROWCOPY  // natural column order: b0 = x[m][k + 2q, +1], b1 = x[m][k + 8 + 2q, +1]
+  const __nv_bfloat16* row = src + (size_t)(lane / 4) * stride + warp * 64 + 2 * (lane % 4);
+#pragma unroll
+  for (int c = 0; c < CHUNKS; ++c)
+#pragma unroll
+    for (int ks = 0; ks < 4; ++ks) {
+      xb[c][ks][0] = __ldcg(reinterpret_cast<const unsigned int*>(row + c * KC + ks * 16));
+      xb[c][ks][1] = __ldcg(reinterpret_cast<const unsigned int*>(row + c * KC + ks * 16 + 8));
+    }
+#else
   const __nv_bfloat16* row = src + (size_t)(lane / 4) * stride + warp * 64 + 16 * (lane % 4);
 #pragma unroll
   for (int c = 0; c < CHUNKS; ++c)
@@ -71,6 +88,7 @@ __device__ __forceinline__ void load_xb(uint32_t (&xb)[CHUNKS][4][2], const Acts
       uint4 v = __ldcg(reinterpret_cast<const uint4*>(row + c * KC + 8 * h));
       xb[c][2 * h][0] = v.x; xb[c][2 * h][1] = v.y; xb[c][2 * h + 1][0] = v.z; xb[c][2 * h + 1][1] = v.w;
     }
+#endif
 }
 
 __device__ void epilogue(char* smem, const Acts& A, int p, int part, int g) {
@@ -118,10 +136,34 @@ mk_chain(const __nv_bfloat16* wqkv, const __nv_bfloat16* wo, const __nv_bfloat16
   ring_init(full, NSTAGE);
 
   if (warp == NCW) {  // producer
+#if ROWCOPY
+    int it = 0;
+    for (int layer = 0; layer < layers; ++layer)
+      for (int p = 0; p < 4; ++p) {
+        const PhaseShape s = phase_shape(W, layer, p);
+        int part, g0, g1;
+        my_work(s, part, g0, g1);
+        for (int g = g0; g < g1; ++g)
+          for (int c = 0; c < CHUNKS; ++c, ++it) {
+            const int slot = it % NSTAGE;
+            if (lane == 0) {
+              mbar_wait(full + 8 * (NSTAGE + slot), ((it / NSTAGE) & 1) ^ 1);
+              mbar_expect_tx(full + 8 * slot, ROWS * ROW_BYTES);
+            }
+            __syncwarp();
+            if (lane < ROWS) {  // gate_up: 8 gate rows, then the same 8 up rows (weights [gate; up])
+              const int row = p == 2 ? (lane < 8 ? 8 * g + lane : INTER + 8 * g + lane - 8) : ROWS * g + lane;
+              bulk_g2s(ring + slot * STAGE_BYTES + lane * ROW_STRIDE, s.w + (size_t)row * s.k + part * KPART + c * KC,
+                       ROW_BYTES, full + 8 * slot);
+            }
+          }
+      }
+#else
     if (lane != 0) return;
     int it = 0;
     for (int layer = 0; layer < layers; ++layer)
       for (int p = 0; p < 4; ++p) produce_phase(ring, full, NSTAGE, STAGE_BYTES, phase_shape(W, layer, p), CHUNKS, it);
+#endif
     return;
   }
 
@@ -149,7 +191,11 @@ mk_chain(const __nv_bfloat16* wqkv, const __nv_bfloat16* wo, const __nv_bfloat16
             const int kk = warp * 64 + ks * 16;
             const int arow = lane % 16, achunk = (kk + (lane / 16) * 8) / 8;
             uint32_t a0, a1, a2, a3;
+#if ROWCOPY
+            ldmatrix_x4(st + arow * ROW_STRIDE + achunk * 16, a0, a1, a2, a3);
+#else
             ldmatrix_x4(st + arow * ROW_STRIDE + ((achunk ^ (arow & 7)) * 16), a0, a1, a2, a3);
+#endif
             mma(acc, a0, a1, a2, a3, xb[c][ks][0], xb[c][ks][1]);
           }
           __syncwarp();
