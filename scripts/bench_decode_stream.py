@@ -42,7 +42,7 @@ PHASES = 5  # phases a layer
 # Params of decode_stream.cu, in order (8 bytes each; the last holds eps and a spare float32)
 FIELDS = ("wqkv", "wo", "wgu", "wdown", "qnorm", "knorm", "cos", "sin", "kv", "kv_stride", "layer_stride",
           "block_size", "positions", "slots", "block_tables", "bt_stride", "ctx_lens", "stream", "qkv", "attn", "h",
-          "down", "qrot", "counter", "gcount", "m", "mode")
+          "down", "qrot", "counter", "gcount", "wtab", "m", "mode")
 SHAPES = ((8, 512), (8, 2048), (8, 8192), (1, 512), (4, 2048))
 
 
@@ -84,6 +84,12 @@ class DecodeStream:
             self.wdown = ws.stream_layout(stack(lambda ly: ly.mlp.down_proj.weight))
             self.qnorm = stack(lambda ly: ly.self_attn.q_norm.weight).contiguous()
             self.knorm = stack(lambda ly: ly.self_attn.k_norm.weight).contiguous()
+            # the rows kernels read the engine's own weights through a table of pointers, [L][8]
+            self.wtab = torch.tensor([[t.data_ptr() for t in (
+                ly.self_attn.qkv_proj.weight, ly.self_attn.o_proj.weight, ly.mlp.gate_up_proj.weight,
+                ly.mlp.down_proj.weight, ly.input_layernorm.weight, ly.post_attention_layernorm.weight,
+                ly.self_attn.q_norm.weight, ly.self_attn.k_norm.weight)] for ly in layers],
+                dtype=torch.int64, device="cuda")
         torch.cuda.empty_cache()
         self.kv = engine.runner.kv_caches
         z = lambda *s, dt=torch.bfloat16: torch.zeros(*s, device="cuda", dtype=dt)
@@ -97,16 +103,18 @@ class DecodeStream:
         self.sms = torch.cuda.get_device_properties(0).multi_processor_count
         self._built = {}
 
-    def build(self, stages: int) -> None:
-        """Compile the kernel for this model with ``stages`` ring stages (nvcc, sm_90a) and use it from now on."""
+    def build(self, variant: str) -> None:
+        """Compile the kernel ``variant`` (``tiled:STAGES``: the stream-layout copies; ``rows:STAGES``:
+        the engine's own weights, ``ROWCOPY``) for this model (nvcc, sm_90a) and use it from now on."""
         import cupy
-        if stages in self._built:
-            self.kernel, self.smem, self.symbol = self._built[stages]
+        if variant in self._built:
+            self.kernel, self.smem, self.symbol, self.rows = self._built[variant]
             return
+        layout, stages = variant.split(":")
         d = self.d
         path = Path(tempfile.mkdtemp(prefix="decode_stream_")) / "decode_stream.cubin"
         defs = {"HID": d.hidden_size, "INTER": d.intermediate_size, "HQ": d.num_heads, "HKV": d.num_kv_heads,
-                "HD": d.head_dim, "KPART": d.hidden_size, "NSTAGE": stages}
+                "HD": d.head_dim, "KPART": d.hidden_size, "NSTAGE": stages, "ROWCOPY": int(layout == "rows")}
         subprocess.run([shutil.which("nvcc") or "/usr/local/cuda/bin/nvcc", "-cubin",
                         "-gencode=arch=compute_90a,code=sm_90a", "-O3", *(f"-D{k}={v}" for k, v in defs.items()),
                         "-o", str(path), str(SOURCE)], check=True)
@@ -117,7 +125,8 @@ class DecodeStream:
         self.smem = int(out.get()[0])
         self.kernel.max_dynamic_shared_size_bytes = self.smem
         self.symbol = module.get_global("c_params")
-        self._built[stages] = self.kernel, self.smem, self.symbol
+        self.rows = layout == "rows"
+        self._built[variant] = self.kernel, self.smem, self.symbol, self.rows
 
     def set_inputs(self, inputs, mode: int = 0) -> None:
         """The step's inputs (``ModelRunner._prepare`` of a decode-only batch); ``mode``: the kernel's
@@ -130,7 +139,8 @@ class DecodeStream:
                "knorm": self.knorm, "cos": self.model.rotary.cos, "sin": self.model.rotary.sin, "kv": base,
                "positions": inputs.positions, "slots": meta.slot_mapping, "block_tables": meta.block_tables,
                "ctx_lens": meta.context_lens, "stream": self.stream, "qkv": self.qkv, "attn": self.attn, "h": self.h,
-               "down": self.down, "qrot": self.qrot, "counter": self.counter, "gcount": self.gcount}
+               "down": self.down, "qrot": self.qrot, "counter": self.counter, "gcount": self.gcount,
+               "wtab": self.wtab}
         values = {k: t.data_ptr() for k, t in ptr.items()}
         es = base.element_size()
         values.update(kv_stride=(self.kv[0][1].data_ptr() - base.data_ptr()) // es,
@@ -167,8 +177,9 @@ class DecodeStream:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("out/decode_stream.json"))
-    parser.add_argument("--stages", type=int, nargs="+", default=[9, 8],
-                        help="ring depths (16 KB stages) to build and time; the first is also checked and profiled")
+    parser.add_argument("--variants", nargs="+", default=["tiled:9", "rows:9"],
+                        help="kernels LAYOUT:STAGES to check and time (tiled: stream-layout weight copies; rows: "
+                             "the engine's own weights); the first is also profiled")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("bench_decode_stream.py needs a CUDA GPU", file=sys.stderr)
@@ -209,22 +220,25 @@ def main() -> int:
             hidden_ref = engine.model(inputs.input_ids, inputs.positions, engine.runner.kv_caches, inputs.meta)
             logits_ref, kv_ref = engine.model.compute_logits(hidden_ref), new_kv()
             logits_graph = engine_step().clone()
-            ds.build(args.stages[0])
-            ds.set_inputs(inputs)
-            logits, hidden = ds.run()
-            again, _ = ds.run()
-            row = {"batch": batch, "ctx": ctx, "hidden_rel_err": rel(hidden, hidden_ref),
-                   "new_kv_rel_err": rel(new_kv(), kv_ref), "logits_rel_err": rel(logits, logits_ref),
-                   "engine_graph_vs_eager_logits_rel_err": rel(logits_graph, logits_ref),
-                   "argmax_agree": float((logits.argmax(-1) == logits_ref.argmax(-1)).float().mean()),
-                   "deterministic": bool(torch.equal(logits, again)), "nan": bool(hidden.float().isnan().any())}
-            floor = (wbytes + batch * ctx * kv_per_token) / COPY_BW * 1e3
-            row.update(floor_ms=floor, engine_ms=events_ms(engine_step), stream_ms={})
-            for v in args.stages:
+            row = {"batch": batch, "ctx": ctx, "engine_graph_vs_eager_logits_rel_err": rel(logits_graph, logits_ref),
+                   "checks": {}}
+            for v in args.variants:
                 ds.build(v)
                 ds.set_inputs(inputs)
-                row["stream_ms"][str(v)] = graph_ms(ds.run)
-            ds.build(args.stages[0])
+                logits, hidden = ds.run()
+                again, _ = ds.run()
+                row["checks"][v] = {
+                    "hidden_rel_err": rel(hidden, hidden_ref), "new_kv_rel_err": rel(new_kv(), kv_ref),
+                    "logits_rel_err": rel(logits, logits_ref),
+                    "argmax_agree": float((logits.argmax(-1) == logits_ref.argmax(-1)).float().mean()),
+                    "deterministic": bool(torch.equal(logits, again)), "nan": bool(hidden.float().isnan().any())}
+            floor = (wbytes + batch * ctx * kv_per_token) / COPY_BW * 1e3
+            row.update(floor_ms=floor, engine_ms=events_ms(engine_step), stream_ms={})
+            for v in args.variants:
+                ds.build(v)
+                ds.set_inputs(inputs)
+                row["stream_ms"][v] = graph_ms(ds.run)
+            ds.build(args.variants[0])
             for mode, name in ((2, "stream_only_ms"), (1, "no_grid_wait_ms")):
                 ds.set_inputs(inputs, mode)
                 row[name] = graph_ms(ds.run)
@@ -235,15 +249,16 @@ def main() -> int:
         for s in seqs:
             engine.block_manager.free(s.seq)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"stages": args.stages, "rows": rows}, indent=1))
-    print("\ndecode step to logits (no sampling), ms and ratio to the floor; weight stream with N ring stages")
-    print(f"{'shape':>8} {'floor':>7} {'engine graph':>14} " + " ".join(f"{f'{v} stages':>14}" for v in args.stages)
-          + f" {'stream only':>11}  hidden err (engine graph vs eager logits)")
+    args.out.write_text(json.dumps({"variants": args.variants, "rows": rows}, indent=1))
+    print("\ndecode step to logits (no sampling), ms and ratio to the floor, per kernel LAYOUT:STAGES")
+    print(f"{'shape':>8} {'floor':>7} {'engine graph':>14} " + " ".join(f"{v:>14}" for v in args.variants)
+          + f" {'stream only':>11}  hidden err per kernel (engine graph vs eager logits)")
     for r in rows:
         f = r["floor_ms"]
         cols = " ".join(f"{ms:7.3f} x{ms / f:.3f}" for ms in r["stream_ms"].values())
+        errs = " ".join(f"{c['hidden_rel_err']:.1e}" for c in r["checks"].values())
         print(f"{r['batch']:>3}x{r['ctx']:<5}{f:7.3f} {r['engine_ms']:7.3f} x{r['engine_ms'] / f:.3f} {cols} "
-              f"{r['stream_only_ms']:11.3f}  {r['hidden_rel_err']:.1e} ({r['engine_graph_vs_eager_logits_rel_err']:.1e})")
+              f"{r['stream_only_ms']:11.3f}  {errs} ({r['engine_graph_vs_eager_logits_rel_err']:.1e})")
     return 0
 
 

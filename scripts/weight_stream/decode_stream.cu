@@ -2,7 +2,7 @@
 // kernels, one launch between two decode attentions (scripts/bench_decode_stream.py).
 // Compile-time dims (-D): HID, INTER, HQ, HKV, HD (128), KPART (= HID = HQ * HD, divides INTER).
 // Global phase = layer * 5 + p, separated by grid barriers:
-//   p 0 input RMSNorm (weight folded into W_qkv) + qkv
+//   p 0 input RMSNorm (weight folded into W_qkv, or with ROWCOPY applied to the input) + qkv
 //   p 1 q/k RMSNorm + RoPE: rotated q to qrot, rotated k and v into the paged cache
 //   (the engine's Triton decode attention runs here, between two launches, and writes attn)
 //   p 2 o + residual add
@@ -18,7 +18,16 @@
 #ifndef NSTAGE
 #define NSTAGE 9
 #endif
-#define STAGE_BYTES (ROWS * ROW_BYTES)
+#ifndef ROWCOPY
+#define ROWCOPY 0  // 1: the engine's own weights ([N, K], per layer, through wtab), norm weights applied
+                   // to the input; a stage = 16 one-row bulk copies issued by 16 producer lanes
+#endif
+#if ROWCOPY
+#define ROW_STRIDE (ROW_BYTES + 16)  // padded rows: ldmatrix without bank conflicts
+#else
+#define ROW_STRIDE ROW_BYTES
+#endif
+#define STAGE_BYTES (ROWS * ROW_STRIDE)
 #define CHUNKS (KPART / KC)
 #define QN (HQ * HD)
 #define QKV_N ((HQ + 2 * HKV) * HD)
@@ -60,6 +69,8 @@ struct Params {
   bf16* qrot;     // [MR][HQ][HD] rotated queries (phase 1 out, the attention kernel's q)
   unsigned int* counter;  // grid barrier: zero at a step's first launch, counts every phase's end
   unsigned int* gcount;   // [HID / ROWS] down parts done per row group (self-resetting)
+  const long long* wtab;  // ROWCOPY: [L][8] pointers: qkv, o, gate_up ([gate; up]), down, input norm,
+                          // post-attention norm, q norm, k norm (the weight fields above unused)
   long long m;
   long long mode;         // bit 0: no grid waits, 1: stream and multiply only, 3: no norms (wrong values)
   float eps;
@@ -78,8 +89,19 @@ __device__ __forceinline__ float warp_sum(float v) {
 // ---- weight phases -------------------------------------------------------------------------
 
 // phase 0 qkv, 2 o, 3 gate_up, 4 down
+__device__ __forceinline__ const bf16* wtab(const Params& P, int layer, int i) {
+  return reinterpret_cast<const bf16*>(P.wtab[layer * 8 + i]);
+}
+
 __device__ __forceinline__ PhaseShape phase_shape(const Params& P, int layer, int p) {
   PhaseShape s;
+#if ROWCOPY
+  s.w = wtab(P, layer, p == 0 ? 0 : p - 1);
+  s.n = p == 0 ? QKV_N : p == 3 ? 2 * INTER : HID;
+  s.k = p == 2 ? QN : p == 4 ? INTER : HID;
+  s.ksplit = s.k / KPART;
+  return s;
+#endif
   if (p == 0) { s.w = P.wqkv + (size_t)layer * QKV_N * HID; s.n = QKV_N; s.k = HID; }
   else if (p == 2) { s.w = P.wo + (size_t)layer * HID * QN; s.n = HID; s.k = QN; }
   else if (p == 3) { s.w = P.wgu + (size_t)layer * 2 * INTER * HID; s.n = 2 * INTER; s.k = HID; }
@@ -90,7 +112,8 @@ __device__ __forceinline__ PhaseShape phase_shape(const Params& P, int layer, in
 
 // The phase input x[:m] (bf16, row stride `stride`) into shared memory, rows >= m zero; with
 // `norm`, also each row's sum of squares into norm[row] (warp w sums row w).
-__device__ void load_x(char* smem, const bf16* src, int stride, int m, bool with_norm, int warp, int lane) {
+__device__ void load_x(char* smem, const bf16* src, int stride, int m, bool with_norm, const bf16* gain, int warp,
+                       int lane) {
   char* xs = smem + SMEM_X;
   for (int e = threadIdx.x; e < MR * KPART / 8; e += NCW * 32) {
     const int r = e / (KPART / 8), c = (e % (KPART / 8)) * 8;
@@ -107,6 +130,15 @@ __device__ void load_x(char* smem, const bf16* src, int stride, int m, bool with
     }
     s = warp_sum(s);
     if (lane == 0) reinterpret_cast<float*>(smem + SMEM_NORM)[warp] = s;
+    consumer_sync();
+  }
+  if (gain) {  // ROWCOPY: x * the norm's weight (bf16), after its sum of squares
+    for (int e = threadIdx.x; e < MR * KPART / 2; e += NCW * 32) {
+      const int r = e / (KPART / 2), c = (e % (KPART / 2)) * 2;
+      __nv_bfloat162* v = reinterpret_cast<__nv_bfloat162*>(xs + r * XS + c * 2);
+      const float2 x = __bfloat1622float2(*v), g = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(gain + c));
+      *v = __floats2bfloat162_rn(x.x * g.x, x.y * g.y);
+    }
     consumer_sync();
   }
 }
@@ -202,14 +234,22 @@ __device__ void rope_phase(const Params& P, int layer, int warp, int lane) {
     float x[4];
     if (head < HQ) {
       load4(x, row + head * HD + 4 * lane);
+#if ROWCOPY
+      norm_rope(x, wtab(P, layer, 6), cs, sn, P.eps, lane);
+#else
       norm_rope(x, P.qnorm ? P.qnorm + (size_t)layer * HD : nullptr, cs, sn, P.eps, lane);
+#endif
       store4(P.qrot + ((size_t)s * HQ + head) * HD + 4 * lane, x);
     } else {
       const int kvh = head - HQ;
       bf16* kc = P.kv + (size_t)layer * P.layer_stride;
       const size_t at = ((size_t)P.slots[s] * HKV + kvh) * HD + 4 * lane;
       load4(x, row + QN + kvh * HD + 4 * lane);
+#if ROWCOPY
+      norm_rope(x, wtab(P, layer, 7), cs, sn, P.eps, lane);
+#else
       norm_rope(x, P.knorm ? P.knorm + (size_t)layer * HD : nullptr, cs, sn, P.eps, lane);
+#endif
       store4(kc + at, x);
       load4(x, row + QN + HKV * HD + kvh * HD + 4 * lane);
       store4(kc + P.kv_stride + at, x);
@@ -229,12 +269,37 @@ extern "C" __global__ void __launch_bounds__((NCW + 1) * 32, 1) decode_stream(in
   ring_init(full, NSTAGE);
 
   if (warp == NCW) {  // producer
+#if ROWCOPY
+    int it = 0;
+    for (int phase = phase_begin; phase < phase_end; ++phase) {
+      const int layer = phase / 5, p = phase % 5;
+      if (p == 1) continue;
+      const PhaseShape s = phase_shape(P, layer, p);
+      int part, g0, g1;
+      my_work(s, part, g0, g1);
+      for (int g = g0; g < g1; ++g)
+        for (int c = 0; c < CHUNKS; ++c, ++it) {
+          const int slot = it % NSTAGE;
+          if (lane == 0) {
+            mbar_wait(full + 8 * (NSTAGE + slot), ((it / NSTAGE) & 1) ^ 1);
+            mbar_expect_tx(full + 8 * slot, ROWS * ROW_BYTES);
+          }
+          __syncwarp();
+          if (lane < ROWS) {  // gate_up: 8 gate rows, then the same 8 up rows
+            const int row = p == 3 ? (lane < 8 ? 8 * g + lane : INTER + 8 * g + lane - 8) : ROWS * g + lane;
+            bulk_g2s(ring + slot * STAGE_BYTES + lane * ROW_STRIDE, s.w + (size_t)row * s.k + part * KPART + c * KC,
+                     ROW_BYTES, full + 8 * slot);
+          }
+        }
+    }
+#else
     if (lane != 0) return;
     int it = 0;
     for (int phase = phase_begin; phase < phase_end; ++phase) {
       const int layer = phase / 5, p = phase % 5;
       if (p != 1) produce_phase(ring, full, NSTAGE, STAGE_BYTES, phase_shape(P, layer, p), CHUNKS, it);
     }
+#endif
     return;
   }
 
@@ -258,10 +323,20 @@ extern "C" __global__ void __launch_bounds__((NCW + 1) * 32, 1) decode_stream(in
         if (p == 0 || p == 3) { src = P.stream; stride = HID; }
         else if (p == 2) { src = P.attn; stride = QN; }
         else { src = P.h + part * KPART; stride = INTER; }
-        load_x(smem, src, stride, m, (p == 0 || p == 3) && !(P.mode & 8), warp, lane);
+#if ROWCOPY
+        const bf16* gain = p == 0 ? wtab(P, layer, 4) : p == 3 ? wtab(P, layer, 5) : nullptr;
+#else
+        const bf16* gain = nullptr;  // folded into the weights
+#endif
+        load_x(smem, src, stride, m, (p == 0 || p == 3) && !(P.mode & 8), gain, warp, lane);
       }
+#if ROWCOPY
+      // ldmatrix.x2 of x's rows: lanes 0-7 address rows 0-7 at the k-step's column, lanes 8-15 at +8
+      const uint32_t xrow = smem_u32(smem + SMEM_X) + (lane % 8) * XS + (warp * 64 + ((lane / 8) % 2) * 8) * 2;
+#else
       // this lane's B fragments of chunk c: x[lane / 4][c * KC + warp * 64 + 16 (lane % 4) .. + 16]
       const uint32_t xrow = smem_u32(smem + SMEM_X) + (lane / 4) * XS + (warp * 64 + 16 * (lane % 4)) * 2;
+#endif
       for (int g = g0; g < g1; ++g) {
         float acc[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
@@ -270,15 +345,26 @@ extern "C" __global__ void __launch_bounds__((NCW + 1) * 32, 1) decode_stream(in
           mbar_wait(full + 8 * slot, ((it + c) / NSTAGE) & 1);
           const uint32_t st = ring + slot * STAGE_BYTES;
           uint32_t xb[4][2];
+#if ROWCOPY
+#pragma unroll
+          for (int ks = 0; ks < 4; ++ks)
+            asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0,%1}, [%2];"
+                         : "=r"(xb[ks][0]), "=r"(xb[ks][1]) : "r"(xrow + (c * KC + ks * 16) * 2));
+#else
           asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(xb[0][0]), "=r"(xb[0][1]), "=r"(xb[1][0]),
                        "=r"(xb[1][1]) : "r"(xrow + c * KC * 2));
           asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(xb[2][0]), "=r"(xb[2][1]), "=r"(xb[3][0]),
                        "=r"(xb[3][1]) : "r"(xrow + c * KC * 2 + 16));
+#endif
 #pragma unroll
           for (int ks = 0; ks < 4; ++ks) {
             const int kk = warp * 64 + ks * 16, arow = lane % 16, achunk = (kk + (lane / 16) * 8) / 8;
             uint32_t a0, a1, a2, a3;
+#if ROWCOPY
+            ldmatrix_x4(st + arow * ROW_STRIDE + achunk * 16, a0, a1, a2, a3);
+#else
             ldmatrix_x4(st + arow * ROW_BYTES + ((achunk ^ (arow & 7)) * 16), a0, a1, a2, a3);
+#endif
             mma(acc, a0, a1, a2, a3, xb[ks][0], xb[ks][1]);
           }
           __syncwarp();
