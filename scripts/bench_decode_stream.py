@@ -34,15 +34,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from duetserve.model.decode_stream import FIELDS, DecodeStream, pack_params
+
 HERE = Path(__file__).resolve().parent
-SOURCE = HERE / "weight_stream" / "decode_stream.cu"
+SOURCE = HERE.parent / "duetserve" / "model" / "csrc" / "decode_stream.cu"
 COPY_BW = 4.19e12
 MR = 8  # rows (sequences) the kernel takes
 PHASES = 5  # phases a layer
-# Params of decode_stream.cu, in order (8 bytes each; the last holds eps and a spare float32)
-FIELDS = ("wqkv", "wo", "wgu", "wdown", "qnorm", "knorm", "cos", "sin", "kv", "kv_stride", "layer_stride",
-          "block_size", "positions", "slots", "block_tables", "bt_stride", "ctx_lens", "stream", "qkv", "attn", "h",
-          "down", "qrot", "counter", "gcount", "wtab", "m", "mode")
 SHAPES = ((8, 512), (8, 2048), (8, 8192), (1, 512), (4, 2048))
 
 
@@ -54,15 +52,9 @@ def _weight_stream():
     return module
 
 
-def pack_params(values: dict, eps: float) -> np.ndarray:
-    """``FIELDS`` of ``values`` (ints: pointers, strides, counts) then ``eps``, as the kernel's
-    ``Params`` bytes: ``[len(FIELDS) + 1]`` int64."""
-    tail = np.array([eps, 0.0], dtype=np.float32).view(np.int64)
-    return np.array([int(values[f]) for f in FIELDS] + [int(tail[0])], dtype=np.int64)
-
-
-class DecodeStream:
-    """Stream-layout weights, buffers and launches for ``engine``'s model (Qwen3, at most 8 rows)."""
+class BenchStream:
+    """Stream-layout weights, buffers and CuPy launches for ``engine``'s model (Qwen3, at most 8 rows);
+    the ``module`` variant runs ``duetserve.model.decode_stream.DecodeStream`` instead."""
 
     def __init__(self, engine):
         ws = _weight_stream()
@@ -177,9 +169,10 @@ class DecodeStream:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("out/decode_stream.json"))
-    parser.add_argument("--variants", nargs="+", default=["tiled:9", "rows:9"],
+    parser.add_argument("--variants", nargs="+", default=["tiled:9", "rows:9", "module"],
                         help="kernels LAYOUT:STAGES to check and time (tiled: stream-layout weight copies; rows: "
-                             "the engine's own weights); the first is also profiled")
+                             "the engine's own weights), or module (duetserve.model.decode_stream, the rows kernel "
+                             "through the driver API); the first build is also profiled")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("bench_decode_stream.py needs a CUDA GPU", file=sys.stderr)
@@ -199,7 +192,8 @@ def main() -> int:
     for k, v in engine.runner.kv_caches:
         k.normal_()
         v.normal_()
-    ds = DecodeStream(engine)
+    ds = BenchStream(engine)
+    module = DecodeStream(engine.model, engine.runner.kv_caches) if "module" in args.variants else None
     graph_ms, events_ms = _weight_stream().graph_ms, _weight_stream().events_ms
     emb = engine.model.model.embed_tokens.weight
     wbytes = sum(p.numel() * p.element_size() for p in engine.model.parameters() if p is not emb)
@@ -216,6 +210,15 @@ def main() -> int:
 
         def engine_step(inputs=inputs):
             return engine.graphs.run(inputs.input_ids, inputs.positions, inputs.meta)
+
+        def step(v, inputs=inputs):
+            """(logits, hidden) of kernel variant v: the product module, or a bench build."""
+            if v == "module":
+                hidden = module.forward(inputs.input_ids, inputs.positions, inputs.meta)
+                return engine.model.compute_logits(hidden), hidden
+            ds.build(v)
+            ds.set_inputs(inputs)
+            return ds.run()
         with torch.no_grad():
             hidden_ref = engine.model(inputs.input_ids, inputs.positions, engine.runner.kv_caches, inputs.meta)
             logits_ref, kv_ref = engine.model.compute_logits(hidden_ref), new_kv()
@@ -223,10 +226,8 @@ def main() -> int:
             row = {"batch": batch, "ctx": ctx, "engine_graph_vs_eager_logits_rel_err": rel(logits_graph, logits_ref),
                    "checks": {}}
             for v in args.variants:
-                ds.build(v)
-                ds.set_inputs(inputs)
-                logits, hidden = ds.run()
-                again, _ = ds.run()
+                logits, hidden = step(v)
+                again, _ = step(v)
                 row["checks"][v] = {
                     "hidden_rel_err": rel(hidden, hidden_ref), "new_kv_rel_err": rel(new_kv(), kv_ref),
                     "logits_rel_err": rel(logits, logits_ref),
@@ -235,10 +236,8 @@ def main() -> int:
             floor = (wbytes + batch * ctx * kv_per_token) / COPY_BW * 1e3
             row.update(floor_ms=floor, engine_ms=events_ms(engine_step), stream_ms={})
             for v in args.variants:
-                ds.build(v)
-                ds.set_inputs(inputs)
-                row["stream_ms"][v] = graph_ms(ds.run)
-            ds.build(args.variants[0])
+                row["stream_ms"][v] = graph_ms(lambda v=v: step(v))
+            ds.build(next(v for v in args.variants if v != "module"))
             for mode, name in ((2, "stream_only_ms"), (1, "no_grid_wait_ms")):
                 ds.set_inputs(inputs, mode)
                 row[name] = graph_ms(ds.run)

@@ -67,7 +67,7 @@ def test_interleave_gate_up_groups_eight_gate_then_eight_up_rows():
 
 
 def test_params_fields_follow_the_kernels_struct_in_order():
-    source = (SCRIPTS / "weight_stream" / "decode_stream.cu").read_text()
+    source = (SCRIPTS.parent / "duetserve" / "model" / "csrc" / "decode_stream.cu").read_text()
     body = source[source.index("struct Params {"):source.index("};", source.index("struct Params {"))]
     names = re.findall(r"^\s+[\w ]+?\**\s*(\w+);", body, flags=re.MULTILINE)
     assert tuple(names[:-2]) == _script(DECODE_SCRIPT).FIELDS and names[-2:] == ["eps", "unused"]

@@ -4,7 +4,7 @@
 // layer after layer, into a ring of shared-memory stages with 1-D bulk copies (TMA), gated only
 // by free stages. Warps 0-7 (consumers) wait at a grid barrier for each phase's input, load it
 // into registers, and run mma.sync over the ring. The weight stream never waits for a barrier.
-#include "stream_common.cuh"
+#include "../../duetserve/model/csrc/stream_common.cuh"
 
 #ifndef NSTAGE
 #define NSTAGE 13

@@ -1,0 +1,96 @@
+"""duetserve.model.decode_stream on the CPU: the shapes it takes, its parameter block against the
+kernel's struct, and its kernel build (where nvcc is installed); on the GPU, its decode step
+against the model's own forward."""
+from __future__ import annotations
+
+import re
+import shutil
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+from conftest import CUDA
+
+from duetserve.model import decode_stream as ds
+
+
+def _model(**dims):
+    base = {"head_dim": 128, "hidden_size": 512, "num_heads": 4, "num_kv_heads": 2, "intermediate_size": 1536, "qk_norm": True,
+                "attention_bias": False, "mlp_bias": False}
+    return SimpleNamespace(dims=SimpleNamespace(**{**base, **dims}))
+
+
+def test_params_fields_follow_the_kernels_struct_in_order():
+    body = ds.SOURCE.read_text()
+    body = body[body.index("struct Params {"):body.index("};", body.index("struct Params {"))]
+    names = re.findall(r"^\s+[\w ]+?\**\s*(\w+);", body, flags=re.MULTILINE)
+    assert tuple(names[:-2]) == ds.FIELDS and names[-2:] == ["eps", "unused"]
+
+
+def test_pack_params_fills_missing_fields_with_zero_and_eps_last():
+    packed = ds.pack_params({"wtab": 7, "m": 3}, 1e-6)
+    assert packed.dtype == np.int64 and len(packed) == len(ds.FIELDS) + 1
+    assert packed[ds.FIELDS.index("wtab")] == 7 and packed[ds.FIELDS.index("m")] == 3
+    assert packed[:-1].sum() == 10 and packed[-1:].view(np.float32).tolist() == [np.float32(1e-6), 0.0]
+
+
+def test_kernel_defines_take_qwen3_shapes_only():
+    assert ds.kernel_defines(_model()) == {"HID": 512, "INTER": 1536, "HQ": 4, "HKV": 2, "HD": 128, "KPART": 512,
+                                           "NSTAGE": ds.STAGES, "ROWCOPY": 1}
+    for bad in ({"head_dim": 64, "num_heads": 8}, {"hidden_size": 640, "num_heads": 5}, {"intermediate_size": 1000},
+                {"qk_norm": False}, {"mlp_bias": True}, {"hidden_size": 5120, "num_heads": 40}):
+        with pytest.raises(ValueError, match="Qwen3-like shapes"):
+            ds.kernel_defines(_model(**bad))
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
+def test_kernel_builds_for_sm90a_once(tmp_path, monkeypatch):
+    monkeypatch.setenv("DUETSERVE_CACHE", str(tmp_path))
+    first = ds.build_cubin(ds.kernel_defines(_model()))
+    assert first.parent == tmp_path / "kernels" and first.read_bytes()[:4] == b"\x7fELF"
+    stamp = first.stat().st_mtime_ns
+    assert ds.build_cubin(ds.kernel_defines(_model())) == first and first.stat().st_mtime_ns == stamp
+    assert ds.build_cubin({**ds.kernel_defines(_model()), "NSTAGE": 8}) != first  # other flags, other file
+
+
+def test_build_names_the_missing_compiler(monkeypatch):
+    monkeypatch.setattr(ds.shutil, "which", lambda name: None)
+    monkeypatch.setattr(ds.Path, "exists", lambda self: False)
+    with pytest.raises(RuntimeError, match="needs nvcc"):
+        ds.build_cubin(ds.kernel_defines(_model()))
+
+
+SMALL_QWEN3 = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": 512,
+               "intermediate_size": 1536, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+               "head_dim": 128, "vocab_size": 320, "max_position_embeddings": 4096, "rms_norm_eps": 1e-6,
+               "rope_theta": 1000000.0, "tie_word_embeddings": False, "attention_bias": False}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+def test_decode_step_matches_the_models_forward(tmp_path):
+    """On a 2-layer Qwen3 of the kernel's shapes (hidden 512, dummy bf16 weights) the stream's
+    hidden states match the model's own decode step within bf16 rounding."""
+    pytest.importorskip("cuda.bindings")
+    if torch.cuda.get_device_capability()[0] != 9 or shutil.which("nvcc") is None:
+        pytest.skip("needs an sm_90 GPU and nvcc")
+    import json
+
+    from duetserve.calibrate.workload import make_batch
+    from duetserve.config import EngineConfig
+    from duetserve.engine.engine import LLMEngine
+
+    (tmp_path / "config.json").write_text(json.dumps(SMALL_QWEN3))
+    engine = LLMEngine(EngineConfig(model=str(tmp_path), load_format="dummy", device="cuda", dtype="bfloat16",
+                                    max_num_seqs=8, num_kv_blocks=256, enforce_eager=True, partition_backend="none"))
+    for k, v in engine.runner.kv_caches:
+        k.normal_()
+        v.normal_()
+    seqs = make_batch(engine, 5, 300, 1)
+    inputs = engine.runner._prepare(seqs, 5, [None] * 5)
+    stream = ds.DecodeStream(engine.model, engine.runner.kv_caches)
+    with torch.no_grad():
+        ref = engine.model(inputs.input_ids, inputs.positions, engine.runner.kv_caches, inputs.meta).float()
+        got = stream.forward(inputs.input_ids, inputs.positions, inputs.meta).float()
+    assert not got.isnan().any() and float((got - ref).norm() / ref.norm()) < 2e-2
