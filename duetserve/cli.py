@@ -112,6 +112,9 @@ def _add_serve(sub) -> None:
                         "FRACTION x --tbt-slo instead if its predicted token rate is higher (e.g. 0.85; auto: "
                         "a margin that follows the measured error of temporal iterations; default: off, the "
                         "paper's rule)")
+    p.add_argument("--decode-stream", action="store_true",
+                   help="experimental: decode batches of up to 8 through the weight-stream kernels (Qwen3 shapes, "
+                        "sm_90 GPU, nvcc and cuda-bindings)")
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"),
                    help="server log level")
 
@@ -176,6 +179,7 @@ def _serve(args, parser: argparse.ArgumentParser) -> int:
                               hardware_profile=args.profile, partition_backend=args.partition_backend,
                               seed=args.seed, enforce_eager=args.enforce_eager,
                               num_decode_steps=args.num_decode_steps, trim_margin=args.trim_margin,
+                              decode_stream=args.decode_stream,
                               attention_backend=args.attention_backend)
         engine = LLMEngine(config)
     except (ValueError, FileNotFoundError, KeyError) as exc:

@@ -67,6 +67,9 @@ class EngineConfig:
             is higher (``plan_iteration``); ``"auto"``: a share that follows the measured error
             of temporal iterations (``DuetPolicy.trim_margin``); None (default) keeps the
             paper's rule.
+        decode_stream: record the CUDA graphs of decode batches of up to 8 sequences with the
+            weight-stream kernels (``duetserve.model.decode_stream``; experimental: Qwen3 shapes,
+            sm_90, nvcc and cuda-bindings).
     """
 
     model: str | None = None
@@ -89,6 +92,7 @@ class EngineConfig:
     enforce_eager: bool = False
     num_decode_steps: int = 1
     trim_margin: float | str | None = None
+    decode_stream: bool = False
 
     def __post_init__(self) -> None:
         checks = [

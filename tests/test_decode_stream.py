@@ -94,3 +94,45 @@ def test_decode_step_matches_the_models_forward(tmp_path):
         ref = engine.model(inputs.input_ids, inputs.positions, engine.runner.kv_caches, inputs.meta).float()
         got = stream.forward(inputs.input_ids, inputs.positions, inputs.meta).float()
     assert not got.isnan().any() and float((got - ref).norm() / ref.norm()) < 2e-2
+
+
+def test_engine_refuses_the_decode_stream_without_cuda_graphs(tiny_qwen3_folder):
+    from duetserve.config import EngineConfig
+    from duetserve.engine.engine import LLMEngine
+
+    with pytest.raises(ValueError, match="^--decode-stream needs decode CUDA graphs"):
+        LLMEngine(EngineConfig(model=str(tiny_qwen3_folder), num_kv_blocks=64, decode_stream=True))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+def test_engine_decode_graphs_through_the_stream_match_the_model(tmp_path):
+    """``--decode-stream``: the decode graphs of up to 8 sequences run the stream kernels; their
+    logits match the model's own forward within bf16 rounding, and larger batches keep the
+    model's layers."""
+    pytest.importorskip("cuda.bindings")
+    if torch.cuda.get_device_capability()[0] != 9 or shutil.which("nvcc") is None:
+        pytest.skip("needs an sm_90 GPU and nvcc")
+    import json
+
+    from duetserve.calibrate.workload import make_batch
+    from duetserve.config import EngineConfig
+    from duetserve.engine.engine import LLMEngine
+
+    (tmp_path / "config.json").write_text(json.dumps(SMALL_QWEN3))
+    engine = LLMEngine(EngineConfig(model=str(tmp_path), load_format="dummy", device="cuda", dtype="bfloat16",
+                                    max_num_seqs=16, num_kv_blocks=512, partition_backend="none", decode_stream=True))
+    assert engine.graphs.decode_stream is not None
+    for k, v in engine.runner.kv_caches:
+        k.normal_()
+        v.normal_()
+    for batch in (3, 8, 12):  # 12: the 16-row graph, the model's own layers
+        seqs = make_batch(engine, batch, 200, 1)
+        inputs = engine.runner._prepare(seqs, batch, [None] * batch)
+        with torch.no_grad():
+            ref = engine.model.compute_logits(
+                engine.model(inputs.input_ids, inputs.positions, engine.runner.kv_caches, inputs.meta))
+            got = engine.graphs.run(inputs.input_ids, inputs.positions, inputs.meta)
+        assert not got.isnan().any() and float((got - ref).norm() / ref.norm()) < 2e-2, batch
+        for s in seqs:
+            engine.block_manager.free(s.seq)

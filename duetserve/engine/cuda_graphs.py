@@ -43,12 +43,15 @@ class DecodeGraphs:
             counters, recorded into every graph (``allocate_split_counters``; zero again after
             each replay, so the engine's graphs and eager steps share one buffer). None: each
             attention call allocates its own, a memset recorded per layer.
+        decode_stream: records buckets of up to ``decode_stream.MAX_ROWS`` sequences through it
+            (``duetserve.model.decode_stream``); None: the model's own layers everywhere.
     """
 
     def __init__(self, model: CausalLM, kv_caches, max_batch: int, max_blocks: int, scratch_slot: int,
                  device: torch.device, stream: torch.cuda.Stream | None = None,
-                 split_counters: torch.Tensor | None = None):
+                 split_counters: torch.Tensor | None = None, decode_stream=None):
         self.stream = stream
+        self.decode_stream = decode_stream
         self.split_counters = split_counters
         self.model, self.kv_caches = model, kv_caches
         self.buckets = graph_buckets(max_batch)
@@ -73,7 +76,10 @@ class DecodeGraphs:
                                  split_counters=self.split_counters)
 
     def _step(self, b: int) -> torch.Tensor:
-        hidden = self.model(self.input_ids[:b], self.positions[:b], self.kv_caches, self._meta(b))
+        if self.decode_stream is not None and b <= self.decode_stream.MAX_ROWS:
+            hidden = self.decode_stream.forward(self.input_ids[:b], self.positions[:b], self._meta(b))
+        else:
+            hidden = self.model(self.input_ids[:b], self.positions[:b], self.kv_caches, self._meta(b))
         return self.model.compute_logits(hidden)
 
     @torch.inference_mode()

@@ -166,13 +166,26 @@ class LLMEngine:
         """Decode graphs for all SMs, and one set per split level the policy can pick (recorded
         on that level's decode stream), all in one memory pool, all on ``split_counters``."""
         backend = self.model.model.layers[0].self_attn.backend
-        if self.device.type != "cuda" or self.config.enforce_eager or not getattr(backend, "cuda_graph_safe", False):
+        graphs_ok = self.device.type == "cuda" and not self.config.enforce_eager and getattr(backend, "cuda_graph_safe",
+                                                                                            False)
+        if self.config.decode_stream and not graphs_ok:
+            raise ValueError("--decode-stream needs decode CUDA graphs: a CUDA device, a graph-safe attention backend "
+                             "and no --enforce-eager")
+        if not graphs_ok:
             return None, {}
         bs = self.config.block_size
+        stream_kernels = None
+        if self.config.decode_stream:
+            from duetserve.model.decode_stream import DecodeStream
+            try:
+                stream_kernels = DecodeStream(self.model, kv)
+            except (ValueError, RuntimeError, ImportError) as exc:
+                raise ValueError(f"--decode-stream cannot run here: {exc}") from exc
 
         def record(stream=None) -> DecodeGraphs:
             graphs = DecodeGraphs(self.model, kv, self.config.max_num_seqs, -(-self.max_model_len // bs),
-                                  scratch_block * bs, self.device, stream, split_counters)
+                                  scratch_block * bs, self.device, stream, split_counters,
+                                  stream_kernels if stream is None else None)
             graphs.capture(pool)
             return graphs
 

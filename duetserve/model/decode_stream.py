@@ -154,6 +154,8 @@ class DecodeStream:
         RuntimeError: no nvcc, a failed compile, or a failed driver call.
     """
 
+    MAX_ROWS = MAX_ROWS
+
     def __init__(self, model: CausalLM, kv_caches, sms: int | None = None):
         self.model, self.d = model, model.dims
         self.kernel = _Kernel(build_cubin(kernel_defines(model)))
