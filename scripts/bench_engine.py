@@ -7,7 +7,8 @@ Prefill: 8192 tokens as 1 x 8192 and 8 x 1024, TFLOP/s over useful (causal) FLOP
 for batches of up to ``triton_gemm.MAX_M`` rows on weights of up to ``triton_gemm.MAX_N`` rows, and
 programmatic dependent launch; ``layers``), ``eager`` runs without graphs (cuBLAS, plain launches);
 variant ``graphs-cublas``: graphs with ``DUETSERVE_DECODE_GEMM=cublas`` (cuBLAS and plain launches
-in the graphs too), the baseline beside it. Writes JSON to ``--out`` and prints a table.
+in the graphs too), the baseline beside it; variant ``graphs-stream``: ``--decode-stream`` (the
+weight-stream kernels for batches of up to 8; larger batches as ``graphs``). Writes JSON to ``--out`` and prints a table.
 """
 from __future__ import annotations
 
@@ -33,7 +34,8 @@ MULTI_STEP = 8  # steps of the multi-step decode variant
 GEMM_RATE = 797e12
 # child env: the default variants never inherit the switch from the caller
 VARIANT_ENV = {"graphs": {"DUETSERVE_DECODE_GEMM": "triton"}, "eager": {"DUETSERVE_DECODE_GEMM": "triton"},
-               "graphs-cublas": {"DUETSERVE_DECODE_GEMM": "cublas"}}
+               "graphs-cublas": {"DUETSERVE_DECODE_GEMM": "cublas"},
+               "graphs-stream": {"DUETSERVE_DECODE_GEMM": "triton"}}  # --decode-stream: batches up to 8
 
 
 def time_step(engine: LLMEngine, out: SchedulerOutput, iters: int) -> float:
@@ -56,7 +58,7 @@ def weight_bytes(engine: LLMEngine) -> int:
     return sum(p.numel() * p.element_size() for p in engine.model.parameters() if p is not emb)
 
 
-def run_variant(eager: bool, backend: str, iters: int) -> dict:
+def run_variant(eager: bool, backend: str, iters: int, decode_stream: bool = False) -> dict:
     """Decode (and, with graphs, prefill) timings of one engine build."""
     folder = Path(tempfile.mkdtemp())
     (folder / "config.json").write_text(json.dumps(QWEN3_8B))
@@ -64,7 +66,8 @@ def run_variant(eager: bool, backend: str, iters: int) -> dict:
     extra = {"attention_backend": backend} if "attention_backend" in EngineConfig.__dataclass_fields__ else {}
     config = EngineConfig(model=str(folder), load_format="dummy", device="cuda", dtype="bfloat16", max_num_seqs=128,
                           max_num_batched_tokens=8192, num_kv_blocks=(90 << 30) // (16 * kv_per_token),
-                          max_model_len=16384, enforce_eager=eager, partition_backend="none", **extra)
+                          max_model_len=16384, enforce_eager=eager, partition_backend="none",
+                          decode_stream=decode_stream, **extra)
     engine = LLMEngine(config)
     for k, v in engine.runner.kv_caches:
         k.normal_()
@@ -115,7 +118,8 @@ def main() -> int:
     if unknown:
         ap.error(f"--variants: unknown {', '.join(sorted(unknown))} (known: {', '.join(VARIANT_ENV)})")
     if args.variant:
-        args.out.write_text(json.dumps(run_variant(args.variant == "eager", args.attention_backend, args.iters)))
+        args.out.write_text(json.dumps(run_variant(args.variant == "eager", args.attention_backend, args.iters,
+                                                   decode_stream=args.variant == "graphs-stream")))
         return 0
     runs = {}
     for variant in args.variants.split(","):  # one process each: a fresh GPU memory pool per engine
