@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import re
 import shutil
+import subprocess
+import sys
 from types import SimpleNamespace
 
 import numpy as np
@@ -19,6 +21,13 @@ def _model(**dims):
     base = {"head_dim": 128, "hidden_size": 512, "num_heads": 4, "num_kv_heads": 2, "intermediate_size": 1536, "qk_norm": True,
                 "attention_bias": False, "mlp_bias": False}
     return SimpleNamespace(dims=SimpleNamespace(**{**base, **dims}))
+
+
+def test_importing_it_leaves_triton_unimported():
+    """Triton's interpreter is chosen when triton is first imported (conftest.import_triton_module):
+    a module that imports it at import time makes the Triton test files skip themselves."""
+    code = "import sys, duetserve.model.decode_stream; sys.exit('triton' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0
 
 
 def test_params_fields_follow_the_kernels_struct_in_order():

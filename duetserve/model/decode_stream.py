@@ -28,7 +28,6 @@ import torch
 
 from duetserve.model.attention import AttentionMetadata
 from duetserve.model.decoder import CausalLM
-from duetserve.model.triton_attention import paged_decode_attention
 
 SOURCE = Path(__file__).resolve().parent / "csrc" / "decode_stream.cu"
 MAX_ROWS = 8  # sequences a step (the kernel's MR)
@@ -212,6 +211,9 @@ class DecodeStream:
         Raises:
             ValueError: more than ``MAX_ROWS`` sequences.
         """
+        # imported here, on use only: it imports triton (see tests/test_decode_stream.py)
+        from duetserve.model.triton_attention import paged_decode_attention
+
         m, d = input_ids.shape[0], self.d
         if m > MAX_ROWS:
             raise ValueError(f"the decode stream takes at most {MAX_ROWS} sequences, got {m}")
