@@ -1,6 +1,6 @@
 """GPU experiment: a decode step as weight-stream kernels between the engine's decode attentions (issue 5).
 
-``scripts/weight_stream/decode_stream.cu`` runs everything of a Qwen3 decode step except attention,
+``duetserve/model/csrc/decode_stream.cu`` runs everything of a Qwen3 decode step except attention,
 lm_head and sampling: per layer o + residual, post-attention RMSNorm + gate_up + SiLU-and-mul, down
 + residual, the next layer's input RMSNorm + qkv and q/k-norm + RoPE + KV write, each phase after a
 grid barrier, in ONE launch between two of the engine's Triton decode attentions (37 launches and
@@ -8,15 +8,19 @@ grid barrier, in ONE launch between two of the engine's Triton decode attentions
 producer warp per SM streams the weights without stopping at phase boundaries
 (``bench_weight_stream.py`` measures that part alone).
 
-The weights are copies in the kernel's stream layout (``bench_weight_stream.stream_layout``; the
-RMSNorm weights folded into qkv and gate_up), so this needs twice the weight memory: an experiment,
-not an engine path. Builds the engine with dummy Qwen3-8B weights (bf16, CUDA graphs), then per
-shape (batch x context): checks the final hidden states and the new tokens' K/V against the engine's
-eager forward (bf16 rounding drifts over 36 layers: the engine's own graphs and eager paths differ
-too, both are printed), and times one step (logits, no sampling) in a CUDA graph against the
-engine's decode graph, with the floor ``bytes(weights + KV read) / 4.19 TB/s``.
+Kernel variants (``--variants``): ``tiled:STAGES`` reads copies of the weights in the stream
+layout (``bench_weight_stream.stream_layout``, RMSNorm weights folded into qkv and gate_up: twice
+the weight memory); ``rows:STAGES`` reads the engine's own weights (``ROWCOPY``); ``module`` is
+``duetserve.model.decode_stream.DecodeStream`` (the rows kernel through the driver API, as
+``serve --decode-stream`` runs it). Builds the engine with dummy Qwen3-8B weights (bf16, CUDA
+graphs), then per shape (batch x context): checks each variant's final hidden states and the new
+tokens' K/V against the engine's eager forward (bf16 rounding drifts over 36 layers: the engine's
+own graphs and eager paths differ too, both are printed), and times one step (logits, no
+sampling) in a CUDA graph against the engine's decode graph, with the floor
+``bytes(weights + KV read) / 4.19 TB/s``.
 
-Needs a CUDA GPU of compute capability 9.0 with nvcc and CuPy (the lent H200's image has both).
+Needs a CUDA GPU of compute capability 9.0 with nvcc, CuPy and cuda-bindings (the lent H200's image
+has them).
 Writes JSON to ``--out``; prints a short table last. Exit code 2 without CUDA.
 """
 from __future__ import annotations

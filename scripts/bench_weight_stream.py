@@ -8,11 +8,13 @@ for each phase's input. The weight stream never waits for a barrier; between ker
 engine it stops at every boundary. Attention, norms and RoPE are left out (o takes the first 4096
 qkv columns), as in ``bench_decode_gemm.py``'s chain.
 
+Kernel builds (``--kernels``): the ring depth, and ``r`` for ``ROWCOPY``, which reads the weights'
+own ``[N, K]`` layout (16 one-row bulk copies a stage) instead of ``stream_layout``'s tiles.
 Compared in one run, each in a CUDA graph, ms per 36 layers against the weight-read floor
-(bytes / 4.19 TB/s): the kernel; the kernel without its grid waits (wrong values; shows the
-barriers' cost); the kernel streaming and multiplying only (no input loads or epilogues); and the
-engine's kernels for the same chain (Triton decode GEMM for qkv, o, down; cuBLAS gate_up; SiLU).
-Checks the kernel against a float32 torch reference of 1 and 3 layers first.
+(bytes / 4.19 TB/s): each build; each without its grid waits (wrong values; shows the barriers'
+cost); each streaming and multiplying only (no input loads or epilogues); and the engine's
+kernels for the same chain (Triton decode GEMM for qkv, o, down; cuBLAS gate_up; SiLU). Each
+build is first checked against a float32 torch reference of 1 and 3 layers.
 
 Needs a CUDA GPU of compute capability 9.0 with nvcc and CuPy (the lent H200's image has both).
 Writes JSON to ``--out``; prints a short table last. Exit code 2 without CUDA.
