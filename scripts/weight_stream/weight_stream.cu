@@ -139,25 +139,9 @@ mk_chain(const __nv_bfloat16* wqkv, const __nv_bfloat16* wo, const __nv_bfloat16
 #if ROWCOPY
     int it = 0;
     for (int layer = 0; layer < layers; ++layer)
-      for (int p = 0; p < 4; ++p) {
-        const PhaseShape s = phase_shape(W, layer, p);
-        int part, g0, g1;
-        my_work(s, part, g0, g1);
-        for (int g = g0; g < g1; ++g)
-          for (int c = 0; c < CHUNKS; ++c, ++it) {
-            const int slot = it % NSTAGE;
-            if (lane == 0) {
-              mbar_wait(full + 8 * (NSTAGE + slot), ((it / NSTAGE) & 1) ^ 1);
-              mbar_expect_tx(full + 8 * slot, ROWS * ROW_BYTES);
-            }
-            __syncwarp();
-            if (lane < ROWS) {  // gate_up: 8 gate rows, then the same 8 up rows (weights [gate; up])
-              const int row = p == 2 ? (lane < 8 ? 8 * g + lane : INTER + 8 * g + lane - 8) : ROWS * g + lane;
-              bulk_g2s(ring + slot * STAGE_BYTES + lane * ROW_STRIDE, s.w + (size_t)row * s.k + part * KPART + c * KC,
-                       ROW_BYTES, full + 8 * slot);
-            }
-          }
-      }
+      for (int p = 0; p < 4; ++p)
+        produce_phase_rows(ring, full, NSTAGE, STAGE_BYTES, ROW_STRIDE, phase_shape(W, layer, p), CHUNKS,
+                           p == 2 ? INTER : 0, it);
 #else
     if (lane != 0) return;
     int it = 0;

@@ -273,24 +273,9 @@ extern "C" __global__ void __launch_bounds__((NCW + 1) * 32, 1) decode_stream(in
     int it = 0;
     for (int phase = phase_begin; phase < phase_end; ++phase) {
       const int layer = phase / 5, p = phase % 5;
-      if (p == 1) continue;
-      const PhaseShape s = phase_shape(P, layer, p);
-      int part, g0, g1;
-      my_work(s, part, g0, g1);
-      for (int g = g0; g < g1; ++g)
-        for (int c = 0; c < CHUNKS; ++c, ++it) {
-          const int slot = it % NSTAGE;
-          if (lane == 0) {
-            mbar_wait(full + 8 * (NSTAGE + slot), ((it / NSTAGE) & 1) ^ 1);
-            mbar_expect_tx(full + 8 * slot, ROWS * ROW_BYTES);
-          }
-          __syncwarp();
-          if (lane < ROWS) {  // gate_up: 8 gate rows, then the same 8 up rows
-            const int row = p == 3 ? (lane < 8 ? 8 * g + lane : INTER + 8 * g + lane - 8) : ROWS * g + lane;
-            bulk_g2s(ring + slot * STAGE_BYTES + lane * ROW_STRIDE, s.w + (size_t)row * s.k + part * KPART + c * KC,
-                     ROW_BYTES, full + 8 * slot);
-          }
-        }
+      if (p != 1)
+        produce_phase_rows(ring, full, NSTAGE, STAGE_BYTES, ROW_STRIDE, phase_shape(P, layer, p), CHUNKS,
+                           p == 3 ? INTER : 0, it);
     }
 #else
     if (lane != 0) return;
