@@ -136,6 +136,7 @@ class DuetPolicy:
         self.decode_correction = 1.0  # measured / predicted decode step of spatial plans (observe)
         self._base_margin = self.cost_model.decode_margin
         self._temporal_ratios: deque[float] = deque(maxlen=TRIM_WINDOW)  # observe_iteration
+        self._learned: tuple[float, float] | None = None  # (trim margin, temporal scale) from those ratios
 
     @property
     def trim_margin(self) -> float | None:
@@ -148,26 +149,28 @@ class DuetPolicy:
         (docs/benchmarks.md, eleventh session)."""
         if self.config.trim_margin != TRIM_AUTO:
             return self.config.trim_margin
-        if len(self._temporal_ratios) < TRIM_MIN_SAMPLES:
-            return TRIM_START
-        low, high = TRIM_BOUNDS
-        return min(high, max(low, 1.0 / float(np.quantile(self._temporal_ratios, TRIM_QUANTILE))))
+        return TRIM_START if self._learned is None else self._learned[0]
 
     @property
     def temporal_scale(self) -> float:
         """Median measured / predicted of the temporal iterations ``observe_iteration`` saw (with
         ``TRIM_AUTO``, once ``TRIM_MIN_SAMPLES`` were seen; else 1): ``plan_iteration``'s
         ``temporal_scale``."""
-        if self.config.trim_margin != TRIM_AUTO or len(self._temporal_ratios) < TRIM_MIN_SAMPLES:
+        if self.config.trim_margin != TRIM_AUTO or self._learned is None:
             return 1.0
-        return float(np.median(self._temporal_ratios))
+        return self._learned[1]
 
     def observe_iteration(self, plan: Plan, measured_s: float) -> None:
         """Wall seconds ``measured_s`` of an iteration with decodes and prefill that ran
         ``plan``; temporal plans with a prediction feed ``trim_margin`` and
         ``temporal_scale``, others are ignored."""
-        if not plan.spatial and plan.predicted_s and measured_s > 0:
-            self._temporal_ratios.append(measured_s / plan.predicted_s)
+        if plan.spatial or not plan.predicted_s or measured_s <= 0:
+            return
+        self._temporal_ratios.append(measured_s / plan.predicted_s)
+        if self.config.trim_margin == TRIM_AUTO and len(self._temporal_ratios) >= TRIM_MIN_SAMPLES:
+            low, high = TRIM_BOUNDS
+            q, median = np.quantile(self._temporal_ratios, [TRIM_QUANTILE, 0.5])
+            self._learned = (min(high, max(low, 1.0 / float(q))), float(median))
 
     def plan(self, decode_reqs: list[Request], prefill_reqs: list[Request], max_k: int) -> Plan:
         """The optimizer's plan for the batch: ``(q, c)`` per decode and prefill request, at most
