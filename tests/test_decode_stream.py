@@ -145,3 +145,33 @@ def test_engine_decode_graphs_through_the_stream_match_the_model(tmp_path):
         assert not got.isnan().any() and float((got - ref).norm() / ref.norm()) < 2e-2, batch
         for s in seqs:
             engine.block_manager.free(s.seq)
+
+
+def test_decode_graphs_route_small_buckets_through_the_stream():
+    """``DecodeGraphs._step`` (what each graph records): buckets of up to ``MAX_ROWS`` sequences
+    run the decode stream (final-normed hidden states, then the model's logits), larger ones the
+    model's own layers; both get the graph's static inputs."""
+    from duetserve.engine.cuda_graphs import DecodeGraphs
+
+    calls = []
+
+    class Model:
+        def __call__(self, ids, positions, kv, meta):
+            calls.append(("model", ids.shape[0], meta.num_decodes))
+            return torch.zeros(ids.shape[0], 4)
+
+        def compute_logits(self, hidden):
+            return hidden + 1
+
+    class Stream:
+        MAX_ROWS = 8
+
+        def forward(self, ids, positions, meta):
+            calls.append(("stream", ids.shape[0], meta.num_decodes))
+            return torch.full((ids.shape[0], 4), 2.0)
+
+    graphs = DecodeGraphs(Model(), None, 16, 4, 0, torch.device("cpu"), decode_stream=Stream())
+    assert graphs.buckets == [1, 2, 4, 8, 16]
+    assert graphs._step(8).tolist() == [[3.0] * 4] * 8 and graphs._step(16).shape == (16, 4)
+    assert calls == [("stream", 8, 8), ("model", 16, 16)]
+    assert DecodeGraphs(Model(), None, 16, 4, 0, torch.device("cpu"))._step(2).tolist() == [[1.0] * 4] * 2
