@@ -156,18 +156,16 @@ class DuetPolicy:
         """Median measured / predicted of the temporal iterations ``observe_iteration`` saw (with
         ``TRIM_AUTO``, once ``TRIM_MIN_SAMPLES`` were seen; else 1): ``plan_iteration``'s
         ``temporal_scale``."""
-        if self.config.trim_margin != TRIM_AUTO or self._learned is None:
-            return 1.0
-        return self._learned[1]
+        return 1.0 if self._learned is None else self._learned[1]
 
     def observe_iteration(self, plan: Plan, measured_s: float) -> None:
         """Wall seconds ``measured_s`` of an iteration with decodes and prefill that ran
-        ``plan``; temporal plans with a prediction feed ``trim_margin`` and
-        ``temporal_scale``, others are ignored."""
-        if plan.spatial or not plan.predicted_s or measured_s <= 0:
+        ``plan``; with ``TRIM_AUTO``, temporal plans with a prediction feed ``trim_margin`` and
+        ``temporal_scale``; anything else is ignored."""
+        if self.config.trim_margin != TRIM_AUTO or plan.spatial or not plan.predicted_s or measured_s <= 0:
             return
         self._temporal_ratios.append(measured_s / plan.predicted_s)
-        if self.config.trim_margin == TRIM_AUTO and len(self._temporal_ratios) >= TRIM_MIN_SAMPLES:
+        if len(self._temporal_ratios) >= TRIM_MIN_SAMPLES:
             low, high = TRIM_BOUNDS
             q, median = np.quantile(self._temporal_ratios, [TRIM_QUANTILE, 0.5])
             self._learned = (min(high, max(low, 1.0 / float(q))), float(median))
