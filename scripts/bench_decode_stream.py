@@ -8,19 +8,19 @@ grid barrier, in ONE launch between two of the engine's Triton decode attentions
 producer warp per SM streams the weights without stopping at phase boundaries
 (``bench_weight_stream.py`` measures that part alone).
 
-Kernel variants (``--variants``): ``tiled:STAGES`` reads copies of the weights in the stream
-layout (``bench_weight_stream.stream_layout``, RMSNorm weights folded into qkv and gate_up: twice
-the weight memory); ``rows:STAGES`` reads the engine's own weights (``ROWCOPY``); ``module`` is
-``duetserve.model.decode_stream.DecodeStream`` (the rows kernel through the driver API, as
-``serve --decode-stream`` runs it). Builds the engine with dummy Qwen3-8B weights (bf16, CUDA
+Kernel variants (``--variants``), each a ``duetserve.model.decode_stream.DecodeStream`` build:
+``rows:STAGES`` reads the engine's own weights (the build ``serve --decode-stream`` runs);
+``tiled:STAGES`` reads copies of the weights in the stream layout
+(``bench_weight_stream.stream_layout``, RMSNorm weights folded into qkv and gate_up: twice the
+weight memory). Builds the engine with dummy Qwen3-8B weights (bf16, CUDA
 graphs), then per shape (batch x context): checks each variant's final hidden states and the new
 tokens' K/V against the engine's eager forward (bf16 rounding drifts over 36 layers: the engine's
 own graphs and eager paths differ too, both are printed), and times one step (logits, no
 sampling) in a CUDA graph against the engine's decode graph, with the floor
 ``bytes(weights + KV read) / 4.19 TB/s``.
 
-Needs a CUDA GPU of compute capability 9.0 with nvcc, CuPy and cuda-bindings (the lent H200's image
-has them).
+Needs a CUDA GPU of compute capability 9.0 with nvcc and cuda-bindings (the lent H200's image has
+both).
 Writes JSON to ``--out``; prints a short table last. Exit code 2 without CUDA.
 """
 from __future__ import annotations
@@ -29,22 +29,16 @@ import argparse
 import functools
 import importlib.util
 import json
-import shutil
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-import numpy as np
 import torch
 
-from duetserve.model.decode_stream import FIELDS, DecodeStream, pack_params
+from duetserve.model.decode_stream import DecodeStream, kernel_defines
 
 HERE = Path(__file__).resolve().parent
-SOURCE = HERE.parent / "duetserve" / "model" / "csrc" / "decode_stream.cu"
 COPY_BW = 4.19e12
-MR = 8  # rows (sequences) the kernel takes
-PHASES = 5  # phases a layer
 SHAPES = ((8, 512), (8, 2048), (8, 8192), (1, 512), (4, 2048))
 
 
@@ -56,133 +50,53 @@ def _weight_stream():
     return module
 
 
-class BenchStream:
-    """Stream-layout weights, buffers and CuPy launches for ``engine``'s model (Qwen3, at most 8 rows);
-    the ``module`` variant runs ``duetserve.model.decode_stream.DecodeStream`` instead."""
+def tiled_weights(model) -> dict[str, torch.Tensor]:
+    """The ``tiled`` kernels' weights: ``[L, N, K]`` copies in ``bench_weight_stream.stream_layout``
+    (RMSNorm weights folded into qkv and gate_up, gate/up interleaved) and the q/k norms ``[L, D]``,
+    by ``FIELDS`` name."""
+    ws, layers, n = _weight_stream(), model.model.layers, model.dims.intermediate_size
 
-    def __init__(self, engine):
-        ws = _weight_stream()
-        self.engine, self.model, d = engine, engine.model, engine.model.dims
-        self.d = d
-        layers = self.model.model.layers
-        with torch.no_grad():
-            def stack(fn):
-                return torch.stack([fn(layer) for layer in layers])
+    def stack(fn):
+        return torch.stack([fn(layer) for layer in layers])
 
-            def fold(w, g):
-                return (w.float() * g.float()[None, :]).to(torch.bfloat16)
-            self.wqkv = ws.stream_layout(stack(lambda ly: fold(ly.self_attn.qkv_proj.weight, ly.input_layernorm.weight)))
-            self.wo = ws.stream_layout(stack(lambda ly: ly.self_attn.o_proj.weight))
-            gu = stack(lambda ly: fold(ly.mlp.gate_up_proj.weight, ly.post_attention_layernorm.weight))
-            n = d.intermediate_size
-            self.wgu = ws.stream_layout(ws.interleave_gate_up(gu[:, :n], gu[:, n:]))
-            del gu
-            self.wdown = ws.stream_layout(stack(lambda ly: ly.mlp.down_proj.weight))
-            self.qnorm = stack(lambda ly: ly.self_attn.q_norm.weight).contiguous()
-            self.knorm = stack(lambda ly: ly.self_attn.k_norm.weight).contiguous()
-            # the rows kernels read the engine's own weights through a table of pointers, [L][8]
-            self.wtab = torch.tensor([[t.data_ptr() for t in (
-                ly.self_attn.qkv_proj.weight, ly.self_attn.o_proj.weight, ly.mlp.gate_up_proj.weight,
-                ly.mlp.down_proj.weight, ly.input_layernorm.weight, ly.post_attention_layernorm.weight,
-                ly.self_attn.q_norm.weight, ly.self_attn.k_norm.weight)] for ly in layers],
-                dtype=torch.int64, device="cuda")
-        torch.cuda.empty_cache()
-        self.kv = engine.runner.kv_caches
-        z = lambda *s, dt=torch.bfloat16: torch.zeros(*s, device="cuda", dtype=dt)
-        self.stream, self.attn = z(MR, d.hidden_size), z(MR, d.num_heads * d.head_dim)
-        self.qkv = z(MR, (d.num_heads + 2 * d.num_kv_heads) * d.head_dim)
-        self.h, self.qrot = z(MR, n), z(MR, d.num_heads, d.head_dim)
-        self.down = z(n // d.hidden_size, MR, d.hidden_size, dt=torch.float32)
-        self.counter, self.gcount = z(1, dt=torch.int32), z(d.hidden_size // 16, dt=torch.int32)
-        self.attn_counters = z(MR * d.num_kv_heads, dt=torch.int32)
-        self.params = z(len(FIELDS) + 1, dt=torch.int64)
-        self.sms = torch.cuda.get_device_properties(0).multi_processor_count
-        self._built = {}
+    def fold(w, g):
+        return (w.float() * g.float()[None, :]).to(torch.bfloat16)
+    with torch.no_grad():
+        gu = stack(lambda ly: fold(ly.mlp.gate_up_proj.weight, ly.post_attention_layernorm.weight))
+        weights = {"wqkv": ws.stream_layout(stack(lambda ly: fold(ly.self_attn.qkv_proj.weight,
+                                                                      ly.input_layernorm.weight))),
+                   "wo": ws.stream_layout(stack(lambda ly: ly.self_attn.o_proj.weight)),
+                   "wgu": ws.stream_layout(ws.interleave_gate_up(gu[:, :n], gu[:, n:])),
+                   "wdown": ws.stream_layout(stack(lambda ly: ly.mlp.down_proj.weight)),
+                   "qnorm": stack(lambda ly: ly.self_attn.q_norm.weight).contiguous(),
+                   "knorm": stack(lambda ly: ly.self_attn.k_norm.weight).contiguous()}
+    del gu
+    torch.cuda.empty_cache()
+    return weights
 
-    def build(self, variant: str) -> None:
-        """Compile the kernel ``variant`` (``tiled:STAGES``: the stream-layout copies; ``rows:STAGES``:
-        the engine's own weights, ``ROWCOPY``) for this model (nvcc, sm_90a) and use it from now on."""
-        import cupy
-        if variant in self._built:
-            self.kernel, self.smem, self.symbol, self.rows = self._built[variant]
-            return
-        layout, stages = variant.split(":")
-        d = self.d
-        path = Path(tempfile.mkdtemp(prefix="decode_stream_")) / "decode_stream.cubin"
-        defs = {"HID": d.hidden_size, "INTER": d.intermediate_size, "HQ": d.num_heads, "HKV": d.num_kv_heads,
-                "HD": d.head_dim, "KPART": d.hidden_size, "NSTAGE": stages, "ROWCOPY": int(layout == "rows")}
-        subprocess.run([shutil.which("nvcc") or "/usr/local/cuda/bin/nvcc", "-cubin",
-                        "-gencode=arch=compute_90a,code=sm_90a", "-O3", *(f"-D{k}={v}" for k, v in defs.items()),
-                        "-o", str(path), str(SOURCE)], check=True)
-        module = cupy.RawModule(path=str(path))
-        self.cupy, self.kernel = cupy, module.get_function("decode_stream")
-        out = cupy.zeros(1, dtype=cupy.int32)
-        module.get_function("decode_stream_smem")((1,), (1,), (out,))
-        self.smem = int(out.get()[0])
-        self.kernel.max_dynamic_shared_size_bytes = self.smem
-        self.symbol = module.get_global("c_params")
-        self.rows = layout == "rows"
-        self._built[variant] = self.kernel, self.smem, self.symbol, self.rows
 
-    def set_inputs(self, inputs, mode: int = 0) -> None:
-        """The step's inputs (``ModelRunner._prepare`` of a decode-only batch); ``mode``: the kernel's
-        mode bits (0 for real results)."""
-        meta, base = inputs.meta, self.kv[0][0]
-        self.inputs, self.m = inputs, inputs.input_ids.shape[0]
-        if self.m > MR:
-            raise ValueError(f"at most {MR} sequences, got {self.m}")
-        ptr = {"wqkv": self.wqkv, "wo": self.wo, "wgu": self.wgu, "wdown": self.wdown, "qnorm": self.qnorm,
-               "knorm": self.knorm, "cos": self.model.rotary.cos, "sin": self.model.rotary.sin, "kv": base,
-               "positions": inputs.positions, "slots": meta.slot_mapping, "block_tables": meta.block_tables,
-               "ctx_lens": meta.context_lens, "stream": self.stream, "qkv": self.qkv, "attn": self.attn, "h": self.h,
-               "down": self.down, "qrot": self.qrot, "counter": self.counter, "gcount": self.gcount,
-               "wtab": self.wtab}
-        values = {k: t.data_ptr() for k, t in ptr.items()}
-        es = base.element_size()
-        values.update(kv_stride=(self.kv[0][1].data_ptr() - base.data_ptr()) // es,
-                      layer_stride=(self.kv[1][0].data_ptr() - base.data_ptr()) // es,
-                      block_size=self.engine.block_manager.block_size, bt_stride=meta.block_tables.stride(0),
-                      m=self.m, mode=mode)
-        self.params.copy_(torch.from_numpy(pack_params(values, self.d.rms_norm_eps)))
-
-    def _launch(self, begin: int, end: int) -> None:
-        self.kernel((self.sms,), (288,), (np.int32(begin), np.int32(end)), shared_mem=self.smem)
-
-    def run(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """One decode step: ``(logits [m, vocab] float32, final hidden [m, hidden])``."""
-        from duetserve.model.triton_attention import paged_decode_attention
-        d, m, meta = self.d, self.m, self.inputs.meta
-        self.counter.zero_()
-        self.stream[:m].copy_(self.model.model.embed_tokens(self.inputs.input_ids))
-        stream = torch.cuda.current_stream().cuda_stream
-        with self.cupy.cuda.ExternalStream(stream):
-            self.cupy.cuda.runtime.memcpyAsync(self.symbol.ptr, self.params.data_ptr(), self.params.numel() * 8,
-                                               self.cupy.cuda.runtime.memcpyDeviceToDevice, stream)
-            begin = 0
-            for layer in range(d.num_layers):
-                self._launch(begin, layer * PHASES + 2)
-                begin = layer * PHASES + 2
-                paged_decode_attention(self.qrot[:m], *self.kv[layer], meta.block_tables, meta.context_lens,
-                                       d.head_dim ** -0.5, out=self.attn[:m].view(m, d.num_heads, d.head_dim),
-                                       counters=self.attn_counters)
-            self._launch(begin, d.num_layers * PHASES)
-        hidden = self.model.model.norm(self.stream[:m])[0]
-        return self.model.compute_logits(hidden), hidden
+def make_variant(engine, variant: str, tiled: dict[str, torch.Tensor]) -> DecodeStream:
+    """``LAYOUT:STAGES``: ``rows`` reads the engine's own weights (the product build), ``tiled`` the
+    stream-layout copies ``tiled``."""
+    layout, stages = variant.split(":")
+    ds = DecodeStream(engine.model, engine.runner.kv_caches,
+                      defines=kernel_defines(engine.model, int(stages), rowcopy=layout == "rows"))
+    if layout == "tiled":
+        ds.extra_params.update({name: t.data_ptr() for name, t in tiled.items()})
+    return ds
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("out/decode_stream.json"))
-    parser.add_argument("--variants", nargs="+", default=["tiled:9", "rows:9", "module"],
+    parser.add_argument("--variants", nargs="+", default=["tiled:9", "rows:9"],
                         help="kernels LAYOUT:STAGES to check and time (tiled: stream-layout weight copies; rows: "
-                             "the engine's own weights), or module (duetserve.model.decode_stream, the rows kernel "
-                             "through the driver API); the first build is also profiled")
+                             "the engine's own weights, as serve --decode-stream runs them); the first is also "
+                             "profiled")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("bench_decode_stream.py needs a CUDA GPU", file=sys.stderr)
         return 2
-    import warnings
-    warnings.filterwarnings("ignore", category=DeprecationWarning)  # CuPy's ExternalStream
     from duetserve.calibrate.workload import QWEN3_8B, make_batch
     from duetserve.config import EngineConfig
     from duetserve.engine.engine import LLMEngine
@@ -190,14 +104,15 @@ def main() -> int:
     (folder / "config.json").write_text(json.dumps(QWEN3_8B))
     kv_per_token = 36 * 2 * 8 * 128 * 2
     engine = LLMEngine(EngineConfig(model=str(folder), load_format="dummy", device="cuda", dtype="bfloat16",
-                                    max_num_seqs=MR, max_num_batched_tokens=8192,
+                                    max_num_seqs=8, max_num_batched_tokens=8192,
                                     num_kv_blocks=(24 << 30) // (16 * kv_per_token), max_model_len=16384,
                                     partition_backend="none"))
     for k, v in engine.runner.kv_caches:
         k.normal_()
         v.normal_()
-    ds = BenchStream(engine)
-    module = DecodeStream(engine.model, engine.runner.kv_caches) if "module" in args.variants else None
+    tiled = tiled_weights(engine.model) if any(v.startswith("tiled") for v in args.variants) else {}
+    kernels = {v: make_variant(engine, v, tiled) for v in args.variants}
+    first = kernels[args.variants[0]]
     graph_ms, events_ms = _weight_stream().graph_ms, _weight_stream().events_ms
     emb = engine.model.model.embed_tokens.weight
     wbytes = sum(p.numel() * p.element_size() for p in engine.model.parameters() if p is not emb)
@@ -216,13 +131,9 @@ def main() -> int:
             return engine.graphs.run(inputs.input_ids, inputs.positions, inputs.meta)
 
         def step(v, inputs=inputs):
-            """(logits, hidden) of kernel variant v: the product module, or a bench build."""
-            if v == "module":
-                hidden = module.forward(inputs.input_ids, inputs.positions, inputs.meta)
-                return engine.model.compute_logits(hidden), hidden
-            ds.build(v)
-            ds.set_inputs(inputs)
-            return ds.run()
+            """(logits, hidden) of kernel variant ``v``."""
+            hidden = kernels[v].forward(inputs.input_ids, inputs.positions, inputs.meta)
+            return engine.model.compute_logits(hidden), hidden
         with torch.no_grad():
             hidden_ref = engine.model(inputs.input_ids, inputs.positions, engine.runner.kv_caches, inputs.meta)
             logits_ref, kv_ref = engine.model.compute_logits(hidden_ref), new_kv()
@@ -241,12 +152,11 @@ def main() -> int:
             row.update(floor_ms=floor, engine_ms=events_ms(engine_step), stream_ms={})
             for v in args.variants:
                 row["stream_ms"][v] = graph_ms(lambda v=v: step(v))
-            ds.build(next(v for v in args.variants if v != "module"))
-            for mode, name in ((2, "stream_only_ms"), (1, "no_grid_wait_ms")):
-                ds.set_inputs(inputs, mode)
-                row[name] = graph_ms(ds.run)
-            ds.set_inputs(inputs)
-            ds.run()  # leave sane K/V in the new tokens' slots
+            for mode, name in ((2, "stream_only_ms"), (1, "no_grid_wait_ms")):  # the kernel's mode bits
+                first.extra_params["mode"] = mode
+                row[name] = graph_ms(lambda: step(args.variants[0]))
+            first.extra_params.pop("mode")
+            step(args.variants[0])  # leave sane K/V in the new tokens' slots
         rows.append(row)
         print(row, flush=True)
         for s in seqs:

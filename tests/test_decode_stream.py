@@ -42,6 +42,31 @@ def test_pack_params_fills_missing_fields_with_zero_and_eps_last():
     assert packed.dtype == np.int64 and len(packed) == len(ds.FIELDS) + 1
     assert packed[ds.FIELDS.index("wtab")] == 7 and packed[ds.FIELDS.index("m")] == 3
     assert packed[:-1].sum() == 10 and packed[-1:].view(np.float32).tolist() == [np.float32(1e-6), 0.0]
+    ordered = ds.pack_params({name: i + 1 for i, name in enumerate(ds.FIELDS)}, 0.5)
+    assert ordered[:-1].tolist() == list(range(1, len(ds.FIELDS) + 1))
+
+
+def test_extra_params_reach_the_parameter_block_and_its_cache_key():
+    """``DecodeStream.extra_params`` (a benchmark's mode bits or tiled weights) lands in the block
+    and gives it its own cache entry (a graph keeps the block it recorded)."""
+    stream = ds.DecodeStream.__new__(ds.DecodeStream)
+    cache = torch.zeros(1, 2, 4, 16, 2, 128)  # [layers, K/V, blocks, block size, KV heads, head dim]
+    stream.model = SimpleNamespace(rotary=SimpleNamespace(cos=torch.zeros(1), sin=torch.zeros(1)))
+    stream.d = SimpleNamespace(rms_norm_eps=1e-6)
+    stream.kv, stream.kv_stride, stream.layer_stride = [(cache[0, 0], cache[0, 1])], 4 * 16 * 2 * 128, 0
+    for name in ("stream", "qkv", "attn", "h", "down", "qrot", "counter", "gcount", "wtab"):
+        setattr(stream, name, torch.zeros(1))
+    stream.params, stream.extra_params = {}, {}
+    meta = SimpleNamespace(slot_mapping=torch.zeros(3, dtype=torch.int64), block_tables=torch.zeros(3, 5),
+                           context_lens=torch.zeros(3, dtype=torch.int32))
+    positions = torch.zeros(3, dtype=torch.int64)
+    plain = stream._params(positions, meta)
+    stream.extra_params["mode"] = 2
+    moded = stream._params(positions, meta)
+    assert len(stream.params) == 2 and moded is not plain
+    at = ds.FIELDS.index
+    assert (plain[at("mode")], moded[at("mode")], moded[at("m")], moded[at("bt_stride")]) == (0, 2, 3, 5)
+    assert moded[at("block_size")] == 16 and stream._params(positions, meta) is moded
 
 
 def test_kernel_defines_take_qwen3_shapes_only():

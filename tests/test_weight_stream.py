@@ -1,14 +1,12 @@
-"""scripts/bench_weight_stream.py and bench_decode_stream.py: weight layouts and kernel parameters (CPU),
-their exit without CUDA."""
+"""scripts/bench_weight_stream.py and bench_decode_stream.py: the stream weight layout (CPU) and their exit
+without CUDA (the decode stream's parameter block: tests/test_decode_stream.py)."""
 from __future__ import annotations
 
 import importlib.util
-import re
 import subprocess
 import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 from conftest import CUDA
@@ -64,21 +62,6 @@ def test_interleave_gate_up_groups_eight_gate_then_eight_up_rows():
     assert gu.shape == (1, 32, 2)
     assert gu[0, :8].equal(gate[0, :8]) and gu[0, 8:16].equal(up[0, :8])
     assert gu[0, 16:24].equal(gate[0, 8:]) and gu[0, 24:].equal(up[0, 8:])
-
-
-def test_params_fields_follow_the_kernels_struct_in_order():
-    source = (SCRIPTS.parent / "duetserve" / "model" / "csrc" / "decode_stream.cu").read_text()
-    body = source[source.index("struct Params {"):source.index("};", source.index("struct Params {"))]
-    names = re.findall(r"^\s+[\w ]+?\**\s*(\w+);", body, flags=re.MULTILINE)
-    assert tuple(names[:-2]) == _script(DECODE_SCRIPT).FIELDS and names[-2:] == ["eps", "unused"]
-
-
-def test_pack_params_puts_eps_in_the_last_eight_bytes():
-    module = _script(DECODE_SCRIPT)
-    values = {name: i + 1 for i, name in enumerate(module.FIELDS)}
-    packed = module.pack_params(values, 1e-6)
-    assert packed.dtype == np.int64 and packed[:-1].tolist() == list(range(1, len(module.FIELDS) + 1))
-    assert packed[-1:].view(np.float32).tolist() == [np.float32(1e-6), 0.0]
 
 
 @pytest.mark.skipif(CUDA, reason="checks the exit without CUDA")

@@ -47,8 +47,9 @@ def pack_params(values: dict, eps: float) -> np.ndarray:
     return np.array([int(values.get(f, 0)) for f in FIELDS] + [int(tail[0])], dtype=np.int64)
 
 
-def kernel_defines(model: CausalLM, stages: int = STAGES) -> dict[str, int]:
-    """The kernel's compile-time dims for ``model``.
+def kernel_defines(model: CausalLM, stages: int = STAGES, rowcopy: bool = True) -> dict[str, int]:
+    """The kernel's compile-time dims for ``model``, ``stages`` ring stages; ``rowcopy`` False builds
+    the variant that reads stream-layout weight copies (``scripts/bench_decode_stream.py``).
 
     Raises:
         ValueError: shapes the kernel does not take: head dim other than 128, hidden size other
@@ -63,7 +64,7 @@ def kernel_defines(model: CausalLM, stages: int = STAGES) -> dict[str, int]:
         raise ValueError("the decode stream takes Qwen3-like shapes only: head dim 128, hidden = heads x 128 "
                          "<= 4096 and a multiple of 512, intermediate a multiple of hidden, q/k norms, no biases")
     return {"HID": d.hidden_size, "INTER": d.intermediate_size, "HQ": d.num_heads, "HKV": d.num_kv_heads,
-            "HD": d.head_dim, "KPART": d.hidden_size, "NSTAGE": stages, "ROWCOPY": 1}
+            "HD": d.head_dim, "KPART": d.hidden_size, "NSTAGE": stages, "ROWCOPY": int(rowcopy)}
 
 
 def cache_dir() -> Path:
@@ -147,6 +148,11 @@ class DecodeStream:
         kv_caches: the engine's per-layer ``(k_cache, v_cache)``, slices of one allocation
             (``allocate_kv_cache``), each ``[num_blocks, block_size, num_kv_heads, head_dim]``.
         sms: SMs the kernels may use; every CTA must be resident at once (one per SM).
+        defines: the kernel's build (``kernel_defines``; default ``kernel_defines(model)``).
+
+    Attributes:
+        extra_params: more ``FIELDS`` values for the parameter block (benchmarks: the kernel's
+            mode bits, or the stream-layout weights of a ``rowcopy=False`` build).
 
     Raises:
         ValueError: shapes the kernel does not take, or caches that are not one allocation.
@@ -155,9 +161,10 @@ class DecodeStream:
 
     MAX_ROWS = MAX_ROWS
 
-    def __init__(self, model: CausalLM, kv_caches, sms: int | None = None):
+    def __init__(self, model: CausalLM, kv_caches, sms: int | None = None, defines: dict[str, int] | None = None):
         self.model, self.d = model, model.dims
-        self.kernel = _Kernel(build_cubin(kernel_defines(model)))
+        self.kernel = _Kernel(build_cubin(defines or kernel_defines(model)))
+        self.extra_params: dict[str, int] = {}
         self.sms = sms or torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
         d, dev = self.d, kv_caches[0][0].device
         layers = model.model.layers
@@ -183,12 +190,12 @@ class DecodeStream:
         self.counter = z(1, dtype=torch.int32)
         self.gcount = z(d.hidden_size // 16, dtype=torch.int32)
         self.attn_counters = z(MAX_ROWS * d.num_kv_heads, dtype=torch.int32)
-        self.params: dict[tuple, torch.Tensor] = {}  # per (pointers of the step's inputs, m): one parameter block
+        self.params: dict[tuple, torch.Tensor] = {}  # per (step inputs' pointers, m, extras): one parameter block
 
     def _params(self, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         m = positions.shape[0]
         key = (positions.data_ptr(), meta.slot_mapping.data_ptr(), meta.block_tables.data_ptr(),
-               meta.block_tables.stride(0), meta.context_lens.data_ptr(), m)
+               meta.block_tables.stride(0), meta.context_lens.data_ptr(), m, tuple(sorted(self.extra_params.items())))
         if key not in self.params:
             rotary, base = self.model.rotary, self.kv[0][0]
             values = {"cos": rotary.cos.data_ptr(), "sin": rotary.sin.data_ptr(), "kv": base.data_ptr(),
@@ -198,7 +205,7 @@ class DecodeStream:
                       "ctx_lens": meta.context_lens.data_ptr(), "stream": self.stream.data_ptr(),
                       "qkv": self.qkv.data_ptr(), "attn": self.attn.data_ptr(), "h": self.h.data_ptr(),
                       "down": self.down.data_ptr(), "qrot": self.qrot.data_ptr(), "counter": self.counter.data_ptr(),
-                      "gcount": self.gcount.data_ptr(), "wtab": self.wtab.data_ptr(), "m": m}
+                      "gcount": self.gcount.data_ptr(), "wtab": self.wtab.data_ptr(), "m": m, **self.extra_params}
             self.params[key] = torch.from_numpy(pack_params(values, self.d.rms_norm_eps)).to(base.device)
         return self.params[key]
 
