@@ -9,7 +9,8 @@ producer warp per SM streams the weights without stopping at phase boundaries
 (``bench_weight_stream.py`` measures that part alone).
 
 Kernel variants (``--variants``), each a ``duetserve.model.decode_stream.DecodeStream`` build:
-``rows:STAGES`` reads the engine's own weights (the build ``serve --decode-stream`` runs);
+``rows:STAGES`` reads the engine's own weights, 16 rows x 1024 columns a stage as 2 KB row copies
+(the build ``serve --decode-stream`` runs, 4 stages);
 ``tiled:STAGES`` reads copies of the weights in the stream layout
 (``bench_weight_stream.stream_layout``, RMSNorm weights folded into qkv and gate_up: twice the
 weight memory). Builds the engine with dummy Qwen3-8B weights (bf16, CUDA
@@ -76,11 +77,11 @@ def tiled_weights(model) -> dict[str, torch.Tensor]:
 
 
 def make_variant(engine, variant: str, tiled: dict[str, torch.Tensor]) -> DecodeStream:
-    """``LAYOUT:STAGES``: ``rows`` reads the engine's own weights (the product build), ``tiled`` the
+    """``LAYOUT:STAGES[:KC]``: ``rows`` reads the engine's own weights (the product build), ``tiled`` the
     stream-layout copies ``tiled``."""
-    layout, stages = variant.split(":")
-    ds = DecodeStream(engine.model, engine.runner.kv_caches,
-                      defines=kernel_defines(engine.model, int(stages), rowcopy=layout == "rows"))
+    layout, stages, *kc = variant.split(":")
+    defines = kernel_defines(engine.model, int(stages), rowcopy=layout == "rows")
+    ds = DecodeStream(engine.model, engine.runner.kv_caches, defines={**defines, "KC": int(kc[0])} if kc else defines)
     if layout == "tiled":
         ds.extra_params.update({name: t.data_ptr() for name, t in tiled.items()})
     return ds
@@ -89,7 +90,7 @@ def make_variant(engine, variant: str, tiled: dict[str, torch.Tensor]) -> Decode
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("out/decode_stream.json"))
-    parser.add_argument("--variants", nargs="+", default=["tiled:9", "rows:9"],
+    parser.add_argument("--variants", nargs="+", default=["tiled:9", "rows:4", "rows:3"],
                         help="kernels LAYOUT:STAGES to check and time (tiled: stream-layout weight copies; rows: "
                              "the engine's own weights, as serve --decode-stream runs them); the first is also "
                              "profiled")
@@ -112,7 +113,6 @@ def main() -> int:
         v.normal_()
     tiled = tiled_weights(engine.model) if any(v.startswith("tiled") for v in args.variants) else {}
     kernels = {v: make_variant(engine, v, tiled) for v in args.variants}
-    first = kernels[args.variants[0]]
     graph_ms, events_ms = _weight_stream().graph_ms, _weight_stream().events_ms
     emb = engine.model.model.embed_tokens.weight
     wbytes = sum(p.numel() * p.element_size() for p in engine.model.parameters() if p is not emb)
@@ -149,14 +149,15 @@ def main() -> int:
                     "argmax_agree": float((logits.argmax(-1) == logits_ref.argmax(-1)).float().mean()),
                     "deterministic": bool(torch.equal(logits, again)), "nan": bool(hidden.float().isnan().any())}
             floor = (wbytes + batch * ctx * kv_per_token) / COPY_BW * 1e3
-            row.update(floor_ms=floor, engine_ms=events_ms(engine_step), stream_ms={})
+            row.update(floor_ms=floor, engine_ms=events_ms(engine_step), stream_ms={}, stream_only_ms={},
+                       no_grid_wait_ms={}, stream_only_no_wait_ms={})
             for v in args.variants:
                 row["stream_ms"][v] = graph_ms(lambda v=v: step(v))
-            for mode, name in ((2, "stream_only_ms"), (1, "no_grid_wait_ms")):  # the kernel's mode bits
-                first.extra_params["mode"] = mode
-                row[name] = graph_ms(lambda: step(args.variants[0]))
-            first.extra_params.pop("mode")
-            step(args.variants[0])  # leave sane K/V in the new tokens' slots
+                for mode, name in ((2, "stream_only_ms"), (1, "no_grid_wait_ms"), (3, "stream_only_no_wait_ms")):
+                    kernels[v].extra_params["mode"] = mode  # the kernel's mode bits
+                    row[name][v] = graph_ms(lambda v=v: step(v))
+                kernels[v].extra_params.pop("mode")
+                step(v)  # leave sane K/V in the new tokens' slots
         rows.append(row)
         print(row, flush=True)
         for s in seqs:
@@ -165,13 +166,18 @@ def main() -> int:
     args.out.write_text(json.dumps({"variants": args.variants, "rows": rows}, indent=1))
     print("\ndecode step to logits (no sampling), ms and ratio to the floor, per kernel LAYOUT:STAGES")
     print(f"{'shape':>8} {'floor':>7} {'engine graph':>14} " + " ".join(f"{v:>14}" for v in args.variants)
-          + f" {'stream only':>11}  hidden err per kernel (engine graph vs eager logits)")
+          + "  hidden err per kernel (engine graph vs eager logits)")
     for r in rows:
         f = r["floor_ms"]
         cols = " ".join(f"{ms:7.3f} x{ms / f:.3f}" for ms in r["stream_ms"].values())
         errs = " ".join(f"{c['hidden_rel_err']:.1e}" for c in r["checks"].values())
         print(f"{r['batch']:>3}x{r['ctx']:<5}{f:7.3f} {r['engine_ms']:7.3f} x{r['engine_ms'] / f:.3f} {cols} "
-              f"{r['stream_only_ms']:11.3f}  {errs} ({r['engine_graph_vs_eager_logits_rel_err']:.1e})")
+              f" {errs} ({r['engine_graph_vs_eager_logits_rel_err']:.1e})")
+    print("\nper kernel, ms: no grid waits (wrong values) / stream and mma only / both")
+    for r in rows:
+        print(f"{r['batch']:>3}x{r['ctx']:<5}" + "".join(
+            f"  {v} {r['no_grid_wait_ms'][v]:.3f} / {r['stream_only_ms'][v]:.3f} / {r['stream_only_no_wait_ms'][v]:.3f}"
+            for v in args.variants))
     return 0
 
 

@@ -18,7 +18,7 @@ from duetserve.model import decode_stream as ds
 
 
 def _model(**dims):
-    base = {"head_dim": 128, "hidden_size": 512, "num_heads": 4, "num_kv_heads": 2, "intermediate_size": 1536, "qk_norm": True,
+    base = {"head_dim": 128, "hidden_size": 1024, "num_heads": 8, "num_kv_heads": 2, "intermediate_size": 3072, "qk_norm": True,
                 "attention_bias": False, "mlp_bias": False}
     return SimpleNamespace(dims=SimpleNamespace(**{**base, **dims}))
 
@@ -70,8 +70,10 @@ def test_extra_params_reach_the_parameter_block_and_its_cache_key():
 
 
 def test_kernel_defines_take_qwen3_shapes_only():
-    assert ds.kernel_defines(_model()) == {"HID": 512, "INTER": 1536, "HQ": 4, "HKV": 2, "HD": 128, "KPART": 512,
-                                           "NSTAGE": ds.STAGES, "ROWCOPY": 1}
+    assert ds.kernel_defines(_model()) == {"HID": 1024, "INTER": 3072, "HQ": 8, "HKV": 2, "HD": 128, "KPART": 1024,
+                                           "NSTAGE": ds.STAGES, "ROWCOPY": 1, "KC": 1024}
+    assert ds.kernel_defines(_model(hidden_size=512, num_heads=4))["KC"] == 512  # 2 KB rows need K >= 1024
+    assert ds.kernel_defines(_model(), 9, rowcopy=False)["KC"] == 512  # the stream layout's 16 x 512 tiles
     for bad in ({"head_dim": 64, "num_heads": 8}, {"hidden_size": 640, "num_heads": 5}, {"intermediate_size": 1000},
                 {"qk_norm": False}, {"mlp_bias": True}, {"hidden_size": 5120, "num_heads": 40}):
         with pytest.raises(ValueError, match="Qwen3-like shapes"):
@@ -85,7 +87,8 @@ def test_kernel_builds_for_sm90a_once(tmp_path, monkeypatch):
     assert first.parent == tmp_path / "kernels" and first.read_bytes()[:4] == b"\x7fELF"
     stamp = first.stat().st_mtime_ns
     assert ds.build_cubin(ds.kernel_defines(_model())) == first and first.stat().st_mtime_ns == stamp
-    assert ds.build_cubin({**ds.kernel_defines(_model()), "NSTAGE": 8}) != first  # other flags, other file
+    assert ds.build_cubin({**ds.kernel_defines(_model()), "NSTAGE": 3}) != first  # other flags, other file
+    assert ds.build_cubin(ds.kernel_defines(_model(), 9, rowcopy=False)).exists()  # the tiled build compiles too
 
 
 def test_build_names_the_missing_compiler(monkeypatch):
@@ -95,8 +98,8 @@ def test_build_names_the_missing_compiler(monkeypatch):
         ds.build_cubin(ds.kernel_defines(_model()))
 
 
-SMALL_QWEN3 = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": 512,
-               "intermediate_size": 1536, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+SMALL_QWEN3 = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": 1024,
+               "intermediate_size": 3072, "num_hidden_layers": 2, "num_attention_heads": 8, "num_key_value_heads": 2,
                "head_dim": 128, "vocab_size": 320, "max_position_embeddings": 4096, "rms_norm_eps": 1e-6,
                "rope_theta": 1000000.0, "tie_word_embeddings": False, "attention_bias": False}
 
@@ -104,7 +107,7 @@ SMALL_QWEN3 = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hi
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
 def test_decode_step_matches_the_models_forward(tmp_path):
-    """On a 2-layer Qwen3 of the kernel's shapes (hidden 512, dummy bf16 weights) the stream's
+    """On a 2-layer Qwen3 of the kernel's shapes (hidden 1024, dummy bf16 weights) the stream's
     hidden states match the model's own decode step within bf16 rounding."""
     pytest.importorskip("cuda.bindings")
     if torch.cuda.get_device_capability()[0] != 9 or shutil.which("nvcc") is None:

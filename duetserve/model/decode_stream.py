@@ -33,7 +33,7 @@ SOURCE = Path(__file__).resolve().parent / "csrc" / "decode_stream.cu"
 MAX_ROWS = 8  # sequences a step (the kernel's MR)
 PHASES = 5  # phases a layer (the kernel's phase numbering)
 THREADS = 288  # 8 consumer warps and the producer
-STAGES = 9  # ring stages of 16 KB
+STAGES = 4  # ring stages of 16 rows x 1024 columns (33 KB with the rows' padding)
 # The kernel's Params, in order (8 bytes each; after them eps and a spare float32)
 FIELDS = ("wqkv", "wo", "wgu", "wdown", "qnorm", "knorm", "cos", "sin", "kv", "kv_stride", "layer_stride",
           "block_size", "positions", "slots", "block_tables", "bt_stride", "ctx_lens", "stream", "qkv", "attn", "h",
@@ -48,8 +48,10 @@ def pack_params(values: dict, eps: float) -> np.ndarray:
 
 
 def kernel_defines(model: CausalLM, stages: int = STAGES, rowcopy: bool = True) -> dict[str, int]:
-    """The kernel's compile-time dims for ``model``, ``stages`` ring stages; ``rowcopy`` False builds
-    the variant that reads stream-layout weight copies (``scripts/bench_decode_stream.py``).
+    """The kernel's compile-time dims for ``model``, ``stages`` ring stages of 16 weight rows x ``KC``
+    columns (1024 where the hidden size allows: 2 KB row copies keep the copy rate up); ``rowcopy``
+    False builds the variant that reads stream-layout weight copies (``scripts/bench_decode_stream.py``;
+    16 x 512 tiles, so it takes 9 stages).
 
     Raises:
         ValueError: shapes the kernel does not take: head dim other than 128, hidden size other
@@ -64,7 +66,8 @@ def kernel_defines(model: CausalLM, stages: int = STAGES, rowcopy: bool = True) 
         raise ValueError("the decode stream takes Qwen3-like shapes only: head dim 128, hidden = heads x 128 "
                          "<= 4096 and a multiple of 512, intermediate a multiple of hidden, q/k norms, no biases")
     return {"HID": d.hidden_size, "INTER": d.intermediate_size, "HQ": d.num_heads, "HKV": d.num_kv_heads,
-            "HD": d.head_dim, "KPART": d.hidden_size, "NSTAGE": stages, "ROWCOPY": int(rowcopy)}
+            "HD": d.head_dim, "KPART": d.hidden_size, "NSTAGE": stages, "ROWCOPY": int(rowcopy),
+            "KC": 1024 if rowcopy and d.hidden_size % 1024 == 0 else 512}
 
 
 def cache_dir() -> Path:

@@ -13,21 +13,26 @@
 // phases into a ring of shared-memory stages with bulk copies (TMA), gated only by free stages, so
 // the weight stream runs on through the grid barriers; warps 0-7 (consumers) load each phase's
 // input into shared memory after its barrier and run mma.sync over the ring.
+// KC (-D, default 512): columns a tile; 1024 for ROWCOPY where KPART allows it.
+#ifndef ROWCOPY
+#define ROWCOPY 0  // 1: the engine's own weights ([N, K], per layer, through wtab), norm weights applied
+                   // to the input; a stage = 16 rows x KC columns, 16 one-row bulk copies issued by 16
+                   // producer lanes (1 KB pieces stream at 3.5 TB/s, 2 KB at 4.65: docs/benchmarks.md);
+                   // 0: stream-layout copies (16 x 512 tiles), norms folded in
+#endif
 #include "stream_common.cuh"
 
 #ifndef NSTAGE
-#define NSTAGE 9
-#endif
-#ifndef ROWCOPY
-#define ROWCOPY 0  // 1: the engine's own weights ([N, K], per layer, through wtab), norm weights applied
-                   // to the input; a stage = 16 one-row bulk copies issued by 16 producer lanes
+#define NSTAGE 4
 #endif
 #if ROWCOPY
 #define ROW_STRIDE (ROW_BYTES + 16)  // padded rows: ldmatrix without bank conflicts
 #else
-#define ROW_STRIDE ROW_BYTES
+#define ROW_STRIDE ROW_BYTES         // the tiles' rows are XOR-swizzled instead
 #endif
 #define STAGE_BYTES (ROWS * ROW_STRIDE)
+#define WCOLS (KC / NCW)  // a consumer warp's columns of a tile
+#define KS (WCOLS / 16)   // its mma k-steps
 #define CHUNKS (KPART / KC)
 #define QN (HQ * HD)
 #define QKV_N ((HQ + 2 * HKV) * HD)
@@ -110,37 +115,60 @@ __device__ __forceinline__ PhaseShape phase_shape(const Params& P, int layer, in
   return s;
 }
 
-// The phase input x[:m] (bf16, row stride `stride`) into shared memory, rows >= m zero; with
-// `norm`, also each row's sum of squares into norm[row] (warp w sums row w).
-__device__ void load_x(char* smem, const bf16* src, int stride, int m, bool with_norm, const bf16* gain, int warp,
+// ROWCOPY: x's column pairs are permuted within each warp's WCOLS columns so that a lane's B
+// fragments (k = 16 ks + 2 (lane % 4) + {0, 1, 8, 9}, ks < KS) are 4 KS contiguous bytes: natural
+// pair p (columns 2p, 2p + 1) sits at pair x_pair(p), and pair q holds natural pair w_pair(q).
+// (The tiled weights' columns are permuted instead: bench_weight_stream.warp_slice_order.)
+__device__ __forceinline__ int x_pair(int p) { return 2 * KS * (p % 4) + 2 * (p / 8) + (p / 4) % 2; }
+__device__ __forceinline__ int w_pair(int q) { return 8 * ((q % (2 * KS)) / 2) + q / (2 * KS) + 4 * (q % 2); }
+
+// The phase input x[:m] (bf16, row stride `stride`) into shared memory, rows >= m zero; warp w
+// takes row w (MR = NCW), all its loads in flight at once. With `with_norm`, also each row's sum
+// of squares into norm[row]; with `gain` (ROWCOPY: the RMSNorm's weight), x * gain is stored.
+__device__ __noinline__ void load_x(char* smem, const bf16* src, int stride, int m, bool with_norm, const bf16* gain, int warp,
                        int lane) {
-  char* xs = smem + SMEM_X;
-  for (int e = threadIdx.x; e < MR * KPART / 8; e += NCW * 32) {
-    const int r = e / (KPART / 8), c = (e % (KPART / 8)) * 8;
-    *reinterpret_cast<uint4*>(xs + r * XS + c * 2) =
-        r < m ? __ldcg(reinterpret_cast<const uint4*>(src + (size_t)r * stride + c)) : make_uint4(0, 0, 0, 0);
+  static_assert(MR == NCW && KPART % 512 == 0, "a warp a row, 8 columns a lane, in halves");
+  constexpr int PER = KPART / 256 / 2;  // 16-byte loads a lane, per half of the row
+  uint32_t* row = reinterpret_cast<uint32_t*>(smem + SMEM_X + warp * XS);
+  const bf16* x = src + (size_t)warp * stride;
+  float ss = 0.f;
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    uint4 v[PER], gv[PER];
+#pragma unroll
+    for (int i = 0; i < PER; ++i) {
+      const int c = (half * PER + i) * 256 + lane * 8;
+      v[i] = warp < m ? __ldcg(reinterpret_cast<const uint4*>(x + c)) : make_uint4(0, 0, 0, 0);
+      if (gain) gv[i] = __ldg(reinterpret_cast<const uint4*>(gain + c));
+    }
+#pragma unroll
+    for (int i = 0; i < PER; ++i) {
+      const int c = (half * PER + i) * 256 + lane * 8;
+      uint32_t* w = reinterpret_cast<uint32_t*>(&v[i]);
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        float2 f = __bfloat1622float2(*reinterpret_cast<__nv_bfloat162*>(&w[j]));
+        ss += f.x * f.x + f.y * f.y;
+        if (gain) {
+          const float2 g = __bfloat1622float2(reinterpret_cast<const __nv_bfloat162*>(&gv[i])[j]);
+          const __nv_bfloat162 r = __floats2bfloat162_rn(f.x * g.x, f.y * g.y);
+          w[j] = *reinterpret_cast<const uint32_t*>(&r);
+        }
+      }
+#if ROWCOPY
+      const int seg = (c - c % WCOLS) / 2, p = (c % WCOLS) / 2;
+#pragma unroll
+      for (int j = 0; j < 4; ++j) row[seg + x_pair(p + j)] = w[j];
+#else
+      *reinterpret_cast<uint4*>(row + c / 2) = v[i];
+#endif
+    }
+  }
+  if (with_norm) {
+    ss = warp_sum(ss);
+    if (lane == 0) reinterpret_cast<float*>(smem + SMEM_NORM)[warp] = ss;
   }
   consumer_sync();
-  if (with_norm) {
-    float s = 0.f;
-    const __nv_bfloat162* row = reinterpret_cast<const __nv_bfloat162*>(xs + warp * XS);
-    for (int i = lane; i < KPART / 2; i += 32) {
-      const float2 f = __bfloat1622float2(row[i]);
-      s += f.x * f.x + f.y * f.y;
-    }
-    s = warp_sum(s);
-    if (lane == 0) reinterpret_cast<float*>(smem + SMEM_NORM)[warp] = s;
-    consumer_sync();
-  }
-  if (gain) {  // ROWCOPY: x * the norm's weight (bf16), after its sum of squares
-    for (int e = threadIdx.x; e < MR * KPART / 2; e += NCW * 32) {
-      const int r = e / (KPART / 2), c = (e % (KPART / 2)) * 2;
-      __nv_bfloat162* v = reinterpret_cast<__nv_bfloat162*>(xs + r * XS + c * 2);
-      const float2 x = __bfloat1622float2(*v), g = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(gain + c));
-      *v = __floats2bfloat162_rn(x.x * g.x, x.y * g.y);
-    }
-    consumer_sync();
-  }
 }
 
 __device__ __forceinline__ float row_rsqrt(const float* norm, int m, float eps) { return rsqrtf(norm[m] / HID + eps); }
@@ -269,28 +297,29 @@ extern "C" __global__ void __launch_bounds__((NCW + 1) * 32, 1) decode_stream(in
   ring_init(full, NSTAGE);
 
   if (warp == NCW) {  // producer
-#if ROWCOPY
-    int it = 0;
-    for (int phase = phase_begin; phase < phase_end; ++phase) {
-      const int layer = phase / 5, p = phase % 5;
-      if (p != 1)
-        produce_phase_rows(ring, full, NSTAGE, STAGE_BYTES, ROW_STRIDE, phase_shape(P, layer, p), CHUNKS,
-                           p == 3 ? INTER : 0, it);
-    }
-#else
+#if !ROWCOPY
     if (lane != 0) return;
+#endif
     int it = 0;
     for (int phase = phase_begin; phase < phase_end; ++phase) {
       const int layer = phase / 5, p = phase % 5;
-      if (p != 1) produce_phase(ring, full, NSTAGE, STAGE_BYTES, phase_shape(P, layer, p), CHUNKS, it);
-    }
+      if (p == 1) continue;
+#if ROWCOPY
+      produce_phase_rows(ring, full, NSTAGE, STAGE_BYTES, ROW_STRIDE, phase_shape(P, layer, p), CHUNKS,
+                         p == 3 ? INTER : 0, it);
+#else
+      produce_phase(ring, full, NSTAGE, STAGE_BYTES, phase_shape(P, layer, p), CHUNKS, it);
 #endif
+    }
     return;
   }
 
   const int no_grid_wait = P.mode & 1, stream_only = P.mode & 2;
   const int m = (int)P.m;
   float* red = reinterpret_cast<float*>(smem + SMEM_RED);
+  // this lane's B fragments of chunk c: x[lane / 4][c * KC + warp * WCOLS + 4 KS (lane % 4) .. + 4 KS]
+  const uint32_t xrow = smem_u32(smem + SMEM_X) + (lane / 4) * XS + (warp * WCOLS + 4 * KS * (lane % 4)) * 2;
+  const int arow = lane % 16;  // this lane's ldmatrix row of the weight tile
   int it = 0;
   for (int phase = phase_begin; phase < phase_end; ++phase) {
       const int layer = phase / 5, p = phase % 5;
@@ -315,13 +344,6 @@ extern "C" __global__ void __launch_bounds__((NCW + 1) * 32, 1) decode_stream(in
 #endif
         load_x(smem, src, stride, m, (p == 0 || p == 3) && !(P.mode & 8), gain, warp, lane);
       }
-#if ROWCOPY
-      // ldmatrix.x2 of x's rows: lanes 0-7 address rows 0-7 at the k-step's column, lanes 8-15 at +8
-      const uint32_t xrow = smem_u32(smem + SMEM_X) + (lane % 8) * XS + (warp * 64 + ((lane / 8) % 2) * 8) * 2;
-#else
-      // this lane's B fragments of chunk c: x[lane / 4][c * KC + warp * 64 + 16 (lane % 4) .. + 16]
-      const uint32_t xrow = smem_u32(smem + SMEM_X) + (lane / 4) * XS + (warp * 64 + 16 * (lane % 4)) * 2;
-#endif
       for (int g = g0; g < g1; ++g) {
         float acc[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
@@ -329,26 +351,19 @@ extern "C" __global__ void __launch_bounds__((NCW + 1) * 32, 1) decode_stream(in
           const int slot = (it + c) % NSTAGE;
           mbar_wait(full + 8 * slot, ((it + c) / NSTAGE) & 1);
           const uint32_t st = ring + slot * STAGE_BYTES;
-          uint32_t xb[4][2];
-#if ROWCOPY
+          uint32_t xb[KS][2];
 #pragma unroll
-          for (int ks = 0; ks < 4; ++ks)
-            asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0,%1}, [%2];"
-                         : "=r"(xb[ks][0]), "=r"(xb[ks][1]) : "r"(xrow + (c * KC + ks * 16) * 2));
-#else
-          asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(xb[0][0]), "=r"(xb[0][1]), "=r"(xb[1][0]),
-                       "=r"(xb[1][1]) : "r"(xrow + c * KC * 2));
-          asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(xb[2][0]), "=r"(xb[2][1]), "=r"(xb[3][0]),
-                       "=r"(xb[3][1]) : "r"(xrow + c * KC * 2 + 16));
-#endif
+          for (int i = 0; i < KS / 2; ++i)
+            asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(xb[2 * i][0]), "=r"(xb[2 * i][1]),
+                         "=r"(xb[2 * i + 1][0]), "=r"(xb[2 * i + 1][1]) : "r"(xrow + c * KC * 2 + 16 * i));
 #pragma unroll
-          for (int ks = 0; ks < 4; ++ks) {
-            const int kk = warp * 64 + ks * 16, arow = lane % 16, achunk = (kk + (lane / 16) * 8) / 8;
+          for (int ks = 0; ks < KS; ++ks) {
+            const int chunk = warp * (WCOLS / 8) + 2 * ks + lane / 16;  // this lane's 16-byte chunk of the row
             uint32_t a0, a1, a2, a3;
 #if ROWCOPY
-            ldmatrix_x4(st + arow * ROW_STRIDE + achunk * 16, a0, a1, a2, a3);
+            ldmatrix_x4(st + arow * ROW_STRIDE + chunk * 16, a0, a1, a2, a3);
 #else
-            ldmatrix_x4(st + arow * ROW_BYTES + ((achunk ^ (arow & 7)) * 16), a0, a1, a2, a3);
+            ldmatrix_x4(st + arow * ROW_BYTES + ((chunk ^ (arow & 7)) * 16), a0, a1, a2, a3);
 #endif
             mma(acc, a0, a1, a2, a3, xb[ks][0], xb[ks][1]);
           }

@@ -6,7 +6,9 @@
 #include <stdint.h>
 
 #define ROWS 16             // weight rows a tile (the mma's M)
+#ifndef KC
 #define KC 512              // weight columns a tile
+#endif
 #define ROW_BYTES (KC * 2)
 #define MR 8                // input rows (sequences) at most
 #define NCW 8               // consumer warps; warp NCW is the producer
@@ -127,7 +129,7 @@ __device__ __forceinline__ void produce_phase(uint32_t ring, uint32_t full, int 
 }
 
 // Producer, weights in their own [N, K] layout (ROWCOPY builds): each tile's 16 rows are one-row
-// bulk copies issued by lanes 0-15 (every lane of the producer warp calls this). With up_rows > 0
+// bulk copies (KC columns: 2 KB pieces or more keep the copy rate up) issued by lanes 0-15 (every lane of the producer warp calls this). With up_rows > 0
 // (gate_up as [gate; up]) a group takes 8 gate rows and the same 8 rows of the up half.
 __device__ __forceinline__ void produce_phase_rows(uint32_t ring, uint32_t full, int stages, int stage_bytes,
                                                   int row_stride, const PhaseShape& s, int chunks, int up_rows,
