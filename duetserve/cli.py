@@ -113,8 +113,8 @@ def _add_serve(sub) -> None:
                         "a margin that follows the measured error of temporal iterations; default: off, the "
                         "paper's rule)")
     p.add_argument("--decode-stream", action="store_true",
-                   help="experimental: decode batches of up to 8 through the weight-stream kernels (Qwen3 shapes, "
-                        "sm_90 GPU, nvcc and cuda-bindings)")
+                   help="experimental, slower than the default decode graphs for now: decode batches of up to 8 through "
+                        "the weight-stream kernels (Qwen3 shapes, sm_90 GPU, nvcc and cuda-bindings)")
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"),
                    help="server log level")
 

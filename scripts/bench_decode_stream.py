@@ -90,7 +90,7 @@ def make_variant(engine, variant: str, tiled: dict[str, torch.Tensor]) -> Decode
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("out/decode_stream.json"))
-    parser.add_argument("--variants", nargs="+", default=["tiled:9", "rows:4", "rows:3"],
+    parser.add_argument("--variants", nargs="+", default=["tiled:9", "rows:4"],
                         help="kernels LAYOUT:STAGES to check and time (tiled: stream-layout weight copies; rows: "
                              "the engine's own weights, as serve --decode-stream runs them); the first is also "
                              "profiled")

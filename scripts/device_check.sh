@@ -30,6 +30,7 @@ step core-tests 300 python3 -m pytest -q -rP -m gpu -p no:cacheprovider tests/te
 step attention 240 python3 scripts/bench_attention.py --out "$OUT/attention.json"
 step gemm 300 python3 scripts/bench_decode_gemm.py --out "$OUT/gemm.json"
 step weight-stream 240 python3 scripts/bench_weight_stream.py --out "$OUT/weight_stream.json"
+step bulk-copy 120 python3 scripts/bench_bulk_copy.py --out "$OUT/bulk_copy.json"
 step decode-stream 300 python3 scripts/bench_decode_stream.py --out "$OUT/decode_stream.json"
 step engine 420 python3 scripts/bench_engine.py --iters 10 --variants ${ENGINE_VARIANTS:-graphs,eager} --out "$OUT/engine.json"
 step profile 240 python3 scripts/profile_decode.py --out "$OUT/profile.json" ${PROFILE_ARGS:-}

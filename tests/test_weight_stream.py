@@ -1,4 +1,4 @@
-"""scripts/bench_weight_stream.py and bench_decode_stream.py: the stream weight layout (CPU) and their exit
+"""scripts/bench_weight_stream.py, bench_decode_stream.py and bench_bulk_copy.py: the stream weight layout (CPU) and their exit
 without CUDA (the decode stream's parameter block: tests/test_decode_stream.py)."""
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from conftest import CUDA
 SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
 SCRIPT = SCRIPTS / "bench_weight_stream.py"
 DECODE_SCRIPT = SCRIPTS / "bench_decode_stream.py"
+COPY_SCRIPT = SCRIPTS / "bench_bulk_copy.py"
 
 
 def _script(path: Path = SCRIPT):
@@ -65,7 +66,7 @@ def test_interleave_gate_up_groups_eight_gate_then_eight_up_rows():
 
 
 @pytest.mark.skipif(CUDA, reason="checks the exit without CUDA")
-@pytest.mark.parametrize("script", [SCRIPT, DECODE_SCRIPT], ids=["weight_stream", "decode_stream"])
+@pytest.mark.parametrize("script", [SCRIPT, DECODE_SCRIPT, COPY_SCRIPT], ids=["weight_stream", "decode_stream", "bulk_copy"])
 def test_exits_cleanly_without_cuda(tmp_path, script):
     out = tmp_path / "out.json"
     run = subprocess.run([sys.executable, str(script), "--out", str(out)], check=False, capture_output=True, text=True,

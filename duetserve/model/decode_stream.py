@@ -5,14 +5,16 @@ attention, the final norm and lm_head: per layer o + residual, post-attention RM
 SiLU-and-mul, down + residual, then the next layer's input RMSNorm + qkv and q/k-norm + RoPE + KV
 write, each phase after a grid barrier, in one launch between two of the engine's Triton decode
 attentions (37 launches a step for 36 layers). One CTA per SM; a producer warp streams the weight
-tiles into a shared-memory ring with bulk copies (TMA) without stopping at the barriers. It reads
-the model's own weights (a per-layer pointer table) and the engine's paged KV cache.
+tiles into a shared-memory ring with bulk copies (TMA) without stopping at the barriers, one
+copy of 2 KB (1 KB for hidden sizes below 1024) a weight row and stage. It reads the model's own
+weights (a per-layer pointer table) and the engine's paged KV cache.
 
 Needs an sm_90 GPU, ``nvcc`` (the kernel is compiled on first use and cached under
 ``$DUETSERVE_CACHE``, default ``~/.cache/duetserve``, ``kernels/``) and ``cuda-bindings`` (the
 driver API: module load, launch, the parameter block's copy, all on torch's current stream, so a
-step can be recorded in a CUDA graph). Measured in docs/benchmarks.md (twelfth H200 session) as
-``scripts/bench_decode_stream.py``; not yet an engine path.
+step can be recorded in a CUDA graph). Measured in docs/benchmarks.md (twelfth and thirteenth
+H200 sessions) as ``scripts/bench_decode_stream.py``: correct, but still slower than the engine's
+decode graphs (``serve --decode-stream`` is off by default).
 """
 from __future__ import annotations
 
