@@ -18,7 +18,9 @@ graphs), then per shape (batch x context): checks each variant's final hidden st
 tokens' K/V against the engine's eager forward (bf16 rounding drifts over 36 layers: the engine's
 own graphs and eager paths differ too, both are printed), and times one step (logits, no
 sampling) in a CUDA graph against the engine's decode graph, with the floor
-``bytes(weights + KV read) / 4.19 TB/s``.
+``bytes(weights + KV read) / 4.19 TB/s``; then each variant again in the kernel's test modes
+(``MODES``: without grid waits, streaming and multiplying only, both, and the weight copies alone),
+which place its time between the stream, the multiplies and the per-phase work.
 
 Needs a CUDA GPU of compute capability 9.0 with nvcc and cuda-bindings (the lent H200's image has
 both).
@@ -74,6 +76,10 @@ def tiled_weights(model) -> dict[str, torch.Tensor]:
     del gu
     torch.cuda.empty_cache()
     return weights
+
+
+# The kernel's mode bits (decode_stream.cu, Params.mode) timed per variant, by result key
+MODES = {1: "no_grid_wait_ms", 2: "stream_only_ms", 3: "stream_only_no_wait_ms", 7: "copies_only_no_wait_ms"}
 
 
 def make_variant(engine, variant: str, tiled: dict[str, torch.Tensor]) -> DecodeStream:
@@ -149,12 +155,12 @@ def main() -> int:
                     "argmax_agree": float((logits.argmax(-1) == logits_ref.argmax(-1)).float().mean()),
                     "deterministic": bool(torch.equal(logits, again)), "nan": bool(hidden.float().isnan().any())}
             floor = (wbytes + batch * ctx * kv_per_token) / COPY_BW * 1e3
-            row.update(floor_ms=floor, engine_ms=events_ms(engine_step), stream_ms={}, stream_only_ms={},
-                       no_grid_wait_ms={}, stream_only_no_wait_ms={})
+            row.update(floor_ms=floor, engine_ms=events_ms(engine_step), stream_ms={},
+                       **{name: {} for name in MODES.values()})
             for v in args.variants:
                 row["stream_ms"][v] = graph_ms(lambda v=v: step(v))
-                for mode, name in ((2, "stream_only_ms"), (1, "no_grid_wait_ms"), (3, "stream_only_no_wait_ms")):
-                    kernels[v].extra_params["mode"] = mode  # the kernel's mode bits
+                for mode, name in MODES.items():
+                    kernels[v].extra_params["mode"] = mode
                     row[name][v] = graph_ms(lambda v=v: step(v))
                 kernels[v].extra_params.pop("mode")
                 step(v)  # leave sane K/V in the new tokens' slots
@@ -173,11 +179,10 @@ def main() -> int:
         errs = " ".join(f"{c['hidden_rel_err']:.1e}" for c in r["checks"].values())
         print(f"{r['batch']:>3}x{r['ctx']:<5}{f:7.3f} {r['engine_ms']:7.3f} x{r['engine_ms'] / f:.3f} {cols} "
               f" {errs} ({r['engine_graph_vs_eager_logits_rel_err']:.1e})")
-    print("\nper kernel, ms: no grid waits (wrong values) / stream and mma only / both")
+    print("\nper kernel, ms: no grid waits (wrong values) / stream and mma only / both / the copies alone, no waits")
     for r in rows:
         print(f"{r['batch']:>3}x{r['ctx']:<5}" + "".join(
-            f"  {v} {r['no_grid_wait_ms'][v]:.3f} / {r['stream_only_ms'][v]:.3f} / {r['stream_only_no_wait_ms'][v]:.3f}"
-            for v in args.variants))
+            f"  {v} " + " / ".join(f"{r[name][v]:.3f}" for name in MODES.values()) for v in args.variants))
     return 0
 
 

@@ -77,7 +77,8 @@ struct Params {
   const long long* wtab;  // ROWCOPY: [L][8] pointers: qkv, o, gate_up ([gate; up]), down, input norm,
                           // post-attention norm, q norm, k norm (the weight fields above unused)
   long long m;
-  long long mode;         // bit 0: no grid waits, 1: stream and multiply only, 3: no norms (wrong values)
+  long long mode;         // bit 0: no grid waits, 1: stream and multiply only, 2 (with 1): stream only (each
+                          // stage freed as it lands), 3: no norms (wrong values)
   float eps;
   float unused;
 };
@@ -96,6 +97,18 @@ __device__ __forceinline__ float warp_sum(float v) {
 // phase 0 qkv, 2 o, 3 gate_up, 4 down
 __device__ __forceinline__ const bf16* wtab(const Params& P, int layer, int i) {
   return reinterpret_cast<const bf16*>(P.wtab[layer * 8 + i]);
+}
+
+// Layer `layer`'s RMSNorm weight i (4 input, 5 post-attention, 6 q, 7 k): ROWCOPY reads it from
+// wtab (a global load: callers issue it before the grid barrier it does not depend on); the tiled
+// build has the input and post-attention norms folded into its weights (null) and q/k norms stacked.
+__device__ __forceinline__ const bf16* norm_weight(const Params& P, int layer, int i) {
+#if ROWCOPY
+  return wtab(P, layer, i);
+#else
+  const bf16* stacked = i == 6 ? P.qnorm : i == 7 ? P.knorm : nullptr;
+  return stacked ? stacked + (size_t)layer * HD : nullptr;
+#endif
 }
 
 __device__ __forceinline__ PhaseShape phase_shape(const Params& P, int layer, int p) {
@@ -251,7 +264,7 @@ __device__ __forceinline__ void store4(bf16* p, const float (&x)[4]) {
 
 // Phase 1: q/k RMSNorm + RoPE; rotated q to qrot, rotated k and v into the paged cache. One warp a
 // (sequence, head) of the HQ query and HKV key heads.
-__device__ void rope_phase(const Params& P, int layer, int warp, int lane) {
+__device__ void rope_phase(const Params& P, int layer, const bf16* qnorm, const bf16* knorm, int warp, int lane) {
   const int items = (int)P.m * (HQ + HKV);
   for (int item = blockIdx.x * NCW + warp; item < items; item += gridDim.x * NCW) {
     const int s = item / (HQ + HKV), head = item % (HQ + HKV);
@@ -262,26 +275,40 @@ __device__ void rope_phase(const Params& P, int layer, int warp, int lane) {
     float x[4];
     if (head < HQ) {
       load4(x, row + head * HD + 4 * lane);
-#if ROWCOPY
-      norm_rope(x, wtab(P, layer, 6), cs, sn, P.eps, lane);
-#else
-      norm_rope(x, P.qnorm ? P.qnorm + (size_t)layer * HD : nullptr, cs, sn, P.eps, lane);
-#endif
+      norm_rope(x, qnorm, cs, sn, P.eps, lane);
       store4(P.qrot + ((size_t)s * HQ + head) * HD + 4 * lane, x);
     } else {
       const int kvh = head - HQ;
       bf16* kc = P.kv + (size_t)layer * P.layer_stride;
       const size_t at = ((size_t)P.slots[s] * HKV + kvh) * HD + 4 * lane;
       load4(x, row + QN + kvh * HD + 4 * lane);
-#if ROWCOPY
-      norm_rope(x, wtab(P, layer, 7), cs, sn, P.eps, lane);
-#else
-      norm_rope(x, P.knorm ? P.knorm + (size_t)layer * HD : nullptr, cs, sn, P.eps, lane);
-#endif
+      norm_rope(x, knorm, cs, sn, P.eps, lane);
       store4(kc + at, x);
       load4(x, row + QN + HKV * HD + kvh * HD + 4 * lane);
       store4(kc + P.kv_stride + at, x);
     }
+  }
+}
+
+// acc += this warp's share of the weight tile at st (16 rows x KC, shared memory) times x's
+// columns at xs (this lane's B fragments): KS mma.sync k-steps over the warp's WCOLS columns.
+__device__ __forceinline__ void tile_mma(float (&acc)[4], uint32_t st, uint32_t xs, int warp, int lane) {
+  const int arow = lane % 16;  // this lane's ldmatrix row of the tile
+  uint32_t xb[KS][2];
+#pragma unroll
+  for (int i = 0; i < KS / 2; ++i)
+    asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(xb[2 * i][0]), "=r"(xb[2 * i][1]),
+                 "=r"(xb[2 * i + 1][0]), "=r"(xb[2 * i + 1][1]) : "r"(xs + 16 * i));
+#pragma unroll
+  for (int ks = 0; ks < KS; ++ks) {
+    const int chunk = warp * (WCOLS / 8) + 2 * ks + lane / 16;  // this lane's 16-byte chunk of the row
+    uint32_t a0, a1, a2, a3;
+#if ROWCOPY
+    ldmatrix_x4(st + arow * ROW_STRIDE + chunk * 16, a0, a1, a2, a3);
+#else
+    ldmatrix_x4(st + arow * ROW_BYTES + ((chunk ^ (arow & 7)) * 16), a0, a1, a2, a3);
+#endif
+    mma(acc, a0, a1, a2, a3, xb[ks][0], xb[ks][1]);
   }
 }
 
@@ -300,32 +327,41 @@ extern "C" __global__ void __launch_bounds__((NCW + 1) * 32, 1) decode_stream(in
 #if !ROWCOPY
     if (lane != 0) return;
 #endif
-    int it = 0;
-    for (int phase = phase_begin; phase < phase_end; ++phase) {
-      const int layer = phase / 5, p = phase % 5;
-      if (p == 1) continue;
+    // phases with weights (p != 1); each one's shape (ROWCOPY: a pointer load) read while the
+    // previous one streams
+    auto weight_phase = [](int phase) { return phase + (phase % 5 == 1); };
+    int it = 0, phase = weight_phase(phase_begin);
+    PhaseShape next{};
+    if (phase < phase_end) next = phase_shape(P, phase / 5, phase % 5);
+    while (phase < phase_end) {
+      const PhaseShape s = next;
+      const int p = phase % 5, following = weight_phase(phase + 1);
+      if (following < phase_end) next = phase_shape(P, following / 5, following % 5);
 #if ROWCOPY
-      produce_phase_rows(ring, full, NSTAGE, STAGE_BYTES, ROW_STRIDE, phase_shape(P, layer, p), CHUNKS,
-                         p == 3 ? INTER : 0, it);
+      produce_phase_rows(ring, full, NSTAGE, STAGE_BYTES, ROW_STRIDE, s, CHUNKS, p == 3 ? INTER : 0, it);
 #else
-      produce_phase(ring, full, NSTAGE, STAGE_BYTES, phase_shape(P, layer, p), CHUNKS, it);
+      produce_phase(ring, full, NSTAGE, STAGE_BYTES, s, CHUNKS, it);
 #endif
+      phase = following;
     }
     return;
   }
 
-  const int no_grid_wait = P.mode & 1, stream_only = P.mode & 2;
+  const int no_grid_wait = P.mode & 1, stream_only = P.mode & 2, no_mma = stream_only && (P.mode & 4);
   const int m = (int)P.m;
   float* red = reinterpret_cast<float*>(smem + SMEM_RED);
   // this lane's B fragments of chunk c: x[lane / 4][c * KC + warp * WCOLS + 4 KS (lane % 4) .. + 4 KS]
   const uint32_t xrow = smem_u32(smem + SMEM_X) + (lane / 4) * XS + (warp * WCOLS + 4 * KS * (lane % 4)) * 2;
-  const int arow = lane % 16;  // this lane's ldmatrix row of the weight tile
   int it = 0;
   for (int phase = phase_begin; phase < phase_end; ++phase) {
       const int layer = phase / 5, p = phase % 5;
+      // the phase's norm weights (ROWCOPY: global loads), issued before the barrier: the input's
+      // (p 0, 3; null when folded into the weights), or q's and k's (p 1)
+      const bf16* norm = p == 2 || p == 4 ? nullptr : norm_weight(P, layer, p == 0 ? 4 : p == 3 ? 5 : 6);
+      const bf16* knorm = p == 1 ? norm_weight(P, layer, 7) : nullptr;
       if (phase > phase_begin && !no_grid_wait) grid_wait(P.counter, phase * gridDim.x);
       if (p == 1) {
-        if (!stream_only) rope_phase(P, layer, warp, lane);
+        if (!stream_only) rope_phase(P, layer, norm, knorm, warp, lane);
         grid_arrive(P.counter);
         continue;
       }
@@ -337,12 +373,7 @@ extern "C" __global__ void __launch_bounds__((NCW + 1) * 32, 1) decode_stream(in
         if (p == 0 || p == 3) { src = P.stream; stride = HID; }
         else if (p == 2) { src = P.attn; stride = QN; }
         else { src = P.h + part * KPART; stride = INTER; }
-#if ROWCOPY
-        const bf16* gain = p == 0 ? wtab(P, layer, 4) : p == 3 ? wtab(P, layer, 5) : nullptr;
-#else
-        const bf16* gain = nullptr;  // folded into the weights
-#endif
-        load_x(smem, src, stride, m, (p == 0 || p == 3) && !(P.mode & 8), gain, warp, lane);
+        load_x(smem, src, stride, m, (p == 0 || p == 3) && !(P.mode & 8), norm, warp, lane);
       }
       for (int g = g0; g < g1; ++g) {
         float acc[4] = {0.f, 0.f, 0.f, 0.f};
@@ -350,23 +381,7 @@ extern "C" __global__ void __launch_bounds__((NCW + 1) * 32, 1) decode_stream(in
         for (int c = 0; c < CHUNKS; ++c) {
           const int slot = (it + c) % NSTAGE;
           mbar_wait(full + 8 * slot, ((it + c) / NSTAGE) & 1);
-          const uint32_t st = ring + slot * STAGE_BYTES;
-          uint32_t xb[KS][2];
-#pragma unroll
-          for (int i = 0; i < KS / 2; ++i)
-            asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(xb[2 * i][0]), "=r"(xb[2 * i][1]),
-                         "=r"(xb[2 * i + 1][0]), "=r"(xb[2 * i + 1][1]) : "r"(xrow + c * KC * 2 + 16 * i));
-#pragma unroll
-          for (int ks = 0; ks < KS; ++ks) {
-            const int chunk = warp * (WCOLS / 8) + 2 * ks + lane / 16;  // this lane's 16-byte chunk of the row
-            uint32_t a0, a1, a2, a3;
-#if ROWCOPY
-            ldmatrix_x4(st + arow * ROW_STRIDE + chunk * 16, a0, a1, a2, a3);
-#else
-            ldmatrix_x4(st + arow * ROW_BYTES + ((chunk ^ (arow & 7)) * 16), a0, a1, a2, a3);
-#endif
-            mma(acc, a0, a1, a2, a3, xb[ks][0], xb[ks][1]);
-          }
+          if (!no_mma) tile_mma(acc, ring + slot * STAGE_BYTES, xrow + c * KC * 2, warp, lane);
           __syncwarp();
           if (lane == 0) mbar_arrive(empty + 8 * slot);
         }
