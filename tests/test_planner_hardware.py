@@ -98,6 +98,14 @@ def test_invalid_profiles_are_rejected(tmp_path):
     path.write_text(json.dumps(raw))
     with pytest.raises(ValueError, match="provenance"):
         load_profile(path)
+    for key, value in (("partition_granularity", 8), ("partition_min_sms", {"greenctx": 0, "tpcmask": 32}),
+                       ("partition_min_sms", {"greenctx": 200, "tpcmask": 32}),
+                       ("partition_granularity", {"greenctx": 2.5, "tpcmask": 2})):
+        raw = _raw("h200")
+        raw[key] = value  # a bare number, no SMs, more SMs than the GPU has, a fraction
+        path.write_text(json.dumps(raw))
+        with pytest.raises(ValueError, match=f"{key} maps partition backends to SM counts in \\[1, num_sms=132\\]"):
+            load_profile(path)
     with pytest.raises(ValueError, match="no profile"):
         load_profile("b200")
     with pytest.raises(ValueError, match="backend"):

@@ -137,6 +137,13 @@ class HardwareProfile:
                 raise ValueError(f"{self.name}: {eff} must be in (0, 1]")
         if min(self.decode_interference, self.prefill_interference) < 1.0:
             raise ValueError(f"{self.name}: interference factors must be >= 1")
+        for label in ("partition_granularity", "partition_min_sms"):
+            per_backend = getattr(self, label)
+            if not isinstance(per_backend, Mapping) or any(
+                    not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= self.num_sms
+                    for n in per_backend.values()):
+                raise ValueError(f"{self.name}: {label} maps partition backends to SM counts in [1, num_sms="
+                                 f"{self.num_sms}], got {per_backend!r}")
         if set(self.partition_granularity) != set(self.partition_min_sms):
             raise ValueError(f"{self.name}: granularity and min SMs name different backends")
         self._check_overheads()
