@@ -160,8 +160,9 @@ def rates(text: str) -> list[float]:
 
 
 @argtype
-def cv(text: str) -> float:
-    """A coefficient of variation of arrival gaps: finite and >= 0 (nan made the gap sampler loop forever)."""
+def finite_non_negative(text: str) -> float:
+    """A finite number >= 0: a coefficient of variation of arrival gaps (nan made the gap sampler loop
+    forever), a lognormal sigma."""
     value = number(text, float)
     if not (math.isfinite(value) and value >= 0):
         raise ValueError(f"must be a finite number >= 0, got {text!r}")

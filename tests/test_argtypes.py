@@ -77,11 +77,11 @@ def test_rate_and_rates():
 
 
 def test_cv():
-    assert argtypes.cv("0") == 0.0 and argtypes.cv("1.5") == 1.5
-    assert refused(argtypes.cv, "nan") == "must be a finite number >= 0, got 'nan'"
-    assert refused(argtypes.cv, "inf") == "must be a finite number >= 0, got 'inf'"
-    assert refused(argtypes.cv, "-1") == "must be a finite number >= 0, got '-1'"
-    assert refused(argtypes.cv, "x") == "expected a number, got 'x'"
+    assert argtypes.finite_non_negative("0") == 0.0 and argtypes.finite_non_negative("1.5") == 1.5
+    assert refused(argtypes.finite_non_negative, "nan") == "must be a finite number >= 0, got 'nan'"
+    assert refused(argtypes.finite_non_negative, "inf") == "must be a finite number >= 0, got 'inf'"
+    assert refused(argtypes.finite_non_negative, "-1") == "must be a finite number >= 0, got '-1'"
+    assert refused(argtypes.finite_non_negative, "x") == "expected a number, got 'x'"
 
 
 def test_positive_duration_bare_numbers_are_in_the_given_unit():

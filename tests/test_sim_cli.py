@@ -46,6 +46,18 @@ def test_trim_margin_auto_is_accepted(capsys):
     assert any(line.startswith("duet") for line in capsys.readouterr().out.splitlines())
 
 
+def test_prediction_error_changes_the_run_and_the_seed_repeats_it(tmp_path, capsys):
+    """``--prediction-error`` reaches the simulator: the rows differ from exact predictions, and
+    the same ``--seed`` gives the same rows."""
+    def rows(*extra):
+        out = tmp_path / f"rows{len(list(tmp_path.iterdir()))}.json"
+        assert main([*SMALL, "--qps", "5", "--policy", "chunked", "--json", str(out), *extra]) == 0
+        return [{k: v for k, v in r.items() if k != "sim_wall_s"} for r in json.loads(out.read_text())]
+    exact, noisy = rows(), rows("--prediction-error", "0.2", "--seed", "3")
+    assert noisy != exact and noisy == rows("--prediction-error", "0.2", "--seed", "3")
+    assert noisy[0]["mean_ttft_ms"] != exact[0]["mean_ttft_ms"]
+
+
 @pytest.mark.parametrize("args, flag", [
     (["--qps", "2", "--policy", "fastest"], "--policy"),
     (["--qps", "fast"], "--qps"),
@@ -196,6 +208,8 @@ def test_policy_takes_a_comma_separated_list(capsys):
     (["--gpu-memory-utilization", "2"], "argument --gpu-memory-utilization: must be in (0, 1], got '2'"),
     (["--gpu-memory-utilization", "0"], "argument --gpu-memory-utilization: must be in (0, 1], got '0'"),
     (["--seed", "-1"], "argument --seed: must be an integer >= 0, got '-1'"),  # numpy's message, unnamed
+    (["--prediction-error", "-0.1"], "argument --prediction-error: must be a finite number >= 0, got '-0.1'"),
+    (["--prediction-error", "inf"], "argument --prediction-error: must be a finite number >= 0, got 'inf'"),
 ])
 def test_bad_values_name_the_flag(args, message, capsys):
     with pytest.raises(SystemExit) as exc:

@@ -89,6 +89,29 @@ def test_auto_trim_margin_learns_the_simulators_exact_predictions(planner):
     assert policy.trim_margin == pytest.approx(1.0) and policy.temporal_scale == pytest.approx(1.0)
 
 
+def test_prediction_error_spreads_iterations_lognormally_and_auto_trim_follows(planner):
+    """``prediction_error`` 0.05: temporal iterations run their prediction times a lognormal factor
+    (log-ratio mean 0, standard deviation 0.05; the same seed gives the same run). Duet's automatic
+    margin is then 1 / p99 of the last 256 ratios it saw (about 1 / exp(2.33 x 0.05) = 0.89), not
+    1, and its scale their median."""
+    trace = load_trace(None, TraceSpec(qps=20, num_requests=300, input_len=UniformLength(1000, 7000),
+                                       output_len=UniformLength(10, 100), seed=2))
+    config = SimConfig(planner, prediction_error=0.05, seed=7)
+    policy = DuetPolicy(dataclasses.replace(planner, trim_margin=TRIM_AUTO))
+    result = simulate(trace, policy, config)
+    temporal = [it for it in result.iterations if not it.spatial]
+    logs = np.log([it.duration_s / it.predicted_s for it in temporal])
+    assert len(logs) > 300 and abs(logs.mean()) < 0.01 and logs.std() == pytest.approx(0.05, rel=0.1)
+    seen = [it.duration_s / it.predicted_s for it in result.iterations
+            if not it.spatial and it.num_decodes and it.num_prefill_tokens][-256:]
+    assert policy.trim_margin == pytest.approx(min(1.0, 1 / np.quantile(seen, 0.99)))
+    assert 0.82 < policy.trim_margin < 0.95 and policy.temporal_scale == pytest.approx(np.median(seen))
+    again = simulate(trace, DuetPolicy(dataclasses.replace(planner, trim_margin=TRIM_AUTO)), config)
+    assert [it.duration_s for it in again.iterations] == [it.duration_s for it in result.iterations]
+    with pytest.raises(ValueError, match="prediction_error must be a finite sigma >= 0, got -0.1"):
+        SimConfig(planner, prediction_error=-0.1)
+
+
 def test_spatial_iteration_emits_decode_tokens_per_step(planner):
     """A long prompt arriving beside a decoding request: duet splits, decode tokens every t_d,
     and steps start only while half a step of the prefill is left (``executed_steps``)."""

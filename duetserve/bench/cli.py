@@ -35,9 +35,9 @@ from duetserve.argtypes import (
     add_length_options,
     argtype,
     comma_items,
-    cv,
     existing_file,
     exit_status,
+    finite_non_negative,
     non_negative_int,
     number,
     output_file,
@@ -186,7 +186,7 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
                    help="trace: keep timestamps; scale: stretch to --qps; poisson: re-draw at "
                         "--qps with gamma gaps of CV --cv (default: trace)")
     t.add_argument("--qps", type=rate, help="request rate, req/s ('inf': all at once)")
-    t.add_argument("--cv", type=cv, default=1.0,
+    t.add_argument("--cv", type=finite_non_negative, default=1.0,
                    help="CV of generated inter-arrival gaps (1 = Poisson)")
     t.add_argument("--window", type=window,
                    metavar="START:END", help="keep arrivals in [START, END) s of the trace")

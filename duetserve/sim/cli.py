@@ -73,7 +73,7 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
                    help="request rates to sweep, req/s")
     t.add_argument("--arrival", default="poisson", choices=["poisson", "scale"],
                    help="poisson: re-draw arrivals at each QPS (gaps of CV --cv); scale: stretch the trace's own")
-    t.add_argument("--cv", type=argtypes.cv, default=1.0, help="CV of Poisson/gamma gaps")
+    t.add_argument("--cv", type=argtypes.finite_non_negative, default=1.0, help="CV of Poisson/gamma gaps")
     t.add_argument("--window", type=argtypes.window, metavar="START:END",
                    help="keep requests arriving in [START, END) of the trace, e.g. 0:10min")
     t.add_argument("--num-requests", type=argtypes.positive_int, metavar="N",
@@ -97,6 +97,9 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
                    help="share of HBM for weights and KV cache (default 0.9)")
     m.add_argument("--kv-cache-tokens", type=argtypes.positive_int, metavar="TOKENS",
                    help="KV capacity (default: from the profile's HBM minus the weights)")
+    m.add_argument("--prediction-error", type=argtypes.finite_non_negative, default=0.0, metavar="SIGMA",
+                   help="run each iteration for its predicted time times a lognormal factor exp(N(0, SIGMA^2)), "
+                        "seeded by --seed (default 0: exactly the prediction; 0.05 is close to the H200's spread)")
 
     s = p.add_argument_group("scheduling")
     s.add_argument("--policy", type=argtypes.argtype(_policies), default="all", metavar="POLICY[,POLICY...]",
@@ -106,7 +109,7 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
     s.add_argument("--trim-margin", type=argtypes.trim_margin, default=None, metavar="FRACTION|auto",
                    help="duet: prefer a temporal batch trimmed to FRACTION x the SLO when its predicted token "
                         "rate beats the split (as `serve --trim-margin`; auto: follow the measured error, "
-                        "which the simulator takes as none; default off)")
+                        "none unless --prediction-error; default off)")
     s.add_argument("--max-num-batched-tokens", type=argtypes.positive_int, default=8192,
                    help="token budget per iteration (default 8192; 2048 suits A100)")
     s.add_argument("--max-num-seqs", type=argtypes.positive_int, default=256)
@@ -187,7 +190,8 @@ def _simulate(args: argparse.Namespace) -> int:
     except ValueError as exc:  # "--policy pdmux needs an SM partition backend ..."
         raise UsageError(str(exc)) from exc
     config = SimConfig(planner, args.max_num_seqs, args.max_num_batched_tokens, args.block_size,
-                       args.kv_cache_tokens, args.gpu_memory_utilization, args.max_model_len)
+                       args.kv_cache_tokens, args.gpu_memory_utilization, args.max_model_len,
+                       args.prediction_error, args.seed)
     rows = []
     for qps in args.qps:
         trace = load_trace(args.trace, _trace_spec(args, qps))

@@ -22,6 +22,12 @@ Iteration time, by plan:
   its last layer finished (the engine checks, without waiting, as a round starts); alone, at
   the end of the round that ran its last layer.
 
+With ``SimConfig.prediction_error`` sigma > 0 each of those times is the prediction times a
+lognormal factor ``exp(N(0, sigma^2))`` (median 1; a spatial iteration draws one for ``t_d`` and
+one for ``t_p``), seeded: the GPU runs iterations off their prediction (docs/benchmarks.md,
+thirteenth H200 session: temporal ones 0.93-1.0x at the median, about 1.15x at p99, which
+sigma 0.05 approximates), and the policies' feedback (``--trim-margin auto``) sees that error.
+
 A request's TTFT runs from its arrival to its first token, its TBT gaps between consecutive
 tokens (a preempted request's gap includes its recompute). KV capacity is the profile's HBM
 times a utilization, minus the weights, divided by the KV bytes per token (vLLM's sizing).
@@ -29,10 +35,12 @@ times a utilization, minus the weights, divided by the KV bytes per token (vLLM'
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 from tqdm import tqdm
 
 from duetserve.bench.client import RequestRecord
@@ -92,6 +100,12 @@ class SimConfig:
             (``kv_cache_tokens``) at ``gpu_memory_utilization``.
         gpu_memory_utilization: share of HBM for weights and KV cache, (0, 1].
         max_model_len: context limit in tokens; None fits the trace's longest request.
+        prediction_error: sigma of the lognormal factor on every simulated time (module
+            docstring); 0 runs the predictions exactly.
+        seed: seed of those factors.
+
+    Raises:
+        ValueError: ``prediction_error`` negative or not finite.
     """
 
     planner: PlannerConfig
@@ -101,6 +115,12 @@ class SimConfig:
     kv_cache_tokens: int | None = None
     gpu_memory_utilization: float = 0.9
     max_model_len: int | None = None
+    prediction_error: float = 0.0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.prediction_error < math.inf:
+            raise ValueError(f"prediction_error must be a finite sigma >= 0, got {self.prediction_error}")
 
     def kv_blocks(self) -> int:
         """KV-cache blocks of ``block_size`` tokens (raises ValueError as ``kv_cache_tokens``)."""
@@ -182,6 +202,17 @@ class _Run:
         self.iterations: list[IterationRecord] = []
         self.split: _LayerSplit | None = None
         self.now = 0.0
+        self.rng = np.random.default_rng(config.seed)
+
+    def _actual(self, predicted_s: float) -> float:
+        """The simulated seconds of a step predicted at ``predicted_s`` (``prediction_error``)."""
+        sigma = self.config.prediction_error
+        return predicted_s * math.exp(self.rng.normal(0.0, sigma)) if sigma else predicted_s
+
+    def _spatial(self, decode: list[tuple[int, int]], prefill: list[tuple[int, int]], s_decode: int) -> tuple[float, float]:
+        """Simulated ``(t_d, t_p)`` of a split with ``s_decode`` SMs for decode."""
+        t_d, t_p = self.cm.predict_spatial(decode, prefill, s_decode, self.total_sms)
+        return self._actual(float(t_d)), self._actual(float(t_p))
 
     def add(self, index: int) -> bool:
         """Queue trace request ``index``; False (and the record's ``error`` set) when it can
@@ -232,12 +263,12 @@ class _Run:
         if plan.prefill_layers is not None and prefill:
             return self._layer_round(out, decode, prefill)
         if plan.spatial:
-            t_d, t_p = (float(x) for x in self.cm.predict_spatial(decode, prefill, plan.s_decode, self.total_sms))
+            t_d, t_p = self._spatial(decode, prefill, plan.s_decode)
             # The executor starts no decode step near the prefill's end (ModelRunner._execute_spatial).
             steps = executed_steps(t_d, t_p, plan.k) if prefill else plan.k
             duration = max(steps * t_d, t_p)
             return duration, [self.now + i * t_d for i in range(1, steps + 1)], self.now + duration
-        duration = float(self.cm.predict_total(decode + prefill, self.total_sms))
+        duration = self._actual(float(self.cm.predict_total(decode + prefill, self.total_sms)))
         return duration, [self.now + duration], self.now + duration
 
     def _layer_round(self, out: SchedulerOutput, decode: list[tuple[int, int]],
@@ -246,10 +277,10 @@ class _Run:
         plan, layers = out.plan, self.config.planner.shape.layers
         t_d, t_p = 0.0, 0.0
         if plan.spatial:
-            t_d, t_p = (float(x) for x in self.cm.predict_spatial(decode, prefill, plan.s_decode, self.total_sms))
+            t_d, t_p = self._spatial(decode, prefill, plan.s_decode)
         if self.split is None or not self.split.holds(out.prefills):
             if not plan.spatial:
-                t_p = float(self.cm.predict_total(prefill, self.total_sms))
+                t_p = self._actual(float(self.cm.predict_total(prefill, self.total_sms)))
             self.split = _LayerSplit(out.prefills, t_p / layers, layers, self.now)
         split = self.split
         submitted = min(plan.prefill_layers, split.layers_left)
