@@ -157,6 +157,8 @@ def iteration_summary(records: list[dict[str, Any]], t0: float, t1: float) -> di
     ``prefill_measured_over_predicted`` the median of the prefill stream's busy time over the
     predicted prefill time, and ``decode_step_measured_over_predicted`` the median of the decode
     stream's busy time per step over the predicted step time (None where not logged).
+    Where the log has the scheduler's time (``schedule_s``, the policy's planning included),
+    ``schedule_ms_median`` and ``schedule_ms_p99`` give it.
     """
     its = [r for r in records if t0 <= r.get("t", -1.0) <= t1]
     spatial = [r for r in its if r.get("spatial")]
@@ -165,6 +167,10 @@ def iteration_summary(records: list[dict[str, Any]], t0: float, t1: float) -> di
     out: dict[str, Any] = {"iterations": len(its), "spatial_iterations": len(spatial),
                            "spatial_share": len(spatial) / len(its) if its else None,
                            "pred_err_median": errs[len(errs) // 2] if errs else None}
+    sched = sorted(r["schedule_s"] for r in its if r.get("schedule_s") is not None)
+    if sched:
+        out["schedule_ms_median"] = sched[len(sched) // 2] * 1e3
+        out["schedule_ms_p99"] = sched[min(len(sched) - 1, int(0.99 * len(sched)))] * 1e3
     if spatial:
         sd = sorted(r["s_decode"] for r in spatial if r.get("s_decode") is not None)
         # decode steps run ("steps", at most the reserved "k"; older logs have only "k")
@@ -538,6 +544,9 @@ class Bench:
                          f"{_f(it['spatial_measured_over_predicted'], '.2f')}, prefill stream "
                          f"{_f(it['prefill_measured_over_predicted'], '.2f')}, decode step "
                          f"{_f(it['decode_step_measured_over_predicted'], '.2f')}", lane)
+            if it.get("schedule_ms_median") is not None:
+                self.log(f"  scheduling a step (planning included), ms p50/p99: {it['schedule_ms_median']:.2f}/"
+                         f"{it['schedule_ms_p99']:.2f}", lane)
             if res.get("failure_reasons"):
                 self.log(f"  failures: {json.dumps(res['failure_reasons'])[:600]}", lane)
         self.add_runs(run)

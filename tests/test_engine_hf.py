@@ -148,6 +148,7 @@ def test_lookahead_tokens_come_out_one_step_at_a_time(tiny_qwen3_folder):
         [("a", 1, False), ("b", 1, False)], [("a", 1, False), ("b", 1, True)], [("a", 1, False)], [("a", 1, False)],
         [("c", 1, False)]]
     assert engine.last_stats.plan.k == 4 and engine.last_stats.num_decodes == 2 and engine.last_stats.decode_steps == 4
+    assert 0 < engine.last_stats.schedule_s < engine.last_stats.duration_s
     for part in parts:
         for rid, ids, _ in part:
             got[rid] = got.get(rid, []) + ids

@@ -361,6 +361,7 @@ def test_iteration_log_records_every_iteration(server_proc):
     assert len(rows) >= 6  # one prefill iteration, then one per further token (plus other requests' steps)
     assert {"t", "spatial", "s_decode", "s_prefill", "k", "predicted_s", "measured_s"} <= set(rows[-1])
     assert all(r["measured_s"] > 0 and r["spatial"] is False for r in rows)  # no partition backend on the CPU
+    assert all(0 < r["schedule_s"] < r["measured_s"] for r in rows)  # scheduling is part of the iteration
     assert all(r["decode_stream_s"] is None and r["prefill_stream_s"] is None for r in rows)  # no CUDA events
     # chunked plans without predicting: the log carries the engine cost model's (h200 profile, no graphs on the CPU)
     assert all(r["prefill_layers"] is None and r["predicted_s"] > 0 and r["cuda_graphs"] is False for r in rows)

@@ -177,6 +177,10 @@ def test_iteration_summary_window_and_error():
     assert s["prefill_measured_over_predicted"] is None  # not logged by this (older) record
     assert sb.iteration_summary(recs, 20.0, 30.0) == {"iterations": 0, "spatial_iterations": 0,
                                                      "spatial_share": None, "pred_err_median": None}
+    assert "schedule_ms_median" not in s  # an older log without the scheduler's time
+    timed = [{**r, "schedule_s": 1e-3 * (i + 1)} for i, r in enumerate(recs)]  # 2, 3, 4 ms in the window
+    s = sb.iteration_summary(timed, 1.0, 3.0)
+    assert (s["schedule_ms_median"], s["schedule_ms_p99"]) == pytest.approx((3.0, 4.0))
 
 
 def test_iteration_summary_stream_times():

@@ -63,9 +63,10 @@ class StepStats:
     """One iteration, for metrics: plan, sizes, wall time (seconds), the decode steps that
     ran (at most ``plan.k``: a spatial plan stops at its prefill's end), for plans on
     CUDA streams each stream's busy seconds between CUDA events (``{"decode": s,
-    "prefill": s}``; empty on the CPU and for temporal plans), and the ``scheduled``
+    "prefill": s}``; empty on the CPU and for temporal plans), the ``scheduled``
     sequences (decodes first), whose ``num_new_tokens`` / ``num_cached_tokens`` are the
-    ``(q, c)`` they were scheduled with."""
+    ``(q, c)`` they were scheduled with, and ``schedule_s``, the wall seconds of
+    ``Scheduler.schedule`` (the policy's plan included; part of ``duration_s``)."""
 
     plan: Plan
     num_decodes: int
@@ -76,6 +77,7 @@ class StepStats:
     stream_s: dict[str, float] = field(default_factory=dict)
     num_prefills: int = 0
     scheduled: list[ScheduledSeq] = field(default_factory=list)
+    schedule_s: float = 0.0
 
 
 @dataclass
@@ -286,6 +288,7 @@ class LLMEngine:
         start = time.perf_counter()
         self.last_stats = None
         out = self.scheduler.schedule()
+        schedule_s = time.perf_counter() - start
         if out.is_empty:
             return
         emitted = {s.seq.seq_id: s.seq.num_tokens for s in out.scheduled}
@@ -313,7 +316,7 @@ class LLMEngine:
                 self.last_stats = StepStats(out.plan, len(out.decodes), out.num_prefill_tokens,
                                             duration, len(out.preempted),
                                             steps or int(bool(out.decodes)),
-                                            dict(stream_s), len(out.prefills), out.scheduled)
+                                            dict(stream_s), len(out.prefills), out.scheduled, schedule_s)
             if outputs or part.final:
                 yield outputs
 
