@@ -106,6 +106,25 @@ def test_invalid_profiles_are_rejected(tmp_path):
         path.write_text(json.dumps(raw))
         with pytest.raises(ValueError, match=f"{key} maps partition backends to SM counts in \\[1, num_sms=132\\]"):
             load_profile(path)
+    for key, value, message in (
+            ("kernel_gpu_s", float("nan"), "kernel_gpu_s must be a number \\(finite\\), got nan"),  # hung simulate
+            ("host_eager_s", float("inf"), "host_eager_s must be a number \\(finite\\), got inf"),
+            ("num_sms", "132", "num_sms must be an integer \\(finite\\), got '132'"),
+            ("decode_interference", None, "decode_interference must be a number \\(finite\\), got None"),
+            ("narrow_decode_batch", "x", "narrow_decode_batch must be an integer \\(finite\\), got 'x'"),
+            ("bandwidth_points", [[16]], "bandwidth_points must be a list of \\[SMs, rate\\] number pairs"),
+            ("compute_points", [[16, 1e14], [132, float("nan")]], "compute_points must be finite numbers")):
+        raw = _raw("h200")
+        raw[key] = value
+        path.write_text(json.dumps(raw))
+        with pytest.raises(ValueError, match=message):
+            load_profile(path)
+    path.write_text("[]")
+    with pytest.raises(ValueError, match="must be a JSON object, got list"):
+        load_profile(path)
+    path.write_text(json.dumps({"num_sms": 132}))
+    with pytest.raises(ValueError, match="missing keys \\['allreduce_alpha_s', 'bandwidth_points', 'compute_capability_major'"):
+        load_profile(path)
     with pytest.raises(ValueError, match="no profile"):
         load_profile("b200")
     with pytest.raises(ValueError, match="backend"):

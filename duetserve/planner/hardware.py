@@ -42,6 +42,7 @@ no extrapolation and no clamping.
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Mapping
 from dataclasses import MISSING, dataclass, field, fields, replace
 from importlib import resources
@@ -130,6 +131,12 @@ class HardwareProfile:
     narrow_decode_batch: int = 0
 
     def __post_init__(self) -> None:
+        for f in fields(self):  # numbers first: NaN passes every comparison below (and hung simulate)
+            value = getattr(self, f.name)
+            if f.type in ("int", "float") and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                               or not math.isfinite(value) or (f.type == "int" and value != int(value))):
+                kind = "an integer" if f.type == "int" else "a number"
+                raise ValueError(f"{self.name}: {f.name} must be {kind} (finite), got {value!r}")
         self._check_points("compute_points", self.compute_points, self.peak_flops)
         self._check_points("bandwidth_points", self.bandwidth_points, self.peak_bandwidth)
         for eff in ("compute_efficiency", "bandwidth_efficiency", "attention_efficiency"):
@@ -170,7 +177,8 @@ class HardwareProfile:
             raise ValueError(f"{self.name}: narrow_decode_batch must be an integer >= 0, got {self.narrow_decode_batch}")
         for label in ("kernels_per_layer", "kernels_per_forward"):
             counts = getattr(self, label)
-            if not set(counts) <= set(kinds) or any(int(n) != n or n < 0 for n in counts.values()):
+            if not isinstance(counts, Mapping) or not set(counts) <= set(kinds) or any(
+                    isinstance(n, bool) or not isinstance(n, int) or n < 0 for n in counts.values()):
                 raise ValueError(f"{self.name}: {label} maps {kinds} to kernel counts >= 0, got {counts}")
             if (self.kernel_gpu_s or self.launch_cpu_s) and not set(ITERATION_KINDS) <= set(counts):
                 raise ValueError(f"{self.name}: per-kernel overheads need {label} for {ITERATION_KINDS}")
@@ -197,6 +205,8 @@ class HardwareProfile:
 
     def _check_points(self, label: str, points: Points, peak: float) -> None:
         sms = [p[0] for p in points]
+        if not all(math.isfinite(x) for p in points for x in p):
+            raise ValueError(f"{self.name}: {label} must be finite numbers")
         if not points or sms[0] <= 0 or any(b <= a for a, b in pairwise(sms)):
             raise ValueError(f"{self.name}: {label} need strictly increasing S > 0")
         if sms[-1] != self.num_sms:
@@ -298,17 +308,21 @@ def load_profile(name_or_path: str | Path) -> HardwareProfile:
         raw = json.loads(text)
     except json.JSONDecodeError as exc:
         raise ValueError(f"profile {name_or_path!r} is not JSON: {exc}") from exc
+    if not isinstance(raw, dict):
+        raise ValueError(f"profile {name_or_path!r} must be a JSON object, got {type(raw).__name__}")
     raw.pop("calibration", None)
     known = {f.name for f in fields(HardwareProfile)}
     if set(raw) - known:
         raise ValueError(f"profile {name_or_path!r}: unknown keys {sorted(set(raw) - known)}")
+    required = {f.name for f in fields(HardwareProfile) if f.default is MISSING and f.default_factory is MISSING}
+    if required - set(raw):
+        raise ValueError(f"profile {name_or_path!r}: missing keys {sorted(required - set(raw))}")
     for key in ("compute_points", "bandwidth_points"):
-        if key in raw:
+        try:
             raw[key] = tuple((float(s), float(r)) for s, r in raw[key])
-    try:
-        return HardwareProfile(**raw)
-    except TypeError as exc:  # missing required keys
-        raise ValueError(f"profile {name_or_path!r}: {exc}") from exc
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"profile {name_or_path!r}: {key} must be a list of [SMs, rate] number pairs") from exc
+    return HardwareProfile(**raw)
 
 
 def _profile_dir():  # a Traversable (importlib.resources)
