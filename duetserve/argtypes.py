@@ -182,6 +182,20 @@ def positive_duration(bare_unit: str) -> Callable[[str], float]:
     return duration
 
 
+MIN_TBT_SLO_S = 1e-3
+
+
+@argtype
+def tbt_slo(text: str) -> float:
+    """A TBT SLO in seconds: a duration (bare numbers are ms) of at least 1 ms; below that it is
+    refused, naming the likely slip (``--tbt-slo 0.1`` is 0.1 ms, not 0.1 s)."""
+    value = _positive(parse_duration(text, "ms"), text, "duration")
+    if value < MIN_TBT_SLO_S:
+        raise ValueError(f"a TBT SLO under 1 ms cannot be served, got {text!r} (bare numbers are milliseconds: "
+                         f"write 100ms or 0.1s)")
+    return value
+
+
 def pair(text: str, parse: Callable[[str], T], form: str) -> tuple[T, T]:
     """``A:B`` as ``(parse(A), parse(B))``; ValueError "expected FORM, got 'TEXT'" without a colon."""
     low, sep, high = text.partition(":")

@@ -14,7 +14,7 @@ from pathlib import Path
 from duetserve.argtypes import (
     join_negative_values,
     non_empty,
-    positive_duration,
+    tbt_slo,
     trim_margin,
 )
 from duetserve.bench import cli as bench_cli
@@ -72,7 +72,7 @@ def _add_serve(sub) -> None:
                    help="dummy: random weights with the config's shapes")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on")
     p.add_argument("--port", type=_port, default=8000, help="port to listen on")
-    p.add_argument("--tbt-slo", type=positive_duration("ms"), default="100ms",
+    p.add_argument("--tbt-slo", type=tbt_slo, default="100ms",
                    help="TBT SLO, e.g. 100ms or 0.1s (a bare number is milliseconds, as in simulate and bench)")
     p.add_argument("--policy", choices=POLICIES, default="duet", help="scheduling policy")
     p.add_argument("--max-num-seqs", type=int, default=64, help="most sequences per iteration")

@@ -5,6 +5,7 @@ import argparse
 
 import pytest
 
+from duetserve import argtypes
 from duetserve.argtypes import image_formats
 from duetserve.cli import _add_serve, _positive_float, main
 
@@ -111,6 +112,19 @@ def test_serve_tbt_slo_bare_number_is_milliseconds():
     for text, seconds in (("100", 0.1), ("100ms", 0.1), ("0.25s", 0.25)):
         assert parser.parse_args(["serve", "--tbt-slo", text]).tbt_slo == pytest.approx(seconds)
     assert parser.parse_args(["serve"]).tbt_slo == pytest.approx(0.1)
+
+
+@pytest.mark.parametrize("command", [["serve"], ["bench", "--num-requests", "2", "--qps", "1"],
+                                     ["simulate", "--format", "synthetic", "--qps", "1", "--num-requests", "2"]])
+def test_a_tbt_slo_under_a_millisecond_is_refused_as_a_likely_slip(command, capsys):
+    """``--tbt-slo 0.1`` was 0.1 ms, served silently (its log said "TBT SLO 0 ms"); 1 ms is the least."""
+    with pytest.raises(SystemExit) as exc:
+        main([*command, "--tbt-slo", "0.1"])
+    assert exc.value.code == 2
+    assert capsys.readouterr().err.endswith(
+        "error: argument --tbt-slo: a TBT SLO under 1 ms cannot be served, got '0.1' (bare numbers are milliseconds: "
+        "write 100ms or 0.1s)\n")
+    assert argtypes.tbt_slo("1") == pytest.approx(1e-3) and argtypes.tbt_slo("0.1s") == pytest.approx(0.1)
 
 
 def test_serve_refuses_a_busy_port_before_loading(capsys):

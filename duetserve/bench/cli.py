@@ -47,6 +47,7 @@ from duetserve.argtypes import (
     positive_int,
     rate,
     rates,
+    tbt_slo,
     trace_format,
     window,
 )
@@ -222,7 +223,7 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
     r = p.add_argument_group("results")
     r.add_argument("--goodput", nargs="+", default=[], metavar="KEY:MS",
                    help="goodput SLOs, e.g. ttft:500 tpot:100ms e2el:10s (bare numbers: ms)")
-    r.add_argument("--tbt-slo", type=positive_duration("ms"),
+    r.add_argument("--tbt-slo", type=tbt_slo,
                    metavar="DURATION", help="TBT SLO for tbt_slo_attainment, e.g. 100ms")
     r.add_argument("--percentiles", type=argtype(_percentiles), default=[90.0, 99.0],
                    metavar="P,P", help="reported percentiles (default 90,99)")

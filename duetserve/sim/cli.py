@@ -104,7 +104,7 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
     s = p.add_argument_group("scheduling")
     s.add_argument("--policy", type=argtypes.argtype(_policies), default="all", metavar="POLICY[,POLICY...]",
                    help=f"policies to simulate, comma-separated, from {', '.join(POLICIES)}; or all")
-    s.add_argument("--tbt-slo", type=argtypes.positive_duration("ms"), default=0.1, metavar="DURATION",
+    s.add_argument("--tbt-slo", type=argtypes.tbt_slo, default=0.1, metavar="DURATION",
                    help="TBT SLO, e.g. 100ms (bare numbers: ms)")
     s.add_argument("--trim-margin", type=argtypes.trim_margin, default=None, metavar="FRACTION|auto",
                    help="duet: prefer a temporal batch trimmed to FRACTION x the SLO when its predicted token "
