@@ -101,7 +101,9 @@ def _add_serve(sub) -> None:
                    help="use this libsmctrl.so for --partition-backend tpcmask instead of the built-in shim")
     p.add_argument("--iteration-log", default=None, metavar="PATH",
                    help="append one JSON line per engine iteration (plan, SMs, k, predicted and measured seconds)")
-    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
+    p.add_argument("--api-key", type=non_empty, default=None,
+                   help="require 'Authorization: Bearer KEY' on /v1 routes (an empty KEY is refused: it would "
+                        "turn authentication off)")
     p.add_argument("--seed", type=int, default=0, help="seed for dummy weights and unseeded sampling")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode")
     p.add_argument("--num-decode-steps", type=int, default=1, metavar="N",

@@ -44,6 +44,7 @@ def test_bad_serve_flags_exit_2_naming_the_flag(argv, flag, capsys):
     (["--cpu-kv-cache-gb", "two"], "argument --cpu-kv-cache-gb: must be a positive number, got 'two'"),
     (["--served-model-name", ""], "argument --served-model-name: must not be empty"),
     (["--served-model-name", "  "], "argument --served-model-name: must not be empty"),
+    (["--api-key", ""], "argument --api-key: must not be empty"),  # `--api-key "$UNSET"` served without auth
     (["--trim-margin", "fast"], "argument --trim-margin: must be a number in (0, 1] or auto, got 'fast'"),
 ])
 def test_bad_serve_values_are_explained(argv, message, capsys):

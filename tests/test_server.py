@@ -245,6 +245,11 @@ def test_body_must_be_a_json_object(server):
         assert r.status_code == 400, r.text
         hint = " (it was sent as text/plain: send it with Content-Type: application/json)" if ctype == "text/plain" else ""
         assert r.json()["error"]["message"] == "the request body must be a JSON object" + hint, r.text
+    # a JSON object with no Content-Type: FastAPI does not parse it (CSRF); the message says what to send
+    r = httpx.post(f"{server}/v1/completions", headers=AUTH, content=b'{"prompt": "Hi", "max_tokens": 3}', timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["message"] == (
+        "the request body must be a JSON object (it was sent without a Content-Type: send it with "
+        "Content-Type: application/json)"), r.text
     r = httpx.post(f"{server}/v1/completions", headers={**AUTH, "Content-Type": "application/json"}, content=b"",
                    timeout=60)
     assert r.status_code == 400 and r.json()["error"] == {

@@ -93,9 +93,10 @@ def create_app(engine: AsyncEngine, metrics: ServerMetrics, model_name: str, api
         if not loc and first.get("type") == "missing":  # FastAPI's reading of a body of zero bytes
             return error_response(400, "the request body is empty: expected a JSON object")
         if not loc and first.get("type") in ("model_attributes_type", "dict_type"):  # e.g. a text/plain body
+            # FastAPI parses no body without a Content-Type as JSON (its strict_content_type, against CSRF)
             content_type = request.headers.get("content-type", "")
-            hint = "" if not content_type or "json" in content_type else \
-                f" (it was sent as {content_type.split(';')[0]}: send it with Content-Type: application/json)"
+            sent = f"as {content_type.split(';')[0]}" if content_type else "without a Content-Type"
+            hint = "" if "json" in content_type else f" (it was sent {sent}: send it with Content-Type: application/json)"
             return error_response(400, f"the request body must be a JSON object{hint}")
         return error_response(400, f"{message}{' (' + '.'.join(loc) + ')' if loc else ''}",
                               loc[0] if loc else None)
