@@ -46,6 +46,18 @@ def test_trim_margin_auto_is_accepted(capsys):
     assert any(line.startswith("duet") for line in capsys.readouterr().out.splitlines())
 
 
+def test_a_short_light_run_keeps_up(tmp_path, capsys):
+    """``simulate --format synthetic --qps 2 --num-requests 20``: 1.77 requests a second finished
+    over the whole run (the last one's drain included), and every policy was reported as "did
+    not keep up". Between their first and last events requests finish as fast as they arrive."""
+    out = tmp_path / "rows.json"
+    assert main(["simulate", "--format", "synthetic", "--qps", "2", "--num-requests", "20", "--policy", "chunked",
+                 "--json", str(out), "--no-progress"]) == 0
+    (r,) = json.loads(out.read_text())
+    assert r["request_throughput"] < 0.9 * 2 and r["completion_rate"] == pytest.approx(r["arrival_rate"], rel=0.1)
+    assert "chunked: p99 TBT within 100 ms and keeping up until qps 2" in capsys.readouterr().out
+
+
 def test_prediction_error_changes_the_run_and_the_seed_repeats_it(tmp_path, capsys):
     """``--prediction-error`` reaches the simulator: the rows differ from exact predictions, and
     the same ``--seed`` gives the same rows."""

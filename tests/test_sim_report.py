@@ -36,14 +36,26 @@ def test_capacity_misses_say_which_condition_failed():
     was far within the SLO and the finished rate alone fell short."""
     assert capacity_misses(row("duet", 12, 11.8, 90)) == []
     assert capacity_misses(row("duet", 16, 13.0, 92)) == [
-        "did not keep up: 13.00 req/s finished against 16 offered (under 90%)"]
+        "did not keep up: requests finished at 13.00/s while they arrived at 16.00/s (under 90%)"]
     assert capacity_misses(row("duet", 16, 13.0, 120.3)) == [
-        "p99 TBT 120.3 ms above the 100 ms SLO", "did not keep up: 13.00 req/s finished against 16 offered (under 90%)"]
+        "p99 TBT 120.3 ms above the 100 ms SLO",
+        "did not keep up: requests finished at 13.00/s while they arrived at 16.00/s (under 90%)"]
     rows = [row("duet", 4, 3.3, 33.5), row("duet", 2, 1.77, 6.7)]
     assert format_capacity(rows).splitlines() == [
         "duet: no swept QPS keeps p99 TBT within the SLO while keeping up:",
-        "  qps 2: did not keep up: 1.77 req/s finished against 2 offered (under 90%)",
-        "  qps 4: did not keep up: 3.30 req/s finished against 4 offered (under 90%)"]
+        "  qps 2: did not keep up: requests finished at 1.77/s while they arrived at 2.00/s (under 90%)",
+        "  qps 4: did not keep up: requests finished at 3.30/s while they arrived at 4.00/s (under 90%)"]
+
+
+def test_keeping_up_compares_the_completion_rate_with_the_arrival_rate():
+    """A short light run (20 requests at QPS 2) finished 1.77 requests a second over the whole
+    run, the last one's drain included, and was reported as not keeping up; between their first
+    and last events, requests finished as fast as they arrived."""
+    light = {**row("duet", 2, 1.77, 6.7), "arrival_rate": 2.05, "completion_rate": 2.01}
+    assert capacity_misses(light) == []
+    behind = {**row("duet", 16, 14.0, 80), "arrival_rate": 16.3, "completion_rate": 13.9}
+    assert capacity_misses(behind) == [
+        "did not keep up: requests finished at 13.90/s while they arrived at 16.30/s (under 90%)"]
 
 
 def test_table_has_a_row_per_result():
@@ -57,4 +69,4 @@ def test_requests_that_could_not_run_are_counted_and_named_as_a_miss():
     assert format_table([refused]).splitlines()[2].split()[:5] == ["duet", "4", "2", "18", "0.95"]
     assert capacity_misses(refused) == [
         "18 of 20 requests could not run (longer than --max-model-len, or more KV blocks than the cache has)",
-        "did not keep up: 0.95 req/s finished against 4 offered (under 90%)"]
+        "did not keep up: requests finished at 0.95/s while they arrived at 4.00/s (under 90%)"]
