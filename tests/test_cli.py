@@ -355,6 +355,17 @@ def test_serve_names_real_flags_when_the_kv_cache_cannot_hold_max_model_len(caps
         "lower it, or give the cache more (--num-kv-blocks, --kv-cache-memory-fraction, on a CPU --cpu-kv-cache-gb)\n")
 
 
+def test_serve_refuses_a_kv_cache_that_fits_no_request(capsys):
+    """``--num-kv-blocks 1 --block-size 1`` started, "serving a context of at most 1 tokens", and
+    answered every request with a 400."""
+    with pytest.raises(SystemExit) as exc:
+        main(["serve", "--device", "cpu", "--port", "0", "--num-kv-blocks", "1", "--block-size", "1"])
+    assert exc.value.code == 2
+    assert capsys.readouterr().err.endswith(
+        "duetserve serve: error: the KV cache holds 1 token(s) (1 blocks of 1): no request fits; give it more "
+        "(--num-kv-blocks, --block-size, --kv-cache-memory-fraction, on a CPU --cpu-kv-cache-gb)\n")
+
+
 @pytest.mark.parametrize("argv", [["serve", "--bogus", "x"], ["bench", "--num-requests", "5", "--qps", "2", "--bogus"]])
 def test_an_unknown_flag_gets_the_subcommands_usage(argv, capsys):
     with pytest.raises(SystemExit) as exc:

@@ -114,6 +114,10 @@ class LLMEngine:
         num_blocks = config.num_kv_blocks or self._blocks_from_memory()
         capacity = num_blocks * config.block_size
         log.info("KV cache: %d blocks of %d tokens (%d tokens)", num_blocks, config.block_size, capacity)
+        if capacity < 2:  # a one-token prompt and its first output token
+            raise ValueError(f"the KV cache holds {capacity} token(s) ({num_blocks} blocks of {config.block_size}): "
+                             "no request fits; give it more (--num-kv-blocks, --block-size, "
+                             "--kv-cache-memory-fraction, on a CPU --cpu-kv-cache-gb)")
         if self.max_model_len > capacity:  # one sequence of the longest context must fit (vLLM's check)
             if config.max_model_len is not None:
                 raise ValueError(f"--max-model-len {config.max_model_len} is more than the KV cache holds "
