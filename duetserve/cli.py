@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import errno
+import importlib.metadata
 import logging
 import math
 import os
@@ -206,6 +207,7 @@ def _serve(args, parser: argparse.ArgumentParser) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="duetserve", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"%(prog)s {importlib.metadata.version('duetserve')}")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_serve(sub)
     for name, module, summary in TOOLS:

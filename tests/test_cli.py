@@ -2,8 +2,10 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 import pytest
+import tomllib
 
 from duetserve import argtypes
 from duetserve.argtypes import image_formats
@@ -353,6 +355,13 @@ def test_serve_names_real_flags_when_the_kv_cache_cannot_hold_max_model_len(caps
     assert capsys.readouterr().err.endswith(
         "duetserve serve: error: --max-model-len 200 is more than the KV cache holds (80 tokens in 5 blocks of 16); "
         "lower it, or give the cache more (--num-kv-blocks, --kv-cache-memory-fraction, on a CPU --cpu-kv-cache-gb)\n")
+
+
+def test_version(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["--version"])
+    version = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())["project"]["version"]
+    assert exc.value.code == 0 and capsys.readouterr().out == f"duetserve {version}\n"
 
 
 def test_serve_refuses_a_kv_cache_that_fits_no_request(capsys):
