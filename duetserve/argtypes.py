@@ -224,7 +224,9 @@ def non_empty(text: str) -> str:
 
 @argtype
 def existing_file(text: str) -> Path:
-    """The path of an existing file; else "no such file: TEXT"."""
+    """The path of an existing file; else "TEXT is a folder, not a file" or "no such file: TEXT"."""
+    if Path(text).is_dir():
+        raise ValueError(f"{text} is a folder, not a file")
     if not Path(text).is_file():
         raise ValueError(f"no such file: {text}")
     return Path(text)

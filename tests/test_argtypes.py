@@ -117,7 +117,7 @@ def test_existing_file(tmp_path: Path):
     file = tmp_path / "trace.csv"
     file.write_text("x")
     assert argtypes.existing_file(str(file)) == file
-    assert refused(argtypes.existing_file, str(tmp_path)) == f"no such file: {tmp_path}"
+    assert refused(argtypes.existing_file, str(tmp_path)) == f"{tmp_path} is a folder, not a file"
     assert refused(argtypes.existing_file, str(tmp_path / "none.csv")) == f"no such file: {tmp_path / 'none.csv'}"
 
 
