@@ -158,7 +158,9 @@ def iteration_summary(records: list[dict[str, Any]], t0: float, t1: float) -> di
     predicted prefill time, and ``decode_step_measured_over_predicted`` the median of the decode
     stream's busy time per step over the predicted step time (None where not logged).
     Where the log has the scheduler's time (``schedule_s``, the policy's planning included),
-    ``schedule_ms_median`` and ``schedule_ms_p99`` give it.
+    ``schedule_ms_median`` and ``schedule_ms_p99`` give it. Where spatial iterations carry the
+    rates duet weighed (``trim_rates``: trimmed temporal, split), ``split_over_trimmed_rate_median``
+    is the median of split / trimmed: how clearly the splits won.
     """
     its = [r for r in records if t0 <= r.get("t", -1.0) <= t1]
     spatial = [r for r in its if r.get("spatial")]
@@ -184,6 +186,10 @@ def iteration_summary(records: list[dict[str, Any]], t0: float, t1: float) -> di
         out["decode_step_measured_over_predicted"] = _median_ratio(
             [r for r in spatial if r.get("steps")], lambda r: r["decode_stream_s"] / r["steps"],
             lambda r: r["predicted_decode_s"])
+        weighed = [r for r in spatial if r.get("trim_rates")]
+        if weighed:
+            out["split_over_trimmed_rate_median"] = _median_ratio(weighed, lambda r: r["trim_rates"][1],
+                                                                  lambda r: r["trim_rates"][0])
     return out
 
 
@@ -543,7 +549,8 @@ class Bench:
                 self.log(f"  spatial iterations, measured / predicted (median): whole "
                          f"{_f(it['spatial_measured_over_predicted'], '.2f')}, prefill stream "
                          f"{_f(it['prefill_measured_over_predicted'], '.2f')}, decode step "
-                         f"{_f(it['decode_step_measured_over_predicted'], '.2f')}", lane)
+                         f"{_f(it['decode_step_measured_over_predicted'], '.2f')}; split / trimmed "
+                         f"token rate (median) {_f(it.get('split_over_trimmed_rate_median'), '.3f')}", lane)
             if it.get("schedule_ms_median") is not None:
                 self.log(f"  scheduling a step (planning included), ms p50/p99: {it['schedule_ms_median']:.2f}/"
                          f"{it['schedule_ms_p99']:.2f}", lane)

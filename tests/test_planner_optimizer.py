@@ -6,6 +6,7 @@ prefill batch on S_p SMs 9.0 / S_p s (80 SMs: 112.5 ms), and a temporal mixed ba
 SMs 10 ms + 0.1 ms per prefill token. Batches: 4 decode requests, one 1000-token prefill.
 """
 
+import dataclasses
 import math
 
 import numpy as np
@@ -206,10 +207,13 @@ def test_trim_margin_prefers_a_smaller_temporal_chunk_only_when_it_is_faster():
     trimmed = plan_iteration(cm, decode, prefill, 0.05, 132, 8, trim_margin=0.85)
     assert (trimmed.spatial, trimmed.prefill_token_limit, trimmed.slo_risk) == (False, 2123, False)
     assert trimmed.predicted_s <= 0.85 * 0.05 and (16 + 2123) / trimmed.predicted_s == pytest.approx(50332, rel=1e-3)
+    assert trimmed.trim_rates == pytest.approx((50332, 44081), rel=1e-3) and split.trim_rates is None
 
     decode, prefill = [(1, 16000)] * 64, [(8192, 24000)]
     split = plan_iteration(cm, decode, prefill, 0.1, 132, 8)
-    assert split.spatial and plan_iteration(cm, decode, prefill, 0.1, 132, 8, trim_margin=0.85) == split
+    kept = plan_iteration(cm, decode, prefill, 0.1, 132, 8, trim_margin=0.85)
+    assert split.spatial and dataclasses.replace(kept, trim_rates=None) == split
+    assert kept.trim_rates[0] < kept.trim_rates[1]
     # temporal iterations measured at 0.8x their prediction (DuetPolicy.temporal_scale): the
     # trimmed batch (1256 tokens in 85 ms predicted, 68 ms at that scale) now beats the split
     trimmed = plan_iteration(cm, decode, prefill, 0.1, 132, 8, trim_margin=0.85, temporal_scale=0.8)
@@ -217,6 +221,7 @@ def test_trim_margin_prefers_a_smaller_temporal_chunk_only_when_it_is_faster():
     steps = executed_steps(split.predicted_decode_s, split.predicted_prefill_s)
     split_rate = (steps * 64 + 8192) / max(steps * split.predicted_decode_s, split.predicted_prefill_s)
     assert (64 + 1256) / trimmed.predicted_s < split_rate < (64 + 1256) / (0.8 * trimmed.predicted_s)
+    assert trimmed.trim_rates == pytest.approx(((64 + 1256) / (0.8 * trimmed.predicted_s), split_rate))
     with pytest.raises(ValueError):
         plan_iteration(cm, decode, prefill, 0.1, 132, 8, trim_margin=1.5)
     with pytest.raises(ValueError):
@@ -246,7 +251,9 @@ def test_trim_margin_prices_the_split_at_the_steps_the_engine_runs():
     assert (t_d, t_p) == (pytest.approx(0.04841, abs=1e-5), pytest.approx(0.25006, abs=1e-5))
     assert (6 * 32 + 8192) / split.predicted_s == pytest.approx(28862, rel=1e-3)
     assert (5 * 32 + 8192) / t_p == pytest.approx(33401, rel=1e-3)
-    assert plan_iteration(cm, decode, prefill, 0.05, 132, 8, trim_margin=0.85) == split
+    kept = plan_iteration(cm, decode, prefill, 0.05, 132, 8, trim_margin=0.85)
+    assert dataclasses.replace(kept, trim_rates=None) == split
+    assert kept.trim_rates == pytest.approx(((32 + 1215) / 0.0425, 33401), rel=2e-3)  # 29.3k against 33.4k
 
     decode, prefill = [(1, 2047)] * 64, [(3072, 0)]
     split = plan_iteration(cm, decode, prefill, 0.03, 132, 8)

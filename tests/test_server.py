@@ -367,6 +367,7 @@ def test_iteration_log_records_every_iteration(server_proc):
     assert {"t", "spatial", "s_decode", "s_prefill", "k", "predicted_s", "measured_s"} <= set(rows[-1])
     assert all(r["measured_s"] > 0 and r["spatial"] is False for r in rows)  # no partition backend on the CPU
     assert all(0 < r["schedule_s"] < r["measured_s"] for r in rows)  # scheduling is part of the iteration
+    assert all(r["trim_rates"] is None for r in rows)  # chunked weighs no split
     assert all(r["decode_stream_s"] is None and r["prefill_stream_s"] is None for r in rows)  # no CUDA events
     # chunked plans without predicting: the log carries the engine cost model's (h200 profile, no graphs on the CPU)
     assert all(r["prefill_layers"] is None and r["predicted_s"] > 0 and r["cuda_graphs"] is False for r in rows)
@@ -403,6 +404,9 @@ def test_iteration_log_carries_the_planning_host_terms(tmp_path):
     assert rec["cuda_graphs"] is False  # an engine without recorded graphs (eager)
     assert (rec["num_decodes"], rec["num_prefills"], rec["num_prefill_tokens"], rec["prefill_layers"]) == (3, 1, 100, None)
     assert rec["predicted_s"] == 0.05
+    metrics.on_step(StepStats(Plan(spatial=True, s_prefill=124, s_decode=8, predicted_s=0.2, trim_rates=(3e4, 3.3e4)),
+                              3, 8192, 0.21, 0, num_prefills=1), [], 2.0)
+    assert json.loads(log.read_text().splitlines()[-1])["trim_rates"] == [3e4, 3.3e4]  # the rates duet weighed
 
 
 def test_iteration_log_predicts_plans_without_a_prediction(tmp_path):

@@ -194,6 +194,9 @@ def test_iteration_summary_stream_times():
     assert s["prefill_measured_over_predicted"] == pytest.approx(1.3)  # 1.2, 1.3, 1.5
     assert s["decode_step_measured_over_predicted"] == pytest.approx(4 / 3)  # 0.04/0.03 and 0.03/0.03
     assert s["spatial_measured_over_predicted"] == pytest.approx(1.5)
+    assert "split_over_trimmed_rate_median" not in s  # no trim_rates logged
+    weighed = [{**r, "trim_rates": [30e3, t]} for r, t in zip(recs, (33e3, 36e3, 31.5e3), strict=True)]
+    assert sb.iteration_summary(weighed, 0.0, 4.0)["split_over_trimmed_rate_median"] == pytest.approx(1.1)
 
 
 def _run(policy, trace, qps, p99, failed=0, req_s=None, status="ok", spatial=0.0):

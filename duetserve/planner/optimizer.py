@@ -59,6 +59,11 @@ class Plan:
     ``prefill_layers`` (pdmux only): the prefill batch is cut by layers and each round
     submits this many of its layers beside one decode step, so the batch spans several
     iterations (``duetserve.planner.policies.PdmuxPolicy``); None runs every layer at once.
+
+    ``trim_rates`` (tokens a second, for the iteration log): with a trim margin, the two rates
+    ``plan_iteration`` weighed when it found a split, the trimmed temporal batch's (at its
+    ``temporal_scale``) and the split's (at the steps the engine runs); the higher one's plan
+    is this one. None when no such comparison ran.
     """
 
     spatial: bool = False
@@ -71,6 +76,7 @@ class Plan:
     prefill_token_limit: int | None = None
     slo_risk: bool = False
     prefill_layers: int | None = None
+    trim_rates: tuple[float, float] | None = None
 
 
 def trim_prefill(prefill_reqs: Sequence[Request], token_limit: int) -> list[Request]:
@@ -148,9 +154,11 @@ def plan_iteration(cost_model: CostModel, decode_reqs: Sequence[Request], prefil
         trimmed = _fallback(cost_model, decode, prefill, trim_margin * first_tau, total_sms)
         steps = executed_steps(plan.predicted_decode_s, plan.predicted_prefill_s, max_k)  # what would run
         span = max(steps * plan.predicted_decode_s, plan.predicted_prefill_s)
-        if (len(decode) + trimmed.prefill_token_limit) / (trimmed.predicted_s * temporal_scale) > \
-                (steps * len(decode) + prefill[:, 0].sum()) / span:
-            return dataclasses.replace(trimmed, slo_risk=False)
+        rates = ((len(decode) + trimmed.prefill_token_limit) / (trimmed.predicted_s * temporal_scale),
+                 float(steps * len(decode) + prefill[:, 0].sum()) / span)
+        if rates[0] > rates[1]:
+            return dataclasses.replace(trimmed, slo_risk=False, trim_rates=rates)
+        return dataclasses.replace(plan, trim_rates=rates)
     return plan
 
 
