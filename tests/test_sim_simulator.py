@@ -106,6 +106,9 @@ def test_prediction_error_spreads_iterations_lognormally_and_auto_trim_follows(p
             if not it.spatial and it.num_decodes and it.num_prefill_tokens][-256:]
     assert policy.trim_margin == pytest.approx(min(1.0, 1 / np.quantile(seen, 0.99)))
     assert 0.82 < policy.trim_margin < 0.95 and policy.temporal_scale == pytest.approx(np.median(seen))
+    # the splits' stream times reach the policy too (observe): its scales left their start of 1
+    assert any(it.spatial for it in result.iterations) and policy.cost_model.prefill_scale != 1.0
+    assert policy.decode_correction >= 1.0
     again = simulate(trace, DuetPolicy(dataclasses.replace(planner, trim_margin=TRIM_AUTO)), config)
     assert [it.duration_s for it in again.iterations] == [it.duration_s for it in result.iterations]
     with pytest.raises(ValueError, match="prediction_error must be a finite sigma >= 0, got -0.1"):

@@ -26,7 +26,10 @@ With ``SimConfig.prediction_error`` sigma > 0 each of those times is the predict
 lognormal factor ``exp(N(0, sigma^2))`` (median 1; a spatial iteration draws one for ``t_d`` and
 one for ``t_p``), seeded: the GPU runs iterations off their prediction (docs/benchmarks.md,
 thirteenth H200 session: temporal ones 0.93-1.0x at the median, about 1.15x at p99, which
-sigma 0.05 approximates), and the policies' feedback (``--trim-margin auto``) sees that error.
+sigma 0.05 approximates), and the policies' feedback sees that error: each temporal iteration
+with decodes and prefill (``observe_iteration``, ``--trim-margin auto``), and each split's
+decode step and prefill times (``observe``: duet's decode correction and prefill scale), as the
+engine reports them.
 
 A request's TTFT runs from its arrival to its first token, its TBT gaps between consecutive
 tokens (a preempted request's gap includes its recompute). KV capacity is the profile's HBM
@@ -203,6 +206,7 @@ class _Run:
         self.split: _LayerSplit | None = None
         self.now = 0.0
         self.rng = np.random.default_rng(config.seed)
+        self.streams: tuple[float, float] | None = None  # a split's (t_d, t_p) this iteration (step)
 
     def _actual(self, predicted_s: float) -> float:
         """The simulated seconds of a step predicted at ``predicted_s`` (``prediction_error``)."""
@@ -233,10 +237,14 @@ class _Run:
 
     def step(self, out: SchedulerOutput) -> list[Seq]:
         """Run one scheduled iteration on the simulated clock; returns the finished sequences."""
+        self.streams = None
         duration, decode_times, prefill_time = self._timing(out)
         plan = out.plan
         if not plan.spatial and out.decodes and out.num_prefill_tokens:  # as the engine reports it
             self.scheduler.policy.observe_iteration(plan, duration)
+        elif self.streams is not None and out.decodes:  # a split: its streams' times, as the engine's events
+            t_d, t_p = self.streams
+            self.scheduler.policy.observe(plan, t_d, t_p if out.prefills else None)
         self.iterations.append(IterationRecord(self.now, duration, plan.predicted_s, plan.spatial, plan.slo_risk,
                                                plan.s_decode, plan.k, len(out.decodes), out.num_prefill_tokens))
         before = {s.seq.seq_id: s.seq.num_output_tokens for s in out.scheduled}
@@ -264,6 +272,7 @@ class _Run:
             return self._layer_round(out, decode, prefill)
         if plan.spatial:
             t_d, t_p = self._spatial(decode, prefill, plan.s_decode)
+            self.streams = (t_d, t_p)
             # The executor starts no decode step near the prefill's end (ModelRunner._execute_spatial).
             steps = executed_steps(t_d, t_p, plan.k) if prefill else plan.k
             duration = max(steps * t_d, t_p)
