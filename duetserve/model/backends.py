@@ -82,8 +82,8 @@ def make_attention_backend(name: str, device: torch.device | str, block_size: in
     if name == "torch":
         return TorchAttention()
     if device.type != "cuda" and not (name == "triton" and os.environ.get("TRITON_INTERPRET") == "1"):
-        raise ValueError(f"--attention-backend {name} needs a CUDA device (triton also runs on the CPU under "
-                         "TRITON_INTERPRET=1, slowly)")
+        hint = " (it also runs on the CPU under TRITON_INTERPRET=1, slowly)" if name == "triton" else ""
+        raise ValueError(f"--attention-backend {name} needs a CUDA device{hint}")
     if name == "flash":
         return FlashAttnBackend(block_size)
     try:
