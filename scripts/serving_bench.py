@@ -606,6 +606,9 @@ class Bench:
             f.result()
 
     def main(self) -> int:
+        from duetserve.bench.launch import stop_servers_on_sigterm
+
+        stop_servers_on_sigterm(hard=True)  # a `timeout` on the device call must not leave servers behind
         a = self.args
         self.env = _environment()
         self.log(f"environment: {json.dumps(self.env)}")

@@ -26,6 +26,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 import uvicorn
 from fastapi import FastAPI, Request
@@ -302,6 +303,31 @@ def test_launch_log_of_a_server_that_died_during_the_run_is_kept(temp_dir: Path,
     with ServerProcess(replace(config, log_path=named)):
         pass
     assert named.is_file()  # --launch-log: never deleted
+
+
+def test_sigterm_stops_the_launched_server() -> None:
+    """``timeout`` (SIGTERM) on ``bench --launch`` left the server running: it is in its own
+    session and Python's default exit skipped ``__exit__``. Now the server goes too, exit 143."""
+    port = free_port()
+    health = f"http://127.0.0.1:{port}/health"
+    bench_proc = subprocess.Popen(
+        [sys.executable, "-m", "duetserve.bench", "--launch", f"{sys.executable} {Path(__file__)} --serve {port}",
+         "--base-url", f"http://127.0.0.1:{port}", "--num-requests", "1000", "--qps", "1", "--input-len", "8",
+         "--output-len", "4"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 60
+    while time.time() < deadline and not _answers(health):
+        time.sleep(0.2)
+    assert _answers(health)
+    time.sleep(1.0)  # the run is under way
+    bench_proc.send_signal(signal.SIGTERM)
+    assert bench_proc.wait(60) == 143 and not _answers(health)
+
+
+def _answers(url: str) -> bool:
+    try:
+        return httpx.get(url, timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
 
 
 def test_launch_refused_while_another_server_answers(capsys: pytest.CaptureFixture) -> None:

@@ -51,7 +51,7 @@ from duetserve.argtypes import (
     trace_format,
     window,
 )
-from duetserve.bench.launch import LaunchConfig, ServerProcess
+from duetserve.bench.launch import LaunchConfig, ServerProcess, stop_servers_on_sigterm
 from duetserve.bench.metrics import Slos, compute_metrics, format_comparison, format_report
 from duetserve.bench.plot import plot_results, read_iteration_log
 from duetserve.bench.prompts import Tokenizer
@@ -349,6 +349,8 @@ def _bench(args: argparse.Namespace) -> int:
             startup_timeout_s=args.launch_timeout, log_path=args.launch_log,
         ))
     results = []
+    if args.launch:
+        stop_servers_on_sigterm()
     with server:
         for qps, spec_q, trace in zip(loads, specs, traces):
             print(f"duetserve bench: {len(trace)} requests, rate {qps or 'from trace'} req/s, "

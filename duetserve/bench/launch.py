@@ -42,6 +42,25 @@ class LaunchConfig:
     log_path: Path | None = None
 
 
+_LIVE: set[ServerProcess] = set()  # launched and not yet stopped (stop_servers_on_sigterm)
+
+
+def stop_servers_on_sigterm(hard: bool = False) -> None:
+    """Make SIGTERM (``timeout``, a CI cancel, ``kill``) stop every launched server before this
+    process exits with status 143: the servers run in their own sessions, so the signal does
+    not reach them, and Python's default exit skips ``__exit__``. Call from the main thread.
+    ``hard``: exit at once after that (``os._exit``), for a process whose other threads would
+    go on launching servers. SIGINT needs none of this (KeyboardInterrupt unwinds ``__exit__``)."""
+    def handler(signum: int, _frame) -> None:
+        for server in list(_LIVE):
+            server.stop()
+        if hard:
+            os._exit(128 + signum)
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, handler)
+
+
 class ServerProcess:
     """Context manager running a server in its own process group.
 
@@ -85,6 +104,7 @@ class ServerProcess:
                     stdin=subprocess.DEVNULL,
                     start_new_session=True,
                 )
+            _LIVE.add(self)
         except OSError:  # nothing was logged
             if self._temporary_log:
                 self.log_path.unlink(missing_ok=True)
@@ -144,6 +164,7 @@ class ServerProcess:
 
     def stop(self) -> None:
         """Stop the server: SIGTERM to its process group, SIGKILL if it does not exit."""
+        _LIVE.discard(self)
         if self.proc is None or self.proc.poll() is not None:
             return
         with contextlib.suppress(ProcessLookupError):
