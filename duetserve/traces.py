@@ -199,18 +199,23 @@ def _mooncake_record(text: str) -> TraceRequest:
     if missing:
         raise ValueError(f"missing fields {missing}")
     try:
-        return TraceRequest(
+        req = TraceRequest(
             arrival_s=float(rec["timestamp"]) / 1000.0,
             input_len=int(rec["input_length"]),
             output_len=int(rec["output_length"]),
             hash_ids=[int(h) for h in rec["hash_ids"]] if "hash_ids" in rec else None,
         )
-    except (TypeError, ValueError) as e:
+    except (TypeError, ValueError, OverflowError) as e:  # OverflowError: 1e400 parses as inf
         raise ValueError(f"{type(e).__name__}: {e}") from e
+    if not 0 <= req.arrival_s < math.inf:  # NaN made the simulator spin and bench sleep forever
+        raise ValueError(f"timestamp must be a finite number of ms >= 0, got {rec['timestamp']!r}")
+    return req
 
 
 def read_mooncake_jsonl(path: str | Path) -> list[TraceRequest]:
-    """Read a Mooncake FAST'25 JSONL trace (``timestamp`` in ms from 0, lengths, ``hash_ids``).
+    """Read a Mooncake FAST'25 JSONL trace (``timestamp`` in ms, lengths, ``hash_ids``). Arrival
+    times are relative to the first record's timestamp, as ``read_azure_csv``'s (a file cut from
+    the middle of a trace waited its first timestamp, 1593 s, before sending anything).
 
     Raises:
         OSError: the file cannot be read.
@@ -230,7 +235,8 @@ def read_mooncake_jsonl(path: str | Path) -> list[TraceRequest]:
                 raise ValueError(f"{where}: {kind}{e}") from e
             _check_lengths(req.input_len, req.output_len, where)
             out.append(req)
-    return out
+    t0 = out[0].arrival_s if out else 0.0
+    return [replace(r, arrival_s=r.arrival_s - t0) for r in out]
 
 
 def gamma_arrivals(n: int, qps: float, cv: float, rng: np.random.Generator) -> np.ndarray:

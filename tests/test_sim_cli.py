@@ -220,8 +220,9 @@ def test_policy_takes_a_comma_separated_list(capsys):
     (["--gpu-memory-utilization", "2"], "argument --gpu-memory-utilization: must be in (0, 1], got '2'"),
     (["--gpu-memory-utilization", "0"], "argument --gpu-memory-utilization: must be in (0, 1], got '0'"),
     (["--seed", "-1"], "argument --seed: must be an integer >= 0, got '-1'"),  # numpy's message, unnamed
-    (["--prediction-error", "-0.1"], "argument --prediction-error: must be a finite number >= 0, got '-0.1'"),
-    (["--prediction-error", "inf"], "argument --prediction-error: must be a finite number >= 0, got 'inf'"),
+    (["--prediction-error", "-0.1"], "argument --prediction-error: must be a number in [0, 1], got '-0.1'"),
+    (["--prediction-error", "1000"], "argument --prediction-error: must be a number in [0, 1], got '1000'"),
+    (["--prediction-error", "nan"], "argument --prediction-error: must be a number in [0, 1], got 'nan'"),
 ])
 def test_bad_values_name_the_flag(args, message, capsys):
     with pytest.raises(SystemExit) as exc:

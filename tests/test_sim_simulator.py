@@ -111,8 +111,9 @@ def test_prediction_error_spreads_iterations_lognormally_and_auto_trim_follows(p
     assert policy.decode_correction >= 1.0
     again = simulate(trace, DuetPolicy(dataclasses.replace(planner, trim_margin=TRIM_AUTO)), config)
     assert [it.duration_s for it in again.iterations] == [it.duration_s for it in result.iterations]
-    with pytest.raises(ValueError, match="prediction_error must be a finite sigma >= 0, got -0.1"):
-        SimConfig(planner, prediction_error=-0.1)
+    for bad in (-0.1, 1000.0, float("nan")):  # 1000 overflowed the clock
+        with pytest.raises(ValueError, match=f"prediction_error must be a sigma in \\[0, 1\\], got {bad}"):
+            SimConfig(planner, prediction_error=bad)
 
 
 def test_spatial_iteration_emits_decode_tokens_per_step(planner):

@@ -84,6 +84,10 @@ def test_mooncake_reader(tmp_path: Path) -> None:
     assert load_trace(path) == reqs  # format inferred from the suffix
     with pytest.raises(ValueError, match="m2.jsonl:1"):
         read_mooncake_jsonl(write(tmp_path, "m2.jsonl", '{"timestamp": 0}\n'))
+    # a file cut from the middle of a trace: arrivals from its first record (bench waited 1593 s)
+    late = write(tmp_path, "m3.jsonl", "\n".join(json.dumps({**x, "timestamp": x["timestamp"] + 1593000})
+                                                 for x in lines) + "\n")
+    assert read_mooncake_jsonl(late) == reqs
 
 
 @pytest.mark.parametrize("text, message", [
@@ -93,6 +97,15 @@ def test_mooncake_reader(tmp_path: Path) -> None:
     ("[1, 2]\n", "a.csv:1: not a Mooncake trace (JSON lines): not a JSON object but list"),
     ('{"timestamp": 0, "input_length": 5, "output_length": 2}\n{"timestamp": "x", "input_length": 5, '
      '"output_length": 2}\n', "a.csv:2: ValueError: could not convert string to float: 'x'"),
+    # NaN and inf made simulate spin and bench sleep forever; 1e400 lengths raised OverflowError
+    ('{"timestamp": 0, "input_length": 5, "output_length": 2}\n{"timestamp": NaN, "input_length": 5, '
+     '"output_length": 2}\n', "a.csv:2: timestamp must be a finite number of ms >= 0, got nan"),
+    ('{"timestamp": 1e400, "input_length": 5, "output_length": 2}\n',
+     "a.csv:1: not a Mooncake trace (JSON lines): timestamp must be a finite number of ms >= 0, got inf"),
+    ('{"timestamp": 0, "input_length": 5, "output_length": 2}\n{"timestamp": -5, "input_length": 5, '
+     '"output_length": 2}\n', "a.csv:2: timestamp must be a finite number of ms >= 0, got -5"),
+    ('{"timestamp": 0, "input_length": 5, "output_length": 2}\n{"timestamp": 1, "input_length": 1e400, '
+     '"output_length": 2}\n', "a.csv:2: OverflowError: cannot convert float infinity to integer"),
 ])
 def test_mooncake_reader_says_what_failed(tmp_path: Path, text: str, message: str) -> None:
     path = write(tmp_path, "a.csv", text)

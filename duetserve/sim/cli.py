@@ -43,6 +43,14 @@ def _fraction(text: str) -> float:
     return value
 
 
+def _sigma(text: str) -> float:
+    """A lognormal sigma in [0, 1] (1 already puts the p99 factor near 10x; 1000 overflowed)."""
+    value = argtypes.number(text, float)
+    if not 0 <= value <= 1:
+        raise ValueError(f"must be a number in [0, 1], got {text!r}")
+    return value
+
+
 def _model_shape(text: str) -> ModelShape:
     """A preset name, or the path of a Hugging Face ``config.json`` (or its folder).
 
@@ -97,7 +105,7 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
                    help="share of HBM for weights and KV cache (default 0.9)")
     m.add_argument("--kv-cache-tokens", type=argtypes.positive_int, metavar="TOKENS",
                    help="KV capacity (default: from the profile's HBM minus the weights)")
-    m.add_argument("--prediction-error", type=argtypes.finite_non_negative, default=0.0, metavar="SIGMA",
+    m.add_argument("--prediction-error", type=argtypes.argtype(_sigma), default=0.0, metavar="SIGMA",
                    help="run each iteration for its predicted time times a lognormal factor exp(N(0, SIGMA^2)), "
                         "seeded by --seed (default 0: exactly the prediction; 0.05 is close to the H200's spread)")
 

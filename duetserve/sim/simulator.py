@@ -108,7 +108,7 @@ class SimConfig:
         seed: seed of those factors.
 
     Raises:
-        ValueError: ``prediction_error`` negative or not finite.
+        ValueError: ``prediction_error`` outside [0, 1].
     """
 
     planner: PlannerConfig
@@ -122,8 +122,8 @@ class SimConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if not 0.0 <= self.prediction_error < math.inf:
-            raise ValueError(f"prediction_error must be a finite sigma >= 0, got {self.prediction_error}")
+        if not 0.0 <= self.prediction_error <= 1.0:
+            raise ValueError(f"prediction_error must be a sigma in [0, 1], got {self.prediction_error}")
 
     def kv_blocks(self) -> int:
         """KV-cache blocks of ``block_size`` tokens (raises ValueError as ``kv_cache_tokens``)."""
