@@ -68,6 +68,9 @@ def test_rows_of_an_older_log_count_one_prefill_chunk():
     eager = temporal_rows([{"num_decodes": 5, "num_prefill_tokens": 0, "predicted_s": 0.1, "measured_s": 0.12,
                             "cuda_graphs": False}], H200)
     assert eager[0, 1] == 1.0  # decode-only on a server without CUDA graphs runs eagerly
+    nulls = temporal_rows([{"num_decodes": 5, "num_prefill_tokens": None, "num_prefills": None, "predicted_s": 0.1,
+                            "measured_s": 0.12}], H200)  # null counts were a TypeError: they count as none
+    assert nulls[:, :2].tolist() == [[5, 0.0]]
 
 
 def test_the_terms_logged_with_each_record_are_the_baseline():
@@ -105,7 +108,11 @@ def test_calibrate_iteration_log_writes_the_profile(tmp_path, capsys):
     with pytest.raises(ValueError, match="line 2"):
         read_iteration_log(log)
     for text, message in (("[1, 2]\n", "line 1 is not a JSON object"),
-                          ('{"k": "x", "measured_s": 0.1}\n', "line 1: k must be numbers")):
+                          ('{"k": "x", "measured_s": 0.1}\n', "line 1: k must be finite numbers >= 0"),
+                          # NaN broke the least-squares fit (LAPACK noise, no line), inf fitted zeros
+                          ('{"measured_s": NaN}\n', "line 1: measured_s must be finite numbers >= 0"),
+                          ('{"measured_s": Infinity, "num_decodes": -1}\n',
+                           "line 1: measured_s, num_decodes must be finite numbers >= 0")):
         log.write_text(text)
         assert main(["calibrate", "--gpu-name", "lab", "--out", str(out), "--iteration-log", str(log)]) == 1
         assert message in capsys.readouterr().err

@@ -17,6 +17,7 @@ work overlaps the GPU.
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,7 +44,8 @@ def read_iteration_log(path: str | Path) -> list[dict[str, Any]]:
     """The JSON records of an iteration log (blank lines skipped).
 
     Raises OSError when unreadable, ValueError on a line that is not a JSON object or whose
-    numbers are not numbers (naming its number)."""
+    numbers are not finite numbers >= 0 (naming them; NaN broke the least-squares fit and inf
+    fitted zeros)."""
     records = []
     for i, line in enumerate(Path(path).read_text().splitlines(), 1):
         if line.strip():
@@ -54,9 +56,10 @@ def read_iteration_log(path: str | Path) -> list[dict[str, Any]]:
             if not isinstance(record, dict):
                 raise ValueError(f"{path}: line {i} is not a JSON object")
             bad = [k for k in _NUMERIC if record.get(k) is not None and
-                   (isinstance(record[k], bool) or not isinstance(record[k], (int, float)))]
+                   (isinstance(record[k], bool) or not isinstance(record[k], (int, float))
+                    or not 0 <= record[k] < math.inf)]
             if bad:
-                raise ValueError(f"{path}: line {i}: {', '.join(bad)} must be numbers")
+                raise ValueError(f"{path}: line {i}: {', '.join(bad)} must be finite numbers >= 0")
             records.append(record)
     return records
 
@@ -76,8 +79,9 @@ def temporal_rows(records: Iterable[Mapping[str, Any]], profile: HardwareProfile
         pred, meas = r.get("predicted_s"), r.get("measured_s")
         if r.get("spatial") or r.get("k", 1) != 1 or r.get("prefill_layers") is not None or not pred or not meas:
             continue
-        prefill = r.get("num_prefill_tokens", 0) > 0
-        requests = r.get("num_decodes", 0) + r.get("num_prefills", int(prefill))
+        prefill = (r.get("num_prefill_tokens") or 0) > 0  # null: none logged
+        requests = (r.get("num_decodes") or 0) + (r.get("num_prefills") if r.get("num_prefills") is not None
+                                                  else int(prefill))
         eager = prefill or not r.get("cuda_graphs", True)  # without graphs every iteration is eager
         if requests:
             rows.append((requests, float(eager), pred, meas, r.get("host_per_request_s", profile.host_per_request_s),
