@@ -109,28 +109,36 @@ def parse_length(text: str) -> LengthDist:
     ``"lognormal:MEAN:SIGMA"`` (lognormal with mean MEAN tokens, log-space std SIGMA).
 
     Raises:
-        ValueError: malformed text, lengths < 1, ``low > high``, or ``sigma < 0``.
+        ValueError: malformed text, lengths < 1 or above ``MAX_LENGTH``, ``low > high``, or
+            ``sigma`` outside [0, ``MAX_SIGMA``] (inf sent max_tokens -2^63, 10^20 overflowed).
     """
     parts = text.strip().split(":")
     try:
         if parts[0] == "lognormal" and len(parts) == 3:
             dist: LengthDist = LognormalLength(float(parts[1]), float(parts[2]))
-            valid = dist.mean >= 1 and dist.sigma >= 0
+            valid = 1 <= dist.mean <= MAX_LENGTH and 0 <= dist.sigma <= MAX_SIGMA
         elif len(parts) == 2:
             dist = UniformLength(int(parts[0]), int(parts[1]))
-            valid = 1 <= dist.low <= dist.high
+            valid = 1 <= dist.low <= dist.high <= MAX_LENGTH
         elif len(parts) == 1:
             dist = FixedLength(int(parts[0]))
-            valid = dist.tokens >= 1
+            valid = 1 <= dist.tokens <= MAX_LENGTH
         else:
             valid = False
     except ValueError:
         valid = False
     if not valid:
         raise ValueError(
-            f"bad length {text!r}: expected N, LOW:HIGH or lognormal:MEAN:SIGMA with lengths >= 1"
+            f"bad length {text!r}: expected N, LOW:HIGH or lognormal:MEAN:SIGMA with lengths in [1, {MAX_LENGTH}] "
+            f"and SIGMA in [0, {MAX_SIGMA:g}]"
         )
     return dist
+
+
+MAX_LENGTH = 10**8
+"""Most tokens a synthetic length may ask for (far above any model's context)."""
+MAX_SIGMA = 5.0
+"""Widest log-space spread of a lognormal length (exp(5) is already a factor of 148)."""
 
 
 # ---------------------------------------------------------------------------------------------

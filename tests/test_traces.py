@@ -185,9 +185,10 @@ def test_parse_length() -> None:
     assert parse_length("64") == FixedLength(64)
     assert parse_length("8:16") == UniformLength(8, 16)
     assert parse_length("lognormal:300:1.2") == LognormalLength(300.0, 1.2)
-    for bad in ("0", "16:8", "x", "lognormal:1", "1:2:3"):
-        with pytest.raises(ValueError):
-            parse_length(bad)
+    for bad in ("0", "16:8", "x", "lognormal:1", "1:2:3",
+                "99999999999999999999", "1:200000000", "lognormal:100:inf", "lognormal:1e308:5", "lognormal:nan:1"):
+        with pytest.raises(ValueError, match="lengths in \\[1, 100000000\\] and SIGMA in \\[0, 5\\]"):
+            parse_length(bad)  # huge lengths overflowed numpy; inf sigma sent max_tokens -2^63
 
 
 @pytest.mark.parametrize(

@@ -200,7 +200,7 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
 
     s = p.add_argument_group("server")
     s.add_argument("--base-url", default="http://127.0.0.1:8000")
-    s.add_argument("--endpoint", default="/v1/completions",
+    s.add_argument("--endpoint", default="/v1/completions", type=argtype(_endpoint),
                    help="/v1/completions (token-id prompts) or /v1/chat/completions (text)")
     s.add_argument("--model", help="model name (default: first id of /v1/models)")
     s.add_argument("--api-key", help="sent as 'Authorization: Bearer KEY'")
@@ -373,6 +373,13 @@ def _bench(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 2
     return 0
+
+
+def _endpoint(text: str) -> str:
+    """A path on the server: ``/v1/completions`` ("v1/completions" made an invalid URL)."""
+    if not text.startswith("/"):
+        raise ValueError(f"must be a path starting with '/', e.g. /v1/completions, got {text!r}")
+    return text
 
 
 def run(args: argparse.Namespace) -> int:
