@@ -145,6 +145,13 @@ def test_model_shapes_from_config_and_presets():
     assert ModelShape.from_hf_config(cfg) == ModelShape(64, 2, 4, 4, 16, 128, 320, False)
     with pytest.raises(ValueError, match="vocab_size"):
         ModelShape.from_hf_config({k: v for k, v in cfg.items() if k != "vocab_size"})
+    for key, value in (("num_hidden_layers", 0), ("num_hidden_layers", 1.5), ("hidden_size", -64), ("vocab_size", 0),
+                       ("head_dim", 0), ("num_attention_heads", "4")):  # 0 layers divided by zero in simulate
+        with pytest.raises(ValueError, match=f"config '{key}' must be an integer >= 1, got {value!r}"):
+            ModelShape.from_hf_config({**cfg, key: value})
+    with pytest.raises(ValueError, match="'num_attention_heads' .4. must be a multiple of 'num_key_value_heads' .3."):
+        ModelShape.from_hf_config({**cfg, "num_key_value_heads": 3})
+    assert ModelShape.from_hf_config({**cfg, "num_key_value_heads": None, "head_dim": None}).kv_heads == 4
     with pytest.raises(ValueError):
         ModelShape.preset("gpt-5")
 

@@ -132,13 +132,23 @@ class ModelShape:
 
         ``num_key_value_heads`` defaults to the query heads, ``head_dim`` to
         ``hidden_size // num_attention_heads``, ``tie_word_embeddings`` to False.
-        Raises ValueError naming the first missing required key.
+        Raises ValueError naming the first missing required key, a dimension that is not an
+        integer >= 1 (0 layers divided by zero in the simulator; 1.5 was read as 1), or query
+        heads that are not a multiple of the KV heads.
         """
         required = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size")
         for key in required:
             if key not in config:
                 raise ValueError(f"config has no {key!r}")
+        for key in (*required, "num_key_value_heads", "head_dim"):
+            value = config.get(key)
+            if (key in required or value is not None) and (isinstance(value, bool) or not isinstance(value, int)
+                                                            or value < 1):
+                raise ValueError(f"config {key!r} must be an integer >= 1, got {value!r}")
         heads = int(config["num_attention_heads"])
+        if heads % int(config.get("num_key_value_heads") or heads):
+            raise ValueError(f"config 'num_attention_heads' ({heads}) must be a multiple of 'num_key_value_heads' "
+                             f"({config['num_key_value_heads']})")
         return cls(
             hidden=int(config["hidden_size"]),
             layers=int(config["num_hidden_layers"]),
