@@ -34,11 +34,13 @@ def trace_format(trace: str | Path | None, fmt: TraceFormat, format_flag: str) -
     """The concrete format of ``--trace`` ``trace`` given as ``format_flag`` ``fmt`` (``traces.resolve_format``).
 
     Raises:
-        UsageError: a file format without ``--trace``, a trace file that does not exist, or one
-            whose suffix tells no format.
+        UsageError: a file format without ``--trace``, ``--trace`` with the synthetic format (the
+            file was ignored), a trace file that does not exist, or one whose suffix tells no format.
     """
     if fmt not in ("auto", "synthetic") and trace is None:
         raise UsageError(f"--trace FILE is required with {format_flag} {fmt}")
+    if fmt == "synthetic" and trace is not None:
+        raise UsageError(f"{format_flag} synthetic generates requests: drop --trace {trace}, or give its format")
     try:
         return resolve_format(trace, fmt)
     except ValueError as exc:  # "... give the format (simulate --format, bench --trace-format)"

@@ -185,6 +185,9 @@ def test_trace_format_resolves_or_names_the_flag(tmp_path):
     assert argtypes.trace_format(txt, "mooncake", "--trace-format") == "mooncake"
     with pytest.raises(argtypes.UsageError, match=r"^--trace FILE is required with --trace-format azure$"):
         argtypes.trace_format(None, "azure", "--trace-format")
+    with pytest.raises(argtypes.UsageError, match=r"^--format synthetic generates requests: drop --trace .*t\.csv, or "
+                                                  r"give its format$"):  # the file was ignored
+        argtypes.trace_format(csv, "synthetic", "--format")
     with pytest.raises(argtypes.UsageError, match=r"^cannot infer the trace format of .*t\.txt from its suffix"):
         argtypes.trace_format(txt, "auto", "--format")
     with pytest.raises(argtypes.UsageError, match=r"^no such trace file: .*missing\.csv$"):
