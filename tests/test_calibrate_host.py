@@ -97,6 +97,11 @@ def test_calibrate_iteration_log_writes_the_profile(tmp_path, capsys):
     log.write_text("\n".join(json.dumps(r) for r in log_records(3e-4, 0.012, H200.host_per_request_s,
                                                                  H200.host_eager_s)) + "\n\n")
     out = tmp_path / "p.json"
+    # the GPU measurement's flags are refused with it (--plot wrote nothing, silently)
+    assert main(["calibrate", "--gpu-name", "lab", "--out", str(out), "--iteration-log", str(log), "--quick",
+                 "--plot", str(tmp_path / "c.png")]) == 2
+    assert capsys.readouterr().err == ("duetserve calibrate: error: --plot, --quick measure on a GPU: not with "
+                                       "--iteration-log\n") and not out.exists()
     assert main(["calibrate", "--gpu-name", "lab", "--out", str(out), "--iteration-log", str(log)]) == 0
     assert "host_per_request_s 0.300 ms, host_eager_s 12.00 ms" in capsys.readouterr().out
     p = load_profile(out)

@@ -147,6 +147,15 @@ def run(args: argparse.Namespace) -> int:
     """Run ``duetserve calibrate`` with parsed arguments; 0 on success, 2 on a usage error, 1 on any
     other error (printed to stderr)."""
     if args.iteration_log:
+        # flags of the GPU measurement mean nothing here: refused, not ignored (--plot wrote nothing)
+        unused = [flag for flag, value, default in (
+            ("--model", args.model, None), ("--load-format", args.load_format, "dummy"),
+            ("--partition-backend", args.partition_backend, "greenctx"), ("--attention-backend", args.attention_backend, "auto"),
+            ("--device", args.device, "cuda"), ("--plot", args.plot, None), ("--quick", args.quick, False)) if value != default]
+        if unused:
+            print(f"duetserve calibrate: error: {', '.join(unused)} measure on a GPU: not with --iteration-log",
+                  file=sys.stderr)
+            return 2
         return fit_host(args)
     try:
         from duetserve.model.fused_ops import fused_mode
