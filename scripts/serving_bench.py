@@ -79,8 +79,10 @@ class TraceRun:
             caps = [int(c) if c else None for c in parts[3:]] + [None, None]
         except ValueError as exc:
             raise argparse.ArgumentTypeError(f"--trace {text!r}: {exc}") from exc
-        if not qps or min(qps) <= 0 or seconds <= 0:
-            raise argparse.ArgumentTypeError(f"--trace {text!r}: QPS and seconds must be positive")
+        if not all(0 < x < math.inf for x in (*qps, seconds)):  # nan made a traceback in num_requests
+            raise argparse.ArgumentTypeError(f"--trace {text!r}: QPS and seconds must be positive and finite")
+        if any(c is not None and c < 1 for c in caps):  # 0 read as "no cap"
+            raise argparse.ArgumentTypeError(f"--trace {text!r}: MAX_INPUT and MAX_OUTPUT must be >= 1 (or empty)")
         return cls(parts[0], qps, seconds, caps[0], caps[1])
 
     def num_requests(self, qps: float) -> int:
@@ -638,7 +640,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="lanes run in parallel: configuration j in lane j %% N, whose servers see "
                         "CUDA_VISIBLE_DEVICES=j %% N (when N > 1) and listen on --port + j %% N")
     p.add_argument("--trace", type=TraceRun.parse, action="append", required=True,
-                   metavar="NAME:QPS,QPS:SECONDS[:MAX_INPUT]",
+                   metavar="NAME:QPS,QPS:SECONDS[:MAX_INPUT[:MAX_OUTPUT]]",
                    help="runs of one trace: Poisson QPS levels, seconds of arrivals each, input cap")
     p.add_argument("--traces-dir", default=str(ROOT / ".traces"))
     p.add_argument("--tbt-slo-ms", type=float, default=100.0)

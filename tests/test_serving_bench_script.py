@@ -29,8 +29,13 @@ def test_trace_run_parse():
     assert tr.num_requests(0.75) == 9 and tr.num_requests(1.25) == 15
     tr = sb.TraceRun.parse("azure_code:10,16:10")
     assert tr.max_input_len is None and tr.max_output_len is None and tr.num_requests(16) == 160
+    assert sb.TraceRun.parse("azure_code:1:10::64").max_input_len is None  # an empty cap: none
     for bad in ("sharegpt:1:10", "azure_code:1", "azure_code:0:10", "azure_code:x:10", "azure_code:1:10:1:2:3"):
         with pytest.raises(argparse.ArgumentTypeError):
+            sb.TraceRun.parse(bad)
+    for bad, why in (("azure_code:nan:1", "positive and finite"), ("azure_code:1:inf", "positive and finite"),
+                     ("azure_code:1:1:0", "must be >= 1")):  # a traceback; 0 read as no cap
+        with pytest.raises(argparse.ArgumentTypeError, match=why):
             sb.TraceRun.parse(bad)
 
 
