@@ -5,7 +5,8 @@ The weight-stream kernels (``duetserve/model/csrc/decode_stream.cu``) that read 
 pattern alone (``scripts/weight_stream/bulk_copy.cu``: no multiplies, each stage freed as soon as
 it lands) over a 4 GiB matrix of 8 KB and 24 KB rows (K = 4096 and 12288 in bf16), against one
 contiguous copy per stage: TB/s per copy size, stage size and ring depth, issued from one lane
-or one lane a row. Each case is the median of 5 launches timed with CUDA events.
+or one lane a row. Each case is the median of 5 launches timed with CUDA events
+(``bench_weight_stream.events_ms``).
 
 Needs a CUDA GPU of compute capability 9.0 with nvcc and CuPy (the lent H200's image has both).
 Writes JSON to ``--out``; prints a short table last. Exit code 2 without CUDA.
@@ -39,6 +40,7 @@ def main() -> int:
         print("bench_bulk_copy.py needs a CUDA GPU", file=sys.stderr)
         return 2
     import cupy
+    from bench_weight_stream import events_ms  # noqa: I001 (this folder is on sys.path when run as a script)
     warnings.filterwarnings("ignore", message="ExternalStream is deprecated")
     cubin = Path(tempfile.mkdtemp()) / "bulk_copy.cubin"
     nvcc = shutil.which("nvcc") or "/usr/local/cuda/bin/nvcc"
@@ -57,16 +59,8 @@ def main() -> int:
             rows = buf.numel() // row_bytes // (stage_bytes // piece) * (stage_bytes // piece)
             kernel_args = (np.uint64(buf.data_ptr()), np.int64(rows), np.int32(row_bytes), np.int32(piece),
                            np.int32(lanes), np.int32(stages), np.int32(stage_bytes))
-            fn((sms,), (64,), kernel_args, shared_mem=smem)
-            times = []
-            for _ in range(5):
-                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                a.record()
-                fn((sms,), (64,), kernel_args, shared_mem=smem)
-                b.record()
-                b.synchronize()
-                times.append(a.elapsed_time(b))
-            tbs = rows * row_bytes / float(np.median(times)) / 1e9
+            ms = events_ms(lambda a=kernel_args: fn((sms,), (64,), a, shared_mem=smem), replays=5)
+            tbs = rows * row_bytes / ms / 1e9
             rows_out.append({"row_bytes": row_bytes, "copy_bytes": piece, "stages": stages, "stage_bytes": stage_bytes,
                              "lane_per_row": bool(lanes), "tb_per_s": tbs})
     args.out.parent.mkdir(parents=True, exist_ok=True)

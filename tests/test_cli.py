@@ -350,13 +350,20 @@ def test_serve_names_the_flag_for_a_gguf_file_that_is_no_gguf(tmp_path, monkeypa
     assert list((tmp_path / "cache" / "gguf").iterdir()) == []  # the failed conversion's folder is gone
 
 
-def test_serve_names_real_flags_when_the_kv_cache_cannot_hold_max_model_len(capsys):
+@pytest.mark.parametrize("flags, message", [
+    (["--num-kv-blocks", "5", "--max-model-len", "200"],
+     "--max-model-len 200 is more than the KV cache holds (80 tokens in 5 blocks of 16); lower it, or give the cache "
+     "more (--num-kv-blocks, --kv-cache-memory-fraction, on a CPU --cpu-kv-cache-gb)"),
+    # started, "serving a context of at most 1 tokens", and answered every request with a 400
+    (["--num-kv-blocks", "1", "--block-size", "1"],
+     "the KV cache holds 1 token(s) (1 blocks of 1): no request fits; give it more (--num-kv-blocks, --block-size, "
+     "--kv-cache-memory-fraction, on a CPU --cpu-kv-cache-gb)"),
+])
+def test_serve_names_real_flags_when_the_kv_cache_is_too_small(flags, message, capsys):
     with pytest.raises(SystemExit) as exc:
-        main(["serve", "--device", "cpu", "--port", "0", "--num-kv-blocks", "5", "--max-model-len", "200"])
+        main(["serve", "--device", "cpu", "--port", "0", *flags])
     assert exc.value.code == 2
-    assert capsys.readouterr().err.endswith(
-        "duetserve serve: error: --max-model-len 200 is more than the KV cache holds (80 tokens in 5 blocks of 16); "
-        "lower it, or give the cache more (--num-kv-blocks, --kv-cache-memory-fraction, on a CPU --cpu-kv-cache-gb)\n")
+    assert capsys.readouterr().err.endswith(f"duetserve serve: error: {message}\n")
 
 
 def test_version(capsys):
@@ -364,17 +371,6 @@ def test_version(capsys):
         main(["--version"])
     version = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())["project"]["version"]
     assert exc.value.code == 0 and capsys.readouterr().out == f"duetserve {version}\n"
-
-
-def test_serve_refuses_a_kv_cache_that_fits_no_request(capsys):
-    """``--num-kv-blocks 1 --block-size 1`` started, "serving a context of at most 1 tokens", and
-    answered every request with a 400."""
-    with pytest.raises(SystemExit) as exc:
-        main(["serve", "--device", "cpu", "--port", "0", "--num-kv-blocks", "1", "--block-size", "1"])
-    assert exc.value.code == 2
-    assert capsys.readouterr().err.endswith(
-        "duetserve serve: error: the KV cache holds 1 token(s) (1 blocks of 1): no request fits; give it more "
-        "(--num-kv-blocks, --block-size, --kv-cache-memory-fraction, on a CPU --cpu-kv-cache-gb)\n")
 
 
 @pytest.mark.parametrize("argv", [["serve", "--bogus", "x"], ["bench", "--num-requests", "5", "--qps", "2", "--bogus"]])

@@ -206,7 +206,6 @@ class _Run:
         self.split: _LayerSplit | None = None
         self.now = 0.0
         self.rng = np.random.default_rng(config.seed)
-        self.streams: tuple[float, float] | None = None  # a split's (t_d, t_p) this iteration (step)
 
     def _actual(self, predicted_s: float) -> float:
         """The simulated seconds of a step predicted at ``predicted_s`` (``prediction_error``)."""
@@ -237,13 +236,12 @@ class _Run:
 
     def step(self, out: SchedulerOutput) -> list[Seq]:
         """Run one scheduled iteration on the simulated clock; returns the finished sequences."""
-        self.streams = None
-        duration, decode_times, prefill_time = self._timing(out)
+        duration, decode_times, prefill_time, streams = self._timing(out)
         plan = out.plan
         if not plan.spatial and out.decodes and out.num_prefill_tokens:  # as the engine reports it
             self.scheduler.policy.observe_iteration(plan, duration)
-        elif self.streams is not None and out.decodes:  # a split: its streams' times, as the engine's events
-            t_d, t_p = self.streams
+        elif streams is not None and out.decodes:  # a split: its streams' times, as the engine's events
+            t_d, t_p = streams
             self.scheduler.policy.observe(plan, t_d, t_p if out.prefills else None)
         self.iterations.append(IterationRecord(self.now, duration, plan.predicted_s, plan.spatial, plan.slo_risk,
                                                plan.s_decode, plan.k, len(out.decodes), out.num_prefill_tokens))
@@ -264,21 +262,20 @@ class _Run:
         rec.chunk_times_s.extend(t - rec.start_s for t in times)
         rec.output_tokens = seq.num_output_tokens
 
-    def _timing(self, out: SchedulerOutput) -> tuple[float, list[float], float | None]:
+    def _timing(self, out: SchedulerOutput) -> tuple[float, list[float], float | None, tuple[float, float] | None]:
         """(iteration seconds, time of each decode step's tokens, time of the prefill's first
-        tokens or None while a layer-split prefill is unfinished)."""
+        tokens or None while a layer-split prefill is unfinished, a split's ``(t_d, t_p)`` or None)."""
         plan, decode, prefill = out.plan, _reqs(out.decodes), _reqs(out.prefills)
         if plan.prefill_layers is not None and prefill:
-            return self._layer_round(out, decode, prefill)
+            return (*self._layer_round(out, decode, prefill), None)
         if plan.spatial:
             t_d, t_p = self._spatial(decode, prefill, plan.s_decode)
-            self.streams = (t_d, t_p)
             # The executor starts no decode step near the prefill's end (ModelRunner._execute_spatial).
             steps = executed_steps(t_d, t_p, plan.k) if prefill else plan.k
             duration = max(steps * t_d, t_p)
-            return duration, [self.now + i * t_d for i in range(1, steps + 1)], self.now + duration
+            return duration, [self.now + i * t_d for i in range(1, steps + 1)], self.now + duration, (t_d, t_p)
         duration = self._actual(float(self.cm.predict_total(decode + prefill, self.total_sms)))
-        return duration, [self.now + duration], self.now + duration
+        return duration, [self.now + duration], self.now + duration, None
 
     def _layer_round(self, out: SchedulerOutput, decode: list[tuple[int, int]],
                      prefill: list[tuple[int, int]]) -> tuple[float, list[float], float | None]:
