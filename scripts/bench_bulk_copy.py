@@ -39,8 +39,9 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("bench_bulk_copy.py needs a CUDA GPU", file=sys.stderr)
         return 2
+    # events_ms: bench_weight_stream.py beside this script (its folder is on sys.path when run)
     import cupy
-    from bench_weight_stream import events_ms  # noqa: I001 (this folder is on sys.path when run as a script)
+    from bench_weight_stream import events_ms
     warnings.filterwarnings("ignore", message="ExternalStream is deprecated")
     cubin = Path(tempfile.mkdtemp()) / "bulk_copy.cubin"
     nvcc = shutil.which("nvcc") or "/usr/local/cuda/bin/nvcc"
