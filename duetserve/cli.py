@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import argparse
 import errno
-import importlib.metadata
 import logging
 import math
 import os
@@ -12,6 +11,7 @@ import socket
 import sys
 from pathlib import Path
 
+from duetserve import __version__
 from duetserve.argtypes import (
     join_negative_values,
     non_empty,
@@ -207,7 +207,7 @@ def _serve(args, parser: argparse.ArgumentParser) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="duetserve", description=__doc__)
-    parser.add_argument("--version", action="version", version=f"%(prog)s {importlib.metadata.version('duetserve')}")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_serve(sub)
     for name, module, summary in TOOLS:
