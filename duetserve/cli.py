@@ -113,8 +113,8 @@ def _add_serve(sub) -> None:
     p.add_argument("--trim-margin", type=trim_margin, default=None, metavar="FRACTION|auto",
                    help="duet: when a split is planned, run a temporal batch with its prefill trimmed to fit "
                         "FRACTION x --tbt-slo instead if its predicted token rate is higher (e.g. 0.85; auto: "
-                        "a margin that follows the measured error of temporal iterations; default: off, the "
-                        "paper's rule)")
+                        "a margin that follows the measured error of temporal iterations, and decode steps of splits "
+                        "planned with room for their measured error's p99; default: off, the paper's rule)")
     p.add_argument("--decode-stream", action="store_true",
                    help="experimental, slower than the default decode graphs for now: decode batches of up to 8 through "
                         "the weight-stream kernels (Qwen3 shapes, sm_90 GPU, nvcc and cuda-bindings)")

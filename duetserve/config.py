@@ -65,8 +65,9 @@ class EngineConfig:
         trim_margin: duet: also consider a temporal batch with its prefill trimmed to fit this
             share of ``tbt_slo_s`` and run it instead of a split when its predicted token rate
             is higher (``plan_iteration``); ``"auto"``: a share that follows the measured error
-            of temporal iterations (``DuetPolicy.trim_margin``); None (default) keeps the
-            paper's rule.
+            of temporal iterations (``DuetPolicy.trim_margin``), and splits' decode steps planned
+            with room for their measured error (``DuetPolicy.decode_spread``); None (default)
+            keeps the paper's rule.
         decode_stream: record the CUDA graphs of decode batches of up to 8 sequences with the
             weight-stream kernels (``duetserve.model.decode_stream``; experimental: Qwen3 shapes,
             sm_90, nvcc and cuda-bindings).

@@ -248,6 +248,34 @@ def test_duet_learns_a_decode_correction_from_measured_steps():
     assert policy.decode_correction == pytest.approx(1 + 0.99 ** 100)
 
 
+def test_duet_auto_plans_decode_steps_with_room_for_their_spread():
+    """With ``--trim-margin auto``, ``observe`` keeps measured / predicted decode steps against the
+    prediction without the policy's feedback, and from 32 on scales the decode side by their p99
+    over their median (numpy's linear quantile); without auto it stays 1."""
+    policy = DuetPolicy(dataclasses.replace(planner(0.05), trim_margin=TRIM_AUTO))
+    fixed = DuetPolicy(planner(0.05))
+    plan = fixed.plan(DECODE, PREFILL, max_k=100)  # (auto would run this batch trimmed, on all SMs)
+    assert plan.spatial
+    (t_d,), _ = policy.cost_model.predict_spatial(DECODE, PREFILL, [16], 132)
+    for i in range(31):  # faster than predicted: the correction stays at its floor, 1
+        policy.observe(plan, 0.8 * plan.predicted_decode_s, None)
+        fixed.observe(plan, 0.8 * plan.predicted_decode_s, None)
+    assert policy.decode_spread == 1.0 and policy.cost_model.decode_margin == 1.0
+    policy.observe(plan, 1.0 * plan.predicted_decode_s, None)  # the 32nd: 31 x 0.8 and one 1.0
+    fixed.observe(plan, 1.0 * plan.predicted_decode_s, None)
+    spread = (0.8 + 0.69 * 0.2) / 0.8  # p99 at position 0.99 x 31 = 30.69 of the sorted 32
+    assert policy.decode_correction == 1.0 and policy.decode_spread == pytest.approx(spread)  # 1.1725
+    assert policy.cost_model.decode_margin == pytest.approx(spread)
+    assert float(policy.cost_model.predict_spatial(DECODE, PREFILL, [16], 132)[0][0]) == pytest.approx(t_d * spread)
+    assert fixed.decode_spread == 1.0 and fixed.cost_model.decode_margin == 1.0
+    # later predictions include the spread; steps that ran 0.8x the prediction without it count
+    # as 0.8 (not 0.8 / spread, which would move the median): 71 x 0.8 and one 1.0
+    for _ in range(40):
+        scaled = dataclasses.replace(plan, predicted_decode_s=plan.predicted_decode_s * policy.decode_spread)
+        policy.observe(scaled, 0.8 * plan.predicted_decode_s, None)
+    assert policy.decode_spread == pytest.approx((0.8 + 0.29 * 0.2) / 0.8)  # position 0.99 x 71 = 70.29
+
+
 def test_duet_learns_the_prefill_scale_both_ways_within_bounds():
     """``observe``'s prefill side: ratio ** 0.3 per observation, within [0.8, 1.5], scaling the GPU
     part of spatial prefill predictions (its host time is not scaled); decode is untouched."""
