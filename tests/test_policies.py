@@ -273,7 +273,14 @@ def test_duet_auto_plans_decode_steps_with_room_for_their_spread():
     for _ in range(40):
         scaled = dataclasses.replace(plan, predicted_decode_s=plan.predicted_decode_s * policy.decode_spread)
         policy.observe(scaled, 0.8 * plan.predicted_decode_s, None)
-    assert policy.decode_spread == pytest.approx((0.8 + 0.29 * 0.2) / 0.8)  # position 0.99 x 71 = 70.29
+    spread = (0.8 + 0.29 * 0.2) / 0.8  # position 0.99 x 71 = 70.29
+    assert policy.decode_spread == pytest.approx(spread) and policy.decode_correction == 1.0
+    # steps 1.2x the prediction without the feedback: the correction moves toward 1.2 (it is
+    # the bias), not toward 1.2 / spread, and the spread multiplies it
+    scaled = dataclasses.replace(plan, predicted_decode_s=plan.predicted_decode_s * spread)
+    policy.observe(scaled, 1.2 * plan.predicted_decode_s, None)
+    assert policy.decode_correction == pytest.approx(1.2 ** 0.3)
+    assert policy.cost_model.decode_margin == pytest.approx(1.2 ** 0.3 * policy.decode_spread)
 
 
 def test_duet_learns_the_prefill_scale_both_ways_within_bounds():

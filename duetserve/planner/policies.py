@@ -217,9 +217,11 @@ class DuetPolicy:
 
         With ``TRIM_AUTO``, the decode side is also scaled by ``decode_spread``: the
         ``TRIM_QUANTILE`` over the median of measured / predicted over the last ``TRIM_WINDOW``
-        spatial plans (1 until ``TRIM_MIN_SAMPLES`` were seen; never below 1). The correction
-        follows the median, so without it about half the steps planned right at ``tau`` run
-        over. Beyond the paper: on the H200 serving Mooncake at QPS 1.5 that ratio was 0.94 /
+        spatial plans (1 until ``TRIM_MIN_SAMPLES`` were seen; never below 1), both taken
+        against the prediction without the spread and the correction. The correction follows
+        the middle of that ratio, so without the spread about half the steps planned right at
+        ``tau`` run over; it is updated against the prediction without the spread, so the
+        spread adds to it rather than replacing it. Beyond the paper: on the H200 serving Mooncake at QPS 1.5 that ratio was 0.94 /
         1.00 / 1.08 / 1.18 at p10 / p50 / p90 / p99, and p99 TBT reached 109 ms for a 100 ms
         SLO (docs/benchmarks.md, fourteenth session).
 
@@ -237,11 +239,11 @@ class DuetPolicy:
             cm.prefill_scale = min(high, max(low, cm.prefill_scale * ratio ** DECODE_FEEDBACK_WEIGHT))
         if not plan.predicted_decode_s or decode_step_s <= 0:
             return
-        ratio = decode_step_s / plan.predicted_decode_s
+        ratio = decode_step_s / plan.predicted_decode_s * self.decode_spread  # the correction's own error
         if self.config.trim_margin == TRIM_AUTO:
             # against the prediction without this policy's feedback, so a changed margin does
             # not read as spread
-            self._decode_ratios.append(ratio * self.decode_correction * self.decode_spread)
+            self._decode_ratios.append(ratio * self.decode_correction)
             if len(self._decode_ratios) >= TRIM_MIN_SAMPLES:
                 q, median = np.quantile(self._decode_ratios, [TRIM_QUANTILE, 0.5])
                 self.decode_spread = max(1.0, float(q / median))
