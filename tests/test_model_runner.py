@@ -141,3 +141,35 @@ def test_a_decode_step_starts_only_with_half_a_step_of_prefill_left():
 
     run = _run_beside_prefill(0.04, 0.01, _FakeEvent(4))  # ends while the decodes hold: no step
     assert not leaves(run, wait=True) and run.prefill_end.queries == 4
+
+
+def test_warm_up_writes_only_the_scratch_block_and_covers_the_prefill_slice_alignments(tiny_qwen3_folder):
+    """``warm_up`` (run by the engine at start, again here): forwards after 0, 1 and 2 decodes,
+    whose prefill metadata slices start 0, 4 and 8 bytes into ``context_lens`` (aligned, not,
+    not) and 0, 8 and 16 bytes into the 2-wide int32 block tables (aligned, not, aligned); every
+    cache block but the scratch one keeps its values."""
+    from duetserve.config import EngineConfig
+    from duetserve.engine.engine import LLMEngine
+
+    engine = LLMEngine(EngineConfig(model=str(tiny_qwen3_folder), num_kv_blocks=16, block_size=8,
+                                    partition_backend="none"))
+    runner = engine.runner
+    assert runner.scratch_slot == 16 * 8  # the block after the 16 the block manager hands out
+    for k_cache, v_cache in runner.kv_caches:
+        k_cache.normal_()
+        v_cache.normal_()
+    before = [(k.clone(), v.clone()) for k, v in runner.kv_caches]
+    seen, forward = [], runner.model.forward
+
+    def spy(input_ids, positions, kv_caches, meta):
+        nd = meta.num_decodes
+        seen.append((nd, meta.context_lens[nd:].storage_offset() * 4 % 16 == 0,
+                     meta.block_tables[nd:].storage_offset() * 4 % 16 == 0, meta.context_lens.tolist()))
+        return forward(input_ids, positions, kv_caches, meta)
+
+    runner.model.forward = spy
+    runner.warm_up()
+    assert seen == [(0, True, True, [2]), (1, False, False, [1, 2]), (2, False, True, [1, 1, 2])]
+    for (k, v), (k0, v0) in zip(runner.kv_caches, before):
+        assert torch.equal(k[:16], k0[:16]) and torch.equal(v[:16], v0[:16])
+        assert not torch.equal(k[16], k0[16])  # the 2-token prefill's keys went to the scratch slot

@@ -143,6 +143,9 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, kv, config.block_size, self.device, self.sampler, self.graphs,
                                   self.partition, split_graphs, scratch_slot=num_blocks * config.block_size,
                                   split_counters=counters)
+        start = time.perf_counter()
+        self.runner.warm_up()
+        log.info("ran the eager passes' kernel variants in %.1f s", time.perf_counter() - start)
         self.scheduler = Scheduler(policy, self.block_manager, config.max_num_seqs,
                                    config.max_num_batched_tokens, self.max_model_len,
                                    decode_steps=config.num_decode_steps)

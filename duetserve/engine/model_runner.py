@@ -220,6 +220,33 @@ class ModelRunner:
         self._unjoined: torch.cuda.Stream | None = None  # prefill stream still running a split's layers
         self.interrupt: Callable[[], bool] | None = None  # True: stop a multi-step decode early
 
+    @torch.inference_mode()
+    def warm_up(self) -> None:
+        """Run the eager forward's kernel variants once, before any request: a 2-token prefill
+        (context 2) after 0, 1 and 2 decodes (context 1), every K/V written to the scratch
+        slot, every block table entry the scratch block. Nothing else in the cache changes.
+
+        Triton compiles a kernel per 16-byte alignment of its pointer arguments, and the prefill
+        attention gets its batch's ``context_lens``, ``query_start_loc`` and ``block_tables``
+        sliced past the decodes (``TritonAttention.forward``): with block tables 2 entries wide,
+        0, 1 and 2 decodes give all three alignments those slices can have (``context_lens``
+        with ``query_start_loc`` aligned iff ``nd % 4 == 0``; the block tables iff ``nd * width % 4
+        == 0``). Compiled on first use instead, each variant held an iteration for 0.8-1.2 s on
+        the H200 (docs/benchmarks.md, fourteenth session)."""
+        block = self.scratch_slot // self.block_size
+        for nd in range(3):
+            lens = [1] * nd + [2]
+            i32 = dict(dtype=torch.int32, device=self.device)
+            meta = AttentionMetadata(
+                slot_mapping=torch.full((nd + 2,), self.scratch_slot, dtype=torch.int64, device=self.device),
+                query_start_loc=torch.tensor(np.cumsum([0] + lens), **i32),
+                context_lens=torch.tensor(lens, **i32), block_tables=torch.full((nd + 1, 2), block, **i32),
+                num_decodes=nd, query_lens_cpu=lens, context_lens_cpu=lens, split_counters=self.split_counters)
+            positions = torch.tensor([0] * nd + [0, 1], dtype=torch.int64, device=self.device)
+            hidden = self.model(torch.zeros(nd + 2, dtype=torch.int64, device=self.device), positions,
+                                self.kv_caches, meta)
+            self.model.compute_logits(hidden[-1:])
+
     def execute(self, out: SchedulerOutput) -> Iterator[Sampled]:
         """Launch ``out`` and return an iterator over its sampled tokens, part by part. A
         temporal plan gives one part with every token; a plan with ``k`` decode steps gives one
