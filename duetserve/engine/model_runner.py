@@ -234,9 +234,9 @@ class ModelRunner:
         == 0``). Compiled on first use instead, each variant held an iteration for 0.8-1.2 s on
         the H200 (docs/benchmarks.md, fourteenth session)."""
         block = self.scratch_slot // self.block_size
+        i32 = {"dtype": torch.int32, "device": self.device}
         for nd in range(3):
             lens = [1] * nd + [2]
-            i32 = dict(dtype=torch.int32, device=self.device)
             meta = AttentionMetadata(
                 slot_mapping=torch.full((nd + 2,), self.scratch_slot, dtype=torch.int64, device=self.device),
                 query_start_loc=torch.tensor(np.cumsum([0] + lens), **i32),
