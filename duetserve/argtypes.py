@@ -20,7 +20,15 @@ from pathlib import Path
 from typing import TypeVar
 
 from duetserve.config import parse_duration
-from duetserve.traces import TraceFormat, parse_length, resolve_format
+from duetserve.traces import (
+    TraceFileError,
+    TraceFormat,
+    TraceRequest,
+    TraceSpec,
+    load_trace,
+    parse_length,
+    resolve_format,
+)
 
 T = TypeVar("T")
 
@@ -45,6 +53,26 @@ def trace_format(trace: str | Path | None, fmt: TraceFormat, format_flag: str) -
         return resolve_format(trace, fmt)
     except ValueError as exc:  # "... give the format (simulate --format, bench --trace-format)"
         raise UsageError(str(exc)) from exc
+
+
+def read_trace(trace: Path | None, spec: TraceSpec) -> list[TraceRequest]:
+    """``traces.load_trace(trace, spec)`` for a command line: bad input is a UsageError naming the flag.
+
+    Raises:
+        UsageError: "--trace PATH[:LINE]: REASON" for a file that cannot be read or is no trace
+            (empty, not UTF-8, malformed), or a selection that holds no request (``--window``,
+            ``--num-requests``).
+        ValueError: options that do not go together (see ``traces.TraceSpec``).
+    """
+    try:
+        requests = load_trace(trace, spec)
+    except TraceFileError as exc:  # its message starts with the path
+        raise UsageError(f"--trace {exc}") from exc
+    except OSError as exc:
+        raise UsageError(f"--trace {trace}: {exc.strerror or exc}") from exc
+    if not requests:
+        raise UsageError("the trace selection holds no requests (see --window and --num-requests)")
+    return requests
 
 
 def exit_status(command: str, exc: Exception) -> int:

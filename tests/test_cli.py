@@ -223,7 +223,8 @@ def test_bench_arrival_and_rate_that_do_not_go_together_are_usage_errors(argv, m
 
 
 def test_bench_trace_suffix_and_content(tmp_path, capsys):
-    """A suffix that tells no format is a usage error (2); a malformed trace is not (1)."""
+    """A suffix that tells no format and a malformed trace are both usage errors (2), the latter naming
+    --trace (it exited 1, as a server that cannot be reached does)."""
     text, bad = tmp_path / "trace.txt", tmp_path / "trace.csv"
     text.write_text("x\n")
     bad.write_text("a,b\n1,2\n")
@@ -231,9 +232,23 @@ def test_bench_trace_suffix_and_content(tmp_path, capsys):
     assert capsys.readouterr().err == (
         f"duetserve bench: error: cannot infer the trace format of {text} from its suffix (.csv: azure, "
         ".jsonl: mooncake); give the format (simulate --format, bench --trace-format)\n")
-    assert main(["bench", "--base-url", "http://127.0.0.1:1", "--trace", str(bad)]) == 1
-    assert capsys.readouterr().err == (f"duetserve bench: error: {bad}: not an Azure trace, missing columns "
+    assert main(["bench", "--base-url", "http://127.0.0.1:1", "--trace", str(bad)]) == 2
+    assert capsys.readouterr().err == (f"duetserve bench: error: --trace {bad}: not an Azure trace, missing columns "
                                        "['ContextTokens', 'GeneratedTokens', 'TIMESTAMP']\n")
+
+
+@pytest.mark.parametrize("command", ["bench", "simulate"])
+@pytest.mark.parametrize("name, text, reason", [
+    ("t.csv", "", "the file is empty"),  # exited 1, "not an Azure trace, missing columns [...]"
+    ("t.jsonl", "", "the file is empty"),  # exited 2, "the trace selection holds no requests"
+    ("t.csv", "TIMESTAMP,ContextTokens,GeneratedTokens\n", "no requests, only the header"),
+])
+def test_an_empty_trace_file_exits_2_naming_the_flag(command, name, text, reason, tmp_path, capsys):
+    trace = tmp_path / name
+    trace.write_text(text)
+    argv = ["--base-url", "http://127.0.0.1:1"] if command == "bench" else ["--qps", "2", "--no-progress"]
+    assert main([command, "--trace", str(trace), *argv]) == 2
+    assert capsys.readouterr().err == f"duetserve {command}: error: --trace {trace}: {reason}\n"
 
 
 def test_bench_compare_names_a_file_that_is_no_bench_result(tmp_path, capsys):
@@ -255,7 +270,7 @@ def test_bench_needs_the_iteration_log_up_front_unless_a_launched_server_writes_
     """It was read only after the whole run: "[Errno 2] No such file or directory: '/nonexist.jsonl'"."""
     from duetserve.bench import cli as bench_cli
 
-    monkeypatch.setattr(bench_cli, "load_trace", lambda *a: pytest.fail("the trace was loaded first"))
+    monkeypatch.setattr(bench_cli, "read_trace", lambda *a: pytest.fail("the trace was loaded first"))
     missing = tmp_path / "it.jsonl"
     assert main(["bench", "--num-requests", "2", "--qps", "2", "--iteration-log", str(missing),
                  "--plot", str(tmp_path / "b.png")]) == 2

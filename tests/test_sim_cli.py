@@ -147,13 +147,13 @@ def test_a_trace_suffix_that_tells_no_format_is_a_usage_error(tmp_path, capsys):
         ".jsonl: mooncake); give the format (simulate --format, bench --trace-format)\n")
 
 
-def test_a_malformed_trace_still_exits_1(tmp_path, capsys):
-    """Not a usage error: the flags are fine, the file's content is not."""
+def test_a_malformed_trace_is_a_usage_error_naming_the_flag(tmp_path, capsys):
+    """Exit 2 naming --trace, as an empty .jsonl trace did ("holds no requests"); it exited 1."""
     trace = tmp_path / "trace.csv"
     trace.write_text("a,b\n1,2\n")
-    assert main(["simulate", "--trace", str(trace), "--qps", "2", "--no-progress"]) == 1
-    assert capsys.readouterr().err == (f"duetserve simulate: error: {trace}: not an Azure trace, missing columns "
-                                       "['ContextTokens', 'GeneratedTokens', 'TIMESTAMP']\n")
+    assert main(["simulate", "--trace", str(trace), "--qps", "2", "--no-progress"]) == 2
+    assert capsys.readouterr().err == (f"duetserve simulate: error: --trace {trace}: not an Azure trace, missing "
+                                       "columns ['ContextTokens', 'GeneratedTokens', 'TIMESTAMP']\n")
 
 
 def test_all_without_partition_backend_leaves_pdmux_out(capsys):

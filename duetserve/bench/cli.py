@@ -7,11 +7,12 @@ one image.
 
 Exit status:
   0  every run completed at least one request (failed requests are counted in its report)
-  1  setup error: unreadable trace or files, server not reachable or not starting
+  1  setup error: unreadable files, server not reachable or not starting
      ("duetserve bench: error: ..." on stderr)
   2  every request of a run failed (the reports are still printed, and saved with
-     --result-file); 2 is also argparse's status for a usage error: a bad flag, or flags
-     that do not go together ("duetserve bench: error: ..." naming the flag, on stderr)
+     --result-file); 2 is also argparse's status for a usage error: a bad flag, flags
+     that do not go together, or a --trace file that is no trace ("duetserve bench:
+     error: ..." naming the flag, on stderr)
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ from duetserve.argtypes import (
     positive_int,
     rate,
     rates,
+    read_trace,
     tbt_slo,
     trace_format,
     window,
@@ -57,7 +59,7 @@ from duetserve.bench.plot import plot_results, read_iteration_log
 from duetserve.bench.prompts import Tokenizer
 from duetserve.bench.runner import BenchConfig, BenchRun, run_benchmark
 from duetserve.config import parse_duration
-from duetserve.traces import TraceSpec, load_trace
+from duetserve.traces import TraceSpec
 
 _GOODPUT_KEYS = ("ttft", "tpot", "e2el")
 
@@ -339,9 +341,7 @@ def _bench(args: argparse.Namespace) -> int:
     )
     loads = args.sweep_qps or [args.qps]
     specs = [replace(spec, qps=q) for q in loads]
-    traces = [load_trace(args.trace, s) for s in specs]
-    if not traces[0]:
-        raise UsageError("the trace selection holds no requests (see --window and --num-requests)")
+    traces = [read_trace(args.trace, s) for s in specs]
     server: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
     if args.launch:
         server = ServerProcess(LaunchConfig(
@@ -387,8 +387,8 @@ def run(args: argparse.Namespace) -> int:
 
     Returns:
         0 when every run produced a report with at least one completed request (some may
-        have failed), 1 on a setup error (unreadable trace, server not reachable or not
-        starting), 2 on a usage error (bad flags, named in the message) or when every
+        have failed), 1 on a setup error (server not reachable or not starting), 2 on a
+        usage error (bad flags or a bad --trace file, named in the message) or when every
         request of a run failed (the reports are still written).
     """
     for name in ("httpx", "httpcore"):  # one INFO line per request otherwise

@@ -6,8 +6,9 @@ highest swept QPS whose p99 TBT stays within the SLO while finished requests kee
 offered load (``report.slo_capacity``), and its request throughput relative to ``chunked``;
 with no such QPS, which condition failed at each (``report.capacity_misses``).
 ``--json`` saves the rows, ``--plot`` draws TBT, TTFT and throughput against QPS.
-Exit status: 0 on success; 2 on bad usage: a bad flag, or flags that do not go together or do not
-fit the trace or the model (the message names the flag); 1 on any other error, such as a malformed trace.
+Exit status: 0 on success; 2 on bad usage: a bad flag, flags that do not go together or do not
+fit the trace or the model, or a --trace file that is no trace (the message names the flag); 1 on
+any other error.
 """
 
 from __future__ import annotations
@@ -28,11 +29,7 @@ from duetserve.planner.hardware import available_profiles, load_profile
 from duetserve.planner.policies import PlannerConfig
 from duetserve.sim.report import format_capacity, format_table, plot_rows, summarize
 from duetserve.sim.simulator import SimConfig, simulate
-from duetserve.traces import (
-    TraceRequest,
-    TraceSpec,
-    load_trace,
-)
+from duetserve.traces import TraceRequest, TraceSpec
 
 
 def _fraction(text: str) -> float:
@@ -202,9 +199,7 @@ def _simulate(args: argparse.Namespace) -> int:
                        args.prediction_error, args.seed)
     rows = []
     for qps in args.qps:
-        trace = load_trace(args.trace, _trace_spec(args, qps))
-        if not trace:
-            raise UsageError("the trace selection holds no requests (see --window and --num-requests)")
+        trace = argtypes.read_trace(args.trace, _trace_spec(args, qps))
         _check_trace_fits(args, config, trace)
         for policy in policies:
             result = simulate(trace, policy, config, not args.no_progress, f"{policy.name} qps {qps:g}")
@@ -223,8 +218,8 @@ def _simulate(args: argparse.Namespace) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Run ``duetserve simulate`` with parsed arguments; 0 on success, 2 on a usage error, 1 on any other
-    error, such as an unreadable or malformed trace (the message goes to stderr)."""
+    """Run ``duetserve simulate`` with parsed arguments; 0 on success, 2 on a usage error (a bad
+    --trace file included), 1 on any other error (the message goes to stderr)."""
     try:
         return _simulate(args)
     except (ValueError, OSError) as exc:
