@@ -561,16 +561,18 @@ class Bench:
         self.add_runs(run)
 
     def save(self) -> None:
-        """Rewrite serving.json, serving_table.md and iterations.jsonl.gz (each replaced whole)."""
+        """Rewrite serving.json, serving_table.md and iterations.jsonl.gz (each replaced whole), as strict JSON."""
+        from duetserve.jsonio import dumps
+
         with self.lock:
             settings = {k: [asdict(x) for x in v] if isinstance(v, list) and v and is_dataclass(v[0]) else v
                         for k, v in vars(self.args).items()}
             doc = {"settings": settings, "environment": self.env,
                    "elapsed_s": round(time.monotonic() - self.t_start, 1),
                    "servers": self.servers, "runs": self.runs}
-            _replace(self.out / "serving.json", json.dumps(doc).encode())
+            _replace(self.out / "serving.json", dumps(doc).encode())
             _replace(self.out / "serving_table.md", format_table(self.runs, self.slo_ms).encode())
-            lines = [json.dumps({"policy": label, **rec}) + "\n"
+            lines = [dumps({"policy": label, **rec}) + "\n"
                      for label, path in self.iter_logs.items() for rec in _read_jsonl(path)]
             _replace(self.out / "iterations.jsonl.gz", gzip.compress("".join(lines).encode()))
 

@@ -37,6 +37,7 @@ from duetserve.bench.launch import LaunchConfig, ServerProcess
 from duetserve.bench.plot import read_iteration_log
 from duetserve.bench.prompts import COMMON_WORDS, PromptBuilder
 from duetserve.traces import MOONCAKE_BLOCK_TOKENS, TraceRequest
+from test_jsonio import strict_loads
 
 MISBEHAVIOURS = ("ok", "http500", "abort", "truncate", "short", "hang")
 
@@ -206,10 +207,13 @@ def test_well_behaved_server_completions(tmp_path: Path, capsys: pytest.CaptureF
 
 def test_concurrency_cap(tmp_path: Path) -> None:
     app = fake_app(token_gap_s=0.01)
+    out = tmp_path / "r.json"
     with serving(app) as url:
         assert bench(["--base-url", url, "--qps", "inf", "--num-requests", "8",
-                      "--max-concurrency", "2", "--output-len", "5"]) == 0
+                      "--max-concurrency", "2", "--output-len", "5", "--result-file", str(out)]) == 0
     assert app.state.max_in_flight == 2
+    result = strict_loads(out.read_text())  # --qps inf: "inf", not a bare Infinity
+    assert (result["request_rate"], result["trace_spec"]["qps"], result["completed"]) == ("inf", "inf", 8)
 
 
 def test_chat_with_tokenizer(tmp_path: Path) -> None:

@@ -8,6 +8,7 @@ import pytest
 from duetserve import argtypes
 from duetserve.cli import main
 from duetserve.sim import cli as sim_cli
+from test_jsonio import strict_loads
 
 SMALL = ["simulate", "--format", "synthetic", "--num-requests", "40", "--input-len", "500:3000",
          "--output-len", "10:60", "--no-progress"]
@@ -28,6 +29,14 @@ def test_end_to_end_writes_table_json_and_plot(tmp_path, capsys):
     assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     printed = capsys.readouterr().out
     assert "TBT ms mean" in printed and "TTFT ms mean" in printed and "chunked" in printed and "req/s" in printed
+
+
+def test_json_is_strict_with_an_infinite_qps(tmp_path):
+    """``--qps inf`` wrote a bare ``Infinity`` (not JSON: jq and JavaScript refuse the file)."""
+    out = tmp_path / "rows.json"
+    assert main([*SMALL, "--qps", "inf", "--policy", "chunked", "--json", str(out)]) == 0
+    (row,) = strict_loads(out.read_text())
+    assert row["qps"] == "inf" and row["completed"] == 40
 
 
 def test_model_config_file_and_single_policy(tmp_path, capsys):

@@ -22,7 +22,6 @@ import asyncio
 import contextlib
 import json
 import logging
-import math
 import shlex
 import shutil
 import sys
@@ -59,6 +58,7 @@ from duetserve.bench.plot import plot_results, read_iteration_log
 from duetserve.bench.prompts import Tokenizer
 from duetserve.bench.runner import BenchConfig, BenchRun, run_benchmark
 from duetserve.config import parse_duration
+from duetserve.jsonio import dumps, json_safe
 from duetserve.traces import TraceSpec
 
 _GOODPUT_KEYS = ("ttft", "tpot", "e2el")
@@ -249,28 +249,16 @@ def _load_tokenizer(path: str) -> Tokenizer:
     return AutoTokenizer.from_pretrained(path)
 
 
-def _json_number(x: float | None) -> float | str | None:
-    """``x``, with infinity as the string ``"inf"`` (JSON has no infinity)."""
-    return "inf" if x is not None and math.isinf(x) else x
-
-
 def _spec_json(spec: TraceSpec) -> dict[str, Any]:
-    """``spec`` as JSON values: length distributions by their repr, ``inf`` as a string."""
-    out: dict[str, Any] = {}
-    for f in fields(spec):
-        value = getattr(spec, f.name)
-        if isinstance(value, float):
-            value = _json_number(value)
-        elif is_dataclass(value):
-            value = repr(value)
-        out[f.name] = value
-    return out
+    """``spec`` as JSON values: length distributions by their repr."""
+    return {f.name: repr(v) if is_dataclass(v := getattr(spec, f.name)) else v for f in fields(spec)}
 
 
 def _build_result(args: argparse.Namespace, spec: TraceSpec, outcome: BenchRun,
                   slos: Slos) -> dict[str, Any]:
-    """The saved JSON: settings, vLLM-style metrics, then per-request records."""
-    return {
+    """The saved JSON: settings, vLLM-style metrics, then per-request records; ``jsonio.json_safe``
+    (an infinite rate is ``"inf"``)."""
+    return json_safe({
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "base_url": args.base_url,
         "endpoint": args.endpoint,
@@ -278,14 +266,14 @@ def _build_result(args: argparse.Namespace, spec: TraceSpec, outcome: BenchRun,
         "trace": str(args.trace) if args.trace else None,
         "trace_spec": _spec_json(spec),
         "num_prompts": len(outcome.records),
-        "request_rate": _json_number(spec.qps),
+        "request_rate": spec.qps,
         "max_concurrency": args.max_concurrency,
         "goodput_slo_ms": {k: v * 1000 for k in _GOODPUT_KEYS
                            if (v := getattr(slos, f"{k}_s")) is not None} or None,
         "start_time_unix": outcome.start_time_unix,
         **compute_metrics(outcome.records, outcome.duration_s, slos, args.percentiles),
         "requests": [r.to_json() for r in outcome.records],
-    }
+    })
 
 
 def _result_path(path: Path, qps: float | None, sweep: bool) -> Path:
@@ -361,7 +349,7 @@ def _bench(args: argparse.Namespace) -> int:
             print(format_report(result, f"Serving Benchmark Result (qps {qps or 'trace'})"))
             if args.result_file:
                 path = _result_path(args.result_file, qps, bool(args.sweep_qps))
-                path.write_text(json.dumps(result))
+                path.write_text(dumps(result))
                 print(f"results: {path}")
     if args.plot:
         labels = [f"qps {q:g}" if q else "trace timing" for q in loads]

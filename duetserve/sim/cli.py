@@ -23,6 +23,7 @@ from duetserve import argtypes
 from duetserve.argtypes import UsageError, trace_format
 from duetserve.config import POLICIES
 from duetserve.engine.policy import policy_by_name
+from duetserve.jsonio import dumps
 from duetserve.partition.base import BACKENDS as PARTITION_BACKENDS
 from duetserve.planner.cost_model import ModelShape
 from duetserve.planner.hardware import available_profiles, load_profile
@@ -209,7 +210,7 @@ def _simulate(args: argparse.Namespace) -> int:
     print()
     print(format_capacity(rows))
     if args.json:
-        args.json.write_text(json.dumps(rows, indent=1))
+        args.json.write_text(dumps(rows, indent=1))  # strict JSON: an infinite --qps is "inf"
         print(f"json: {args.json}")
     if args.plot:
         plot_rows(rows, args.plot)
