@@ -264,9 +264,11 @@ def existing_file(text: str) -> Path:
 
 @argtype
 def output_file(text: str) -> Path:
-    """A file to write later, checked now: not a folder itself, in an existing, writable folder.
+    """A file to write later, checked now: not a folder itself, in an existing, writable folder,
+    and writable itself if it exists.
 
-    Errors: "TEXT is a folder", "no such folder: F", "F is not a folder", "folder F is not writable".
+    Errors: "TEXT is a folder", "no such folder: F", "F is not a folder", "folder F is not writable",
+    "TEXT is not writable".
     """
     path = Path(text)
     folder = path.parent
@@ -276,7 +278,18 @@ def output_file(text: str) -> Path:
         raise ValueError(f"{folder} is not a folder" if folder.exists() else f"no such folder: {folder}")
     if not os.access(folder, os.W_OK):
         raise ValueError(f"folder {folder} is not writable")
+    if path.exists() and not os.access(path, os.W_OK):  # a read-only file in a writable folder
+        raise ValueError(f"{text} is not writable")
     return path
+
+
+def write_output(path: Path, text: str, flag: str) -> None:
+    """Write ``text`` to ``path``, the value of ``flag`` (checked by ``output_file`` before the work);
+    a failure now (the folder removed, the disk full) is an OSError "FLAG PATH: REASON"."""
+    try:
+        path.write_text(text)
+    except OSError as exc:
+        raise OSError(f"{flag} {path}: {exc.strerror or exc}") from exc
 
 
 def image_formats() -> list[str]:

@@ -205,6 +205,29 @@ def test_well_behaved_server_completions(tmp_path: Path, capsys: pytest.CaptureF
     assert "Time to First Token" in capsys.readouterr().out
 
 
+def test_a_result_file_that_cannot_be_written_after_the_run_names_the_flag(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
+    """Checked before the run (argtypes.output_file); a folder removed during the run printed only
+    "[Errno 2] No such file or directory: '...'"."""
+    from duetserve.bench import cli as bench_cli
+
+    folder = tmp_path / "results"
+    folder.mkdir()
+    out = folder / "r.json"
+    run_benchmark = bench_cli.run_benchmark
+
+    async def removing_the_folder(*args: Any) -> Any:
+        folder.rmdir()
+        return await run_benchmark(*args)
+
+    monkeypatch.setattr(bench_cli, "run_benchmark", removing_the_folder)
+    with serving(fake_app()) as url:
+        assert bench(["--base-url", url, *SYNTHETIC, "--result-file", str(out)]) == 1
+    captured = capsys.readouterr()
+    assert captured.err.endswith(f"duetserve bench: error: --result-file {out}: No such file or directory\n")
+    assert "Serving Benchmark Result" in captured.out  # the report was printed first
+
+
 def test_concurrency_cap(tmp_path: Path) -> None:
     app = fake_app(token_gap_s=0.01)
     out = tmp_path / "r.json"

@@ -51,6 +51,7 @@ from duetserve.argtypes import (
     tbt_slo,
     trace_format,
     window,
+    write_output,
 )
 from duetserve.bench.launch import LaunchConfig, ServerProcess, stop_servers_on_sigterm
 from duetserve.bench.metrics import Slos, compute_metrics, format_comparison, format_report
@@ -349,7 +350,7 @@ def _bench(args: argparse.Namespace) -> int:
             print(format_report(result, f"Serving Benchmark Result (qps {qps or 'trace'})"))
             if args.result_file:
                 path = _result_path(args.result_file, qps, bool(args.sweep_qps))
-                path.write_text(dumps(result))
+                write_output(path, dumps(result), "--result-file")
                 print(f"results: {path}")
     if args.plot:
         labels = [f"qps {q:g}" if q else "trace timing" for q in loads]

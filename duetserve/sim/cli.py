@@ -210,7 +210,7 @@ def _simulate(args: argparse.Namespace) -> int:
     print()
     print(format_capacity(rows))
     if args.json:
-        args.json.write_text(dumps(rows, indent=1))  # strict JSON: an infinite --qps is "inf"
+        argtypes.write_output(args.json, dumps(rows, indent=1), "--json")  # an infinite --qps is "inf"
         print(f"json: {args.json}")
     if args.plot:
         plot_rows(rows, args.plot)
