@@ -33,7 +33,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from duetserve.bench.cli import configure_parser, run
-from duetserve.bench.launch import LaunchConfig, ServerProcess
+from duetserve.bench.launch import LaunchConfig, ServerProcess, launched_base_url
 from duetserve.bench.plot import read_iteration_log
 from duetserve.bench.prompts import COMMON_WORDS, PromptBuilder
 from duetserve.traces import MOONCAKE_BLOCK_TOKENS, TraceRequest
@@ -304,6 +304,35 @@ def test_launch_runs_and_stops_the_server(tmp_path: Path, temp_dir: Path) -> Non
     assert list(temp_dir.iterdir()) == []  # and so is its log (each run left /tmp/duetserve-bench-server-*.log)
 
 
+def test_launch_without_base_url_polls_the_launched_servers_port(tmp_path: Path, temp_dir: Path) -> None:
+    """bench polled :8000 for the whole --launch-timeout when the server listened elsewhere."""
+    port = free_port()
+    out = tmp_path / "r.json"
+    assert bench(["--launch", f"{sys.executable} {Path(__file__)} --port {port}", *SYNTHETIC,
+                  "--launch-timeout", "60s", "--result-file", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert (result["base_url"], result["completed"]) == (f"http://127.0.0.1:{port}", 12)
+
+
+@pytest.mark.parametrize("command, url", [
+    ("duetserve serve --model m", "http://127.0.0.1:8000"),
+    ("vllm serve m --port 8123", "http://127.0.0.1:8123"),
+    ("vllm serve m --host=0.0.0.0 --port=9000 --port 9001", "http://127.0.0.1:9001"),
+    ("serve --host :: --port 7000", "http://[::1]:7000"),
+    ("serve --host 10.1.2.3 --port 7000", "http://10.1.2.3:7000"),
+    ("serve --host fe80::1 --port 7000", "http://[fe80::1]:7000"),
+])
+def test_launched_base_url(command: str, url: str) -> None:
+    assert launched_base_url(command) == url
+
+
+@pytest.mark.parametrize("port", ["0", "x", "70000"])
+def test_a_launched_port_bench_cannot_reach_is_refused(port: str, capsys: pytest.CaptureFixture) -> None:
+    assert bench(["--launch", f"true --port {port}", *SYNTHETIC]) == 2
+    assert capsys.readouterr().err == (f"duetserve bench: error: --launch true --port {port}: its --port {port} "
+                                       "is not a port to reach the server at; give --base-url\n")
+
+
 def test_launch_failure_is_reported(temp_dir: Path, capsys: pytest.CaptureFixture) -> None:
     command = f"{sys.executable} -c \"print('no model here'); raise SystemExit(3)\""
     assert bench(["--launch", command, "--base-url", f"http://127.0.0.1:{free_port()}", *SYNTHETIC]) == 1
@@ -416,5 +445,5 @@ def test_text_prompts_exact_under_tokenizer() -> None:
 
 if __name__ == "__main__":
     cli = argparse.ArgumentParser()
-    cli.add_argument("--serve", type=int, required=True, metavar="PORT")
+    cli.add_argument("--serve", "--port", type=int, required=True, metavar="PORT")
     uvicorn.run(fake_app(), host="127.0.0.1", port=cli.parse_args().serve, log_level="warning")

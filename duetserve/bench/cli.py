@@ -53,7 +53,7 @@ from duetserve.argtypes import (
     window,
     write_output,
 )
-from duetserve.bench.launch import LaunchConfig, ServerProcess, stop_servers_on_sigterm
+from duetserve.bench.launch import LaunchConfig, ServerProcess, launched_base_url, stop_servers_on_sigterm
 from duetserve.bench.metrics import Slos, compute_metrics, format_comparison, format_report
 from duetserve.bench.plot import plot_results, read_iteration_log
 from duetserve.bench.prompts import Tokenizer
@@ -202,7 +202,9 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
     t.add_argument("--seed", type=non_negative_int, default=0, help="seed for lengths, arrivals and prompts")
 
     s = p.add_argument_group("server")
-    s.add_argument("--base-url", default="http://127.0.0.1:8000")
+    s.add_argument("--base-url", metavar="URL",
+                   help="server root (default: http://HOST:PORT of --launch's --host and --port, as "
+                        "vLLM's and SGLang's benchmarks take --host and --port; else http://127.0.0.1:8000)")
     s.add_argument("--endpoint", default="/v1/completions", type=argtype(_endpoint),
                    help="/v1/completions (token-id prompts) or /v1/chat/completions (text)")
     s.add_argument("--model", help="model name (default: first id of /v1/models)")
@@ -216,8 +218,8 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
                    default=(1000, 32000), metavar="LOW:HIGH",
                    help="ids of token-id prompts are drawn from [LOW, HIGH) (default 1000:32000)")
     s.add_argument("--launch", type=argtype(_command), metavar="CMD",
-                   help="start this server command first (it must listen at --base-url), "
-                        "wait for /health, stop it after")
+                   help="start this server command first (it must listen at --base-url, which defaults "
+                        "to its --host and --port), wait for /health, stop it after")
     s.add_argument("--launch-timeout", type=positive_duration("s"), default=600.0,
                    metavar="DURATION", help="longest wait for /health (default 600s)")
     s.add_argument("--launch-log", type=output_file, metavar="PATH",
@@ -304,9 +306,21 @@ def _spatial_times(args: argparse.Namespace) -> list[float]:
         raise ValueError(f"--iteration-log {exc}") from exc
 
 
+def _base_url(args: argparse.Namespace) -> str:
+    """``--base-url``; without it, where the ``--launch`` server listens (its ``--host`` and ``--port``:
+    a server launched on another port was polled at :8000 until ``--launch-timeout``), or 127.0.0.1:8000."""
+    if args.base_url is not None:
+        return args.base_url
+    try:
+        return launched_base_url(args.launch or "")
+    except ValueError as exc:  # "its --port 0 is not a port ..."
+        raise UsageError(f"--launch {args.launch}: {exc}") from exc
+
+
 def _bench(args: argparse.Namespace) -> int:
     if args.sweep_qps and args.qps is not None:
         raise UsageError("give either --qps or --sweep-qps")
+    args.base_url = _base_url(args)
     _check_trace_flags(args)
     _check_iteration_log(args)
     slos = replace(parse_goodput(args.goodput), tbt_s=args.tbt_slo)

@@ -42,6 +42,31 @@ class LaunchConfig:
     log_path: Path | None = None
 
 
+DEFAULT_PORT = 8000
+"""Port of a launched server without ``--port``: ``duetserve serve``'s and ``vllm serve``'s default."""
+_LOOPBACK = {"": "127.0.0.1", "0.0.0.0": "127.0.0.1", "::": "::1"}  # a wildcard address, reached here
+
+
+def launched_base_url(command: str) -> str:
+    """``http://HOST:PORT``, where the server that ``command`` starts listens: the command's ``--host``
+    and ``--port`` (``--flag VALUE`` or ``--flag=VALUE``, the last one counting, as with argparse),
+    by default 127.0.0.1 and ``DEFAULT_PORT``; a wildcard host (0.0.0.0, ::) is reached at loopback.
+
+    Raises:
+        ValueError: a ``--port`` that is no port number, or 0 (a free port, which no one is told).
+    """
+    found = {"--host": "127.0.0.1", "--port": str(DEFAULT_PORT)}
+    words = shlex.split(command)
+    for i, word in enumerate(words):
+        flag, eq, value = word.partition("=")
+        if flag in found and (eq or i + 1 < len(words)):
+            found[flag] = value if eq else words[i + 1]
+    host, port = _LOOPBACK.get(found["--host"], found["--host"]), found["--port"]
+    if not (port.isdigit() and 0 < int(port) < 65536):
+        raise ValueError(f"its --port {port} is not a port to reach the server at; give --base-url")
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
 _LIVE: set[ServerProcess] = set()  # launched and not yet stopped (stop_servers_on_sigterm)
 
 
