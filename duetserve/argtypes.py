@@ -55,6 +55,19 @@ def trace_format(trace: str | Path | None, fmt: TraceFormat, format_flag: str) -
         raise UsageError(str(exc)) from exc
 
 
+def arrival_cv(cv: float | None, fmt: TraceFormat, arrival: str) -> float:
+    """``--cv``'s value, 1 (Poisson) when not given; refused where no arrivals are drawn: a trace
+    file replayed with ``--arrival`` ``trace`` or ``scale`` keeps its own gaps (``--cv`` was ignored).
+
+    Raises:
+        UsageError: "--cv CV does nothing with --arrival ARRIVAL: ...", naming both flags.
+    """
+    if cv is not None and fmt != "synthetic" and arrival != "poisson":
+        raise UsageError(f"--cv {cv:g} does nothing with --arrival {arrival}: a trace file keeps its own gaps "
+                         "(--arrival poisson draws gaps of that CV)")
+    return 1.0 if cv is None else cv
+
+
 def read_trace(trace: Path | None, spec: TraceSpec) -> list[TraceRequest]:
     """``traces.load_trace(trace, spec)`` for a command line: bad input is a UsageError naming the flag.
 

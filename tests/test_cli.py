@@ -222,6 +222,56 @@ def test_bench_arrival_and_rate_that_do_not_go_together_are_usage_errors(argv, m
     assert capsys.readouterr().err == f"duetserve bench: error: {message}\n"
 
 
+@pytest.mark.parametrize("argv, message", [
+    (["--cv", "2"], "--cv 2 does nothing with --arrival trace: a trace file keeps its own gaps (--arrival poisson "
+                    "draws gaps of that CV)"),
+    (["--cv", "0.5", "--arrival", "scale", "--qps", "2"],
+     "--cv 0.5 does nothing with --arrival scale: a trace file keeps its own gaps (--arrival poisson draws gaps "
+     "of that CV)"),
+])
+def test_bench_cv_on_a_trace_file_replayed_with_its_own_gaps_is_refused(argv, message, tmp_path, capsys):
+    """--cv was ignored silently."""
+    trace = tmp_path / "trace.csv"
+    trace.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46.6805900,100,10\n")
+    assert main(["bench", "--base-url", "http://127.0.0.1:1", "--trace", str(trace), *argv]) == 2
+    assert capsys.readouterr().err == f"duetserve bench: error: {message}\n"
+
+
+@pytest.mark.parametrize("argv, cv", [
+    (["--trace", "TRACE", "--arrival", "poisson", "--qps", "2", "--cv", "2"], 2.0),
+    (["--trace", "TRACE", "--arrival", "poisson", "--qps", "2"], 1.0),
+    (["--num-requests", "2", "--qps", "2", "--cv", "0.5"], 0.5),  # synthetic arrivals are drawn too
+])
+def test_bench_cv_where_arrivals_are_drawn_reaches_the_trace(argv, cv, tmp_path, monkeypatch, capsys):
+    from duetserve.bench import cli as bench_cli
+
+    def read_trace(path, spec):
+        specs.append(spec)
+        raise argtypes.UsageError("stop here")
+
+    trace = tmp_path / "trace.csv"
+    trace.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46.6805900,100,10\n")
+    specs = []
+    monkeypatch.setattr(bench_cli, "read_trace", read_trace)
+    assert main(["bench", "--base-url", "http://127.0.0.1:1", *[str(trace) if a == "TRACE" else a for a in argv]]) == 2
+    assert capsys.readouterr().err == "duetserve bench: error: stop here\n"
+    assert [s.cv for s in specs] == [cv]
+
+
+def test_bench_compare_refuses_flags_that_only_matter_for_a_run(tmp_path, capsys):
+    """They were ignored silently; --plot, --iteration-log and --no-progress go with --compare."""
+    result = tmp_path / "a.json"
+    result.write_text('{"completed": 1, "duration": 1.0, "requests": []}')
+    compare = ["bench", "--compare", str(result), str(result)]
+    assert main([*compare, "--qps", "2", "--result-file", str(tmp_path / "r.json")]) == 2
+    assert capsys.readouterr().err == ("duetserve bench: error: --qps, --result-file: only when running a benchmark, "
+                                       "not with --compare (which prints two saved results)\n")
+    assert main([*compare, "--launch", "true", "--base-url", "http://127.0.0.1:1"]) == 2
+    assert capsys.readouterr().err.startswith("duetserve bench: error: --base-url, --launch: only when running")
+    assert main([*compare, "--no-progress"]) == 0
+    assert "completed" in capsys.readouterr().out
+
+
 def test_bench_trace_suffix_and_content(tmp_path, capsys):
     """A suffix that tells no format and a malformed trace are both usage errors (2), the latter naming
     --trace (it exited 1, as a server that cannot be reached does)."""

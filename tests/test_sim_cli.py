@@ -165,6 +165,15 @@ def test_a_malformed_trace_is_a_usage_error_naming_the_flag(tmp_path, capsys):
                                        "columns ['ContextTokens', 'GeneratedTokens', 'TIMESTAMP']\n")
 
 
+def test_cv_with_arrival_scale_on_a_trace_file_is_refused(tmp_path, capsys):
+    """--arrival scale keeps the trace's own gaps: --cv was ignored silently."""
+    trace = tmp_path / "trace.csv"
+    trace.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46.6805900,100,10\n")
+    assert main(["simulate", "--trace", str(trace), "--qps", "2", "--arrival", "scale", "--cv", "3"]) == 2
+    assert capsys.readouterr().err == ("duetserve simulate: error: --cv 3 does nothing with --arrival scale: a trace "
+                                       "file keeps its own gaps (--arrival poisson draws gaps of that CV)\n")
+
+
 def test_all_without_partition_backend_leaves_pdmux_out(capsys):
     assert main([*SMALL, "--qps", "3", "--partition-backend", "none"]) == 0
     captured = capsys.readouterr()

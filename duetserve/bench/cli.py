@@ -34,6 +34,7 @@ from duetserve.argtypes import (
     UsageError,
     add_length_options,
     argtype,
+    arrival_cv,
     comma_items,
     existing_file,
     exit_status,
@@ -151,8 +152,10 @@ def _check_iteration_log(args: argparse.Namespace) -> None:
 
 def _check_trace_flags(args: argparse.Namespace) -> None:
     """Raise UsageError naming the flags when ``--trace`` and ``--trace-format`` give no trace, a
-    synthetic trace lacks ``--num-requests`` or a rate, or ``--arrival`` and the rate do not go together."""
+    synthetic trace lacks ``--num-requests`` or a rate, or ``--arrival`` and the rate or ``--cv`` do
+    not go together; set ``args.cv`` to its value (``arrival_cv``)."""
     fmt = trace_format(args.trace, args.trace_format, "--trace-format")
+    args.cv = arrival_cv(args.cv, fmt, args.arrival)
     rate = args.qps is not None or bool(args.sweep_qps)
     if fmt == "synthetic" and (args.num_requests is None or not rate):
         raise UsageError("a synthetic trace needs a number of requests and a QPS (--num-requests and --qps)")
@@ -190,8 +193,8 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
                    help="trace: keep timestamps; scale: stretch to --qps; poisson: re-draw at "
                         "--qps with gamma gaps of CV --cv (default: trace)")
     t.add_argument("--qps", type=rate, help="request rate, req/s ('inf': all at once)")
-    t.add_argument("--cv", type=finite_non_negative, default=1.0,
-                   help="CV of generated inter-arrival gaps (1 = Poisson)")
+    t.add_argument("--cv", type=finite_non_negative,
+                   help="CV of generated inter-arrival gaps: --arrival poisson, or synthetic (default 1 = Poisson)")
     t.add_argument("--window", type=window,
                    metavar="START:END", help="keep arrivals in [START, END) s of the trace")
     t.add_argument("--num-requests", type=positive_int, metavar="N",
@@ -284,7 +287,25 @@ def _result_path(path: Path, qps: float | None, sweep: bool) -> Path:
     return path.with_name(f"{path.stem}_qps{qps:g}{path.suffix}") if sweep else path
 
 
+_COMPARE_FLAGS = ("compare", "plot", "iteration_log", "no_progress")
+"""Destinations of the flags that matter with ``--compare`` (``--no-progress`` does nothing there, harmlessly)."""
+
+
+def _check_compare_flags(args: argparse.Namespace) -> None:
+    """Raise UsageError naming the flags given with ``--compare`` (different from their defaults) that
+    only matter when running a benchmark: they were ignored."""
+    parser = argparse.ArgumentParser()
+    configure_parser(parser)
+    defaults = vars(parser.parse_args([]))
+    ignored = [f"--{dest.replace('_', '-')}" for dest, default in defaults.items()
+               if dest not in _COMPARE_FLAGS and getattr(args, dest) != default]
+    if ignored:
+        raise UsageError(f"{', '.join(ignored)}: only when running a benchmark, not with --compare "
+                         "(which prints two saved results)")
+
+
 def _compare(args: argparse.Namespace) -> int:
+    _check_compare_flags(args)
     _check_iteration_log(args)
     a, b = (load_result(p) for p in args.compare)
     print(format_comparison(a, b, (args.compare[0].stem, args.compare[1].stem)))

@@ -79,7 +79,8 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
                    help="request rates to sweep, req/s")
     t.add_argument("--arrival", default="poisson", choices=["poisson", "scale"],
                    help="poisson: re-draw arrivals at each QPS (gaps of CV --cv); scale: stretch the trace's own")
-    t.add_argument("--cv", type=argtypes.finite_non_negative, default=1.0, help="CV of Poisson/gamma gaps")
+    t.add_argument("--cv", type=argtypes.finite_non_negative,
+                   help="CV of the gamma gaps of --arrival poisson, or of a synthetic trace (default 1 = Poisson)")
     t.add_argument("--window", type=argtypes.window, metavar="START:END",
                    help="keep requests arriving in [START, END) of the trace, e.g. 0:10min")
     t.add_argument("--num-requests", type=argtypes.positive_int, metavar="N",
@@ -138,9 +139,12 @@ def _trace_spec(args: argparse.Namespace, qps: float) -> TraceSpec:
 
 
 def _check_trace_flags(args: argparse.Namespace) -> None:
-    """Raise UsageError naming the flag when ``--trace``, ``--format`` and ``--num-requests`` give no trace."""
-    if trace_format(args.trace, args.format, "--format") == "synthetic" and args.num_requests is None:
+    """Raise UsageError naming the flag when ``--trace``, ``--format`` and ``--num-requests`` give no trace,
+    or ``--cv`` goes with ``--arrival scale`` on a trace file; set ``args.cv`` to its value (``arrival_cv``)."""
+    fmt = trace_format(args.trace, args.format, "--format")
+    if fmt == "synthetic" and args.num_requests is None:
         raise UsageError("--num-requests is required for a synthetic trace")
+    args.cv = argtypes.arrival_cv(args.cv, fmt, args.arrival)
 
 
 def _check_tp(args: argparse.Namespace) -> None:
