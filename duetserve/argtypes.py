@@ -19,7 +19,7 @@ from functools import wraps
 from pathlib import Path
 from typing import TypeVar
 
-from duetserve.config import parse_duration
+from duetserve.config import BLOCK_SIZES, parse_duration
 from duetserve.traces import (
     TraceFileError,
     TraceFormat,
@@ -149,6 +149,16 @@ def _positive(value: T, text: str, what: str) -> T:
 def positive_int(text: str) -> int:
     """An integer >= 1; else "must be a positive integer, got 'TEXT'"."""
     return _positive(number(text, int), text, "integer")
+
+
+@argtype
+def block_size(text: str) -> int:
+    """``--block-size``: tokens per KV-cache block, one of ``config.BLOCK_SIZES``; else
+    "must be one of 1, 8, 16, 32, 64, 128, 256, got 'TEXT'"."""
+    value = number(text, int)
+    if value not in BLOCK_SIZES:
+        raise ValueError(f"must be one of {', '.join(map(str, BLOCK_SIZES))}, got {text!r}")
+    return value
 
 
 @argtype

@@ -48,6 +48,10 @@ def test_bad_serve_flags_exit_2_naming_the_flag(argv, flag, capsys):
     (["--served-model-name", "  "], "argument --served-model-name: must not be empty"),
     (["--api-key", ""], "argument --api-key: must not be empty"),  # `--api-key "$UNSET"` served without auth
     (["--trim-margin", "fast"], "argument --trim-margin: must be a number in (0, 1] or auto, got 'fast'"),
+    (["--block-size", "1000000"],  # no upper bound: allocated blocks of a million tokens
+     "argument --block-size: must be one of 1, 8, 16, 32, 64, 128, 256, got '1000000'"),
+    (["--block-size", "0"], "argument --block-size: must be one of 1, 8, 16, 32, 64, 128, 256, got '0'"),
+    (["--block-size", "x"], "argument --block-size: expected an integer, got 'x'"),
 ])
 def test_bad_serve_values_are_explained(argv, message, capsys):
     with pytest.raises(SystemExit) as exc:

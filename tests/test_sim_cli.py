@@ -242,6 +242,10 @@ def test_policy_takes_a_comma_separated_list(capsys):
     (["--prediction-error", "-0.1"], "argument --prediction-error: must be a number in [0, 1], got '-0.1'"),
     (["--prediction-error", "1000"], "argument --prediction-error: must be a number in [0, 1], got '1000'"),
     (["--prediction-error", "nan"], "argument --prediction-error: must be a number in [0, 1], got 'nan'"),
+    # was "the KV cache of 0 tokens (from --gpu and --gpu-memory-utilization) holds no request", not naming it
+    (["--block-size", "100000000"],
+     "argument --block-size: must be one of 1, 8, 16, 32, 64, 128, 256, got '100000000'"),
+    (["--block-size", "24"], "argument --block-size: must be one of 1, 8, 16, 32, 64, 128, 256, got '24'"),
 ])
 def test_bad_values_name_the_flag(args, message, capsys):
     with pytest.raises(SystemExit) as exc:

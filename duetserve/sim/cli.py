@@ -21,7 +21,7 @@ from pathlib import Path
 
 from duetserve import argtypes
 from duetserve.argtypes import UsageError, trace_format
-from duetserve.config import POLICIES
+from duetserve.config import BLOCK_SIZES, POLICIES
 from duetserve.engine.policy import policy_by_name
 from duetserve.jsonio import dumps
 from duetserve.partition.base import BACKENDS as PARTITION_BACKENDS
@@ -120,7 +120,8 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
     s.add_argument("--max-num-batched-tokens", type=argtypes.positive_int, default=8192,
                    help="token budget per iteration (default 8192; 2048 suits A100)")
     s.add_argument("--max-num-seqs", type=argtypes.positive_int, default=256)
-    s.add_argument("--block-size", type=argtypes.positive_int, default=16)
+    s.add_argument("--block-size", type=argtypes.block_size, default=16,
+                   help=f"tokens per KV-cache block: {', '.join(map(str, BLOCK_SIZES))} (default 16)")
     s.add_argument("--max-model-len", type=argtypes.positive_int, metavar="TOKENS",
                    help="context limit (default: the trace's longest request)")
 
