@@ -95,6 +95,21 @@ def exit_status(command: str, exc: Exception) -> int:
     return 2 if isinstance(exc, UsageError) else 1
 
 
+INTERRUPTED = 130
+"""Exit status after Ctrl-C: 128 + SIGINT, as a shell reports a command killed by it."""
+
+
+def exit_on_interrupt(command: str, run: Callable[[], int]) -> int:
+    """``run()``'s status, or after Ctrl-C ``INTERRUPTED`` with the one line "duetserve COMMAND:
+    interrupted" on stderr instead of a KeyboardInterrupt traceback. ``with`` blocks unwind first,
+    so a server that ``bench --launch`` started is stopped."""
+    try:
+        return run()
+    except KeyboardInterrupt:
+        print(f"duetserve {command}: interrupted", file=sys.stderr)
+        return INTERRUPTED
+
+
 _LONG_FLAG = re.compile(r"--[^=]+")
 _NEGATIVE_VALUE = re.compile(r"-\.?\d")  # -5, -.5, -5ms, -2,4, -5:10
 

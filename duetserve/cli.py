@@ -14,6 +14,7 @@ from pathlib import Path
 from duetserve import __version__
 from duetserve.argtypes import (
     block_size,
+    exit_on_interrupt,
     join_negative_values,
     non_empty,
     tbt_slo,
@@ -223,8 +224,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=getattr(args, "log_level", "info").upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.command == "serve":
-        return _serve(args, sub.choices["serve"])
-    return args.func(args)
+        return exit_on_interrupt("serve", lambda: _serve(args, sub.choices["serve"]))
+    return exit_on_interrupt(args.command, lambda: args.func(args))
 
 
 if __name__ == "__main__":

@@ -379,6 +379,27 @@ def test_sigterm_stops_the_launched_server() -> None:
     assert bench_proc.wait(60) == 143 and not _answers(health)
 
 
+def test_ctrl_c_stops_the_launched_server_and_exits_130_without_a_traceback(tmp_path: Path) -> None:
+    """Ctrl-C (SIGINT) printed a KeyboardInterrupt traceback; the server must still be stopped, and its
+    temporary log deleted (an interrupt is no failure)."""
+    port = free_port()
+    health = f"http://127.0.0.1:{port}/health"
+    launch = f"{sys.executable} {Path(__file__)} --port {port}"
+    bench_proc = subprocess.Popen(
+        [sys.executable, "-m", "duetserve.cli", "bench", "--launch", launch, "--num-requests", "1000", "--qps", "1",
+         "--input-len", "8", "--output-len", "4", "--no-progress"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env={**os.environ, "TMPDIR": str(tmp_path)})
+    deadline = time.time() + 60
+    while time.time() < deadline and not _answers(health):
+        time.sleep(0.2)
+    assert _answers(health)
+    time.sleep(1.0)  # the run is under way
+    bench_proc.send_signal(signal.SIGINT)
+    assert bench_proc.wait(60) == 130 and not _answers(health)
+    assert bench_proc.stderr.read().splitlines()[-1:] == ["duetserve bench: interrupted"]
+    assert list(tmp_path.glob("duetserve-bench-server-*.log")) == []
+
+
 def _answers(url: str) -> bool:
     try:
         return httpx.get(url, timeout=2).status_code == 200

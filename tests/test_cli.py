@@ -435,6 +435,22 @@ def test_serve_names_real_flags_when_the_kv_cache_is_too_small(flags, message, c
     assert capsys.readouterr().err.endswith(f"duetserve serve: error: {message}\n")
 
 
+@pytest.mark.parametrize("argv", [["serve"], ["bench"], ["simulate", "--qps", "1"],
+                                  ["calibrate", "--gpu-name", "x", "--out", "OUT"]])
+def test_ctrl_c_exits_130_with_one_line(argv, tmp_path, monkeypatch, capsys):
+    """Ctrl-C printed a KeyboardInterrupt traceback."""
+    import duetserve.cli as cli_module
+
+    def interrupted(*_):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli_module, "_serve", interrupted)
+    for _, module, _ in cli_module.TOOLS:
+        monkeypatch.setattr(module, "run", interrupted)
+    assert main([str(tmp_path / "p.json") if a == "OUT" else a for a in argv]) == 130
+    assert capsys.readouterr().err == f"duetserve {argv[0]}: interrupted\n"
+
+
 def test_version(capsys):
     with pytest.raises(SystemExit) as exc:
         main(["--version"])

@@ -91,8 +91,8 @@ class ServerProcess:
 
     ``__enter__`` starts the process and returns once ``health_url`` answers 200; ``__exit__``
     sends SIGTERM to the group, then SIGKILL after ``stop_timeout_s``, and deletes a temporary log
-    (no ``log_path``) unless the server exited on its own or the run raised: then it prints the
-    log's path to stderr.
+    (no ``log_path``) unless the server exited on its own or the run raised (Ctrl-C is no failure):
+    then it prints the log's path to stderr.
 
     Raises (from ``__enter__``):
         RuntimeError: something already answers at ``health_url`` before the launch (another
@@ -136,8 +136,10 @@ class ServerProcess:
             raise
         try:
             self._wait_healthy()
-        except BaseException:
+        except BaseException as exc:
             self.stop()
+            if isinstance(exc, KeyboardInterrupt) and self._temporary_log:  # stopped by the user: no failure
+                self.log_path.unlink(missing_ok=True)
             raise
         return self
 
@@ -151,7 +153,7 @@ class ServerProcess:
         self.stop()
         if not self._temporary_log:
             return
-        if exc_type is None and not exited:
+        if (exc_type is None or issubclass(exc_type, KeyboardInterrupt)) and not exited:
             self.log_path.unlink(missing_ok=True)
         else:
             why = f"it exited with code {self.proc.returncode} during the run" if exited else "the run failed"

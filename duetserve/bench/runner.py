@@ -157,7 +157,9 @@ async def run_benchmark(
             return record
 
         start_unix, start = time.time(), time.perf_counter()
-        records = await asyncio.gather(*(one(i, r) for i, r in enumerate(requests)))
-        duration = time.perf_counter() - start
-        bar.close()
+        try:
+            records = await asyncio.gather(*(one(i, r) for i, r in enumerate(requests)))
+            duration = time.perf_counter() - start
+        finally:  # after Ctrl-C too: its line ends before the next message, not at exit after it
+            bar.close()
     return BenchRun(model, list(records), duration, start_unix)
