@@ -281,6 +281,12 @@ def test_unreachable_server_is_a_setup_error(capsys: pytest.CaptureFixture) -> N
     port = free_port()
     assert bench(["--base-url", f"http://127.0.0.1:{port}", *SYNTHETIC]) == 1
     assert "could not read a model id" in capsys.readouterr().err
+    # with --model: every request failed, exit 2 (a usage error's status) after a report of zeros
+    assert bench(["--base-url", f"http://127.0.0.1:{port}", "--model", "m", *SYNTHETIC]) == 1
+    captured = capsys.readouterr()
+    assert captured.err.endswith(f"duetserve bench: error: server not reachable at http://127.0.0.1:{port}: "
+                                 "ConnectError: All connection attempts failed\n")
+    assert "Serving Benchmark Result" not in captured.out
 
 
 @pytest.fixture
