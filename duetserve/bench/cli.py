@@ -13,6 +13,7 @@ Exit status:
      --result-file); 2 is also argparse's status for a usage error: a bad flag, flags
      that do not go together, or a --trace file that is no trace ("duetserve bench:
      error: ..." naming the flag, on stderr)
+  130  interrupted (Ctrl-C); a --launch server is stopped first
 """
 
 from __future__ import annotations

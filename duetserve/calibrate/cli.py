@@ -16,7 +16,7 @@ with ``--base``, needs no GPU, and writes ``--base`` with those two terms replac
 
 Exit status: 0 on success (failed single measurements are listed); 2 on bad usage: a bad flag,
 or flags that do not go together (the message names the flag); 1 on any other error (no GPU, an
-iteration log that does not fit, a profile that cannot be written).
+iteration log that does not fit, a profile that cannot be written); 130 when interrupted (Ctrl-C).
 """
 from __future__ import annotations
 

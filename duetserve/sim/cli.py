@@ -8,7 +8,7 @@ with no such QPS, which condition failed at each (``report.capacity_misses``).
 ``--json`` saves the rows, ``--plot`` draws TBT, TTFT and throughput against QPS.
 Exit status: 0 on success; 2 on bad usage: a bad flag, flags that do not go together or do not
 fit the trace or the model, or a --trace file that is no trace (the message names the flag); 1 on
-any other error.
+any other error; 130 when interrupted (Ctrl-C).
 """
 
 from __future__ import annotations
