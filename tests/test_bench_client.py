@@ -31,13 +31,13 @@ import pytest
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
+from test_jsonio import strict_loads
 
 from duetserve.bench.cli import configure_parser, run
 from duetserve.bench.launch import LaunchConfig, ServerProcess, launched_base_url
 from duetserve.bench.plot import read_iteration_log
 from duetserve.bench.prompts import COMMON_WORDS, PromptBuilder
 from duetserve.traces import MOONCAKE_BLOCK_TOKENS, TraceRequest
-from test_jsonio import strict_loads
 
 MISBEHAVIOURS = ("ok", "http500", "abort", "truncate", "short", "hang")
 

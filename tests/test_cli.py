@@ -227,11 +227,11 @@ def test_bench_arrival_and_rate_that_do_not_go_together_are_usage_errors(argv, m
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--cv", "2"], "--cv 2 does nothing with --arrival trace: a trace file keeps its own gaps (--arrival poisson "
-                    "draws gaps of that CV)"),
+    (["--cv", "2"], ("--cv 2 does nothing with --arrival trace: a trace file keeps its own gaps (--arrival poisson "
+                     "draws gaps of that CV)")),
     (["--cv", "0.5", "--arrival", "scale", "--qps", "2"],
-     "--cv 0.5 does nothing with --arrival scale: a trace file keeps its own gaps (--arrival poisson draws gaps "
-     "of that CV)"),
+     ("--cv 0.5 does nothing with --arrival scale: a trace file keeps its own gaps (--arrival poisson draws gaps "
+      "of that CV)")),
 ])
 def test_bench_cv_on_a_trace_file_replayed_with_its_own_gaps_is_refused(argv, message, tmp_path, capsys):
     """--cv was ignored silently."""

@@ -4,11 +4,11 @@ from __future__ import annotations
 import json
 
 import pytest
+from test_jsonio import strict_loads
 
 from duetserve import argtypes
 from duetserve.cli import main
 from duetserve.sim import cli as sim_cli
-from test_jsonio import strict_loads
 
 SMALL = ["simulate", "--format", "synthetic", "--num-requests", "40", "--input-len", "500:3000",
          "--output-len", "10:60", "--no-progress"]
