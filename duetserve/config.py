@@ -9,8 +9,8 @@ from duetserve.partition.base import BACKENDS as PARTITION_BACKENDS
 POLICIES = ("chunked", "prefill-first", "duet", "pdmux")
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "flash")
 BLOCK_SIZES = (1, 8, 16, 32, 64, 128, 256)
-"""Tokens per KV-cache block allowed (``--block-size``), vLLM's choices: the Triton kernels compile once
-per block size (a constexpr), flash-attn needs 256; beyond, a block outgrows short requests' KV."""
+"""Tokens per KV-cache block (``--block-size``): vLLM's choices. The Triton kernels compile once per
+block size (a constexpr), flash-attn needs 256, and a larger block wastes the KV cache on short requests."""
 
 _DURATION = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*(us|ms|s|min)?\s*$")
 _UNITS_S = {"us": 1e-6, "ms": 1e-3, "s": 1.0, "min": 60.0}

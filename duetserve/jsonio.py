@@ -1,7 +1,7 @@
 """JSON as this project writes it: strict (RFC 8259), so that any parser reads it back.
 
 Python's ``json.dumps`` writes the non-finite floats as the bare tokens ``Infinity``, ``-Infinity``
-and ``NaN``, which are not JSON (``jq``, JavaScript and pandas' strict readers refuse the file).
+and ``NaN``, which are not JSON (JavaScript's ``JSON.parse`` and other strict parsers refuse the file).
 """
 from __future__ import annotations
 

@@ -32,7 +32,7 @@ def test_end_to_end_writes_table_json_and_plot(tmp_path, capsys):
 
 
 def test_json_is_strict_with_an_infinite_qps(tmp_path):
-    """``--qps inf`` wrote a bare ``Infinity`` (not JSON: jq and JavaScript refuse the file)."""
+    """``--qps inf`` wrote a bare ``Infinity`` (not JSON: JavaScript's JSON.parse refuses the file)."""
     out = tmp_path / "rows.json"
     assert main([*SMALL, "--qps", "inf", "--policy", "chunked", "--json", str(out)]) == 0
     (row,) = strict_loads(out.read_text())
