@@ -19,8 +19,16 @@ from functools import wraps
 from pathlib import Path
 from typing import TypeVar
 
-from duetserve.config import parse_duration
-from duetserve.traces import TraceFormat, parse_length, resolve_format
+from duetserve.config import BLOCK_SIZES, parse_duration
+from duetserve.traces import (
+    TraceFileError,
+    TraceFormat,
+    TraceRequest,
+    TraceSpec,
+    load_trace,
+    parse_length,
+    resolve_format,
+)
 
 T = TypeVar("T")
 
@@ -47,11 +55,59 @@ def trace_format(trace: str | Path | None, fmt: TraceFormat, format_flag: str) -
         raise UsageError(str(exc)) from exc
 
 
+def arrival_cv(cv: float | None, fmt: TraceFormat, arrival: str) -> float:
+    """``--cv``'s value, 1 (Poisson) when not given; refused where no arrivals are drawn: a trace
+    file replayed with ``--arrival`` ``trace`` or ``scale`` keeps its own gaps (``--cv`` was ignored).
+
+    Raises:
+        UsageError: "--cv CV does nothing with --arrival ARRIVAL: ...", naming both flags.
+    """
+    if cv is not None and fmt != "synthetic" and arrival != "poisson":
+        raise UsageError(f"--cv {cv:g} does nothing with --arrival {arrival}: a trace file keeps its own gaps "
+                         "(--arrival poisson draws gaps of that CV)")
+    return 1.0 if cv is None else cv
+
+
+def read_trace(trace: Path | None, spec: TraceSpec) -> list[TraceRequest]:
+    """``traces.load_trace(trace, spec)`` for a command line: bad input is a UsageError naming the flag.
+
+    Raises:
+        UsageError: "--trace PATH[:LINE]: REASON" for a file that cannot be read or is no trace
+            (empty, not UTF-8, malformed), or a selection that holds no request (``--window``,
+            ``--num-requests``).
+        ValueError: options that do not go together (see ``traces.TraceSpec``).
+    """
+    try:
+        requests = load_trace(trace, spec)
+    except TraceFileError as exc:  # its message starts with the path
+        raise UsageError(f"--trace {exc}") from exc
+    except OSError as exc:
+        raise UsageError(f"--trace {trace}: {exc.strerror or exc}") from exc
+    if not requests:
+        raise UsageError("the trace selection holds no requests (see --window and --num-requests)")
+    return requests
+
+
 def exit_status(command: str, exc: Exception) -> int:
     """Print ``duetserve COMMAND: error: EXC`` on stderr, as argparse words its errors, and return the
     exit status: 2 for a ``UsageError`` (argparse's status for a usage error), 1 for any other failure."""
     print(f"duetserve {command}: error: {exc}", file=sys.stderr)
     return 2 if isinstance(exc, UsageError) else 1
+
+
+INTERRUPTED = 130
+"""Exit status after Ctrl-C: 128 + SIGINT, as a shell reports a command killed by it."""
+
+
+def exit_on_interrupt(command: str, run: Callable[[], int]) -> int:
+    """``run()``'s status, or after Ctrl-C ``INTERRUPTED`` with the one line "duetserve COMMAND:
+    interrupted" on stderr instead of a KeyboardInterrupt traceback. ``with`` blocks unwind first,
+    so a server that ``bench --launch`` started is stopped."""
+    try:
+        return run()
+    except KeyboardInterrupt:
+        print(f"duetserve {command}: interrupted", file=sys.stderr)
+        return INTERRUPTED
 
 
 _LONG_FLAG = re.compile(r"--[^=]+")
@@ -108,6 +164,16 @@ def _positive(value: T, text: str, what: str) -> T:
 def positive_int(text: str) -> int:
     """An integer >= 1; else "must be a positive integer, got 'TEXT'"."""
     return _positive(number(text, int), text, "integer")
+
+
+@argtype
+def block_size(text: str) -> int:
+    """``--block-size``: tokens per KV-cache block, one of ``config.BLOCK_SIZES``; else
+    "must be one of 1, 8, 16, 32, 64, 128, 256, got 'TEXT'"."""
+    value = number(text, int)
+    if value not in BLOCK_SIZES:
+        raise ValueError(f"must be one of {', '.join(map(str, BLOCK_SIZES))}, got {text!r}")
+    return value
 
 
 @argtype
@@ -236,9 +302,11 @@ def existing_file(text: str) -> Path:
 
 @argtype
 def output_file(text: str) -> Path:
-    """A file to write later, checked now: not a folder itself, in an existing, writable folder.
+    """A file to write later, checked now: not a folder itself, in an existing, writable folder,
+    and writable itself if it exists.
 
-    Errors: "TEXT is a folder", "no such folder: F", "F is not a folder", "folder F is not writable".
+    Errors: "TEXT is a folder", "no such folder: F", "F is not a folder", "folder F is not writable",
+    "TEXT is not writable".
     """
     path = Path(text)
     folder = path.parent
@@ -248,7 +316,18 @@ def output_file(text: str) -> Path:
         raise ValueError(f"{folder} is not a folder" if folder.exists() else f"no such folder: {folder}")
     if not os.access(folder, os.W_OK):
         raise ValueError(f"folder {folder} is not writable")
+    if path.exists() and not os.access(path, os.W_OK):  # a read-only file in a writable folder
+        raise ValueError(f"{text} is not writable")
     return path
+
+
+def write_output(path: Path, text: str, flag: str) -> None:
+    """Write ``text`` to ``path``, the value of ``flag`` (checked by ``output_file`` before the work);
+    a failure now (the folder removed, the disk full) is an OSError "FLAG PATH: REASON"."""
+    try:
+        path.write_text(text)
+    except OSError as exc:
+        raise OSError(f"{flag} {path}: {exc.strerror or exc}") from exc
 
 
 def image_formats() -> list[str]:

@@ -13,6 +13,8 @@ from pathlib import Path
 
 from duetserve import __version__
 from duetserve.argtypes import (
+    block_size,
+    exit_on_interrupt,
     join_negative_values,
     non_empty,
     tbt_slo,
@@ -20,7 +22,7 @@ from duetserve.argtypes import (
 )
 from duetserve.bench import cli as bench_cli
 from duetserve.calibrate import cli as calibrate_cli
-from duetserve.config import ATTENTION_BACKENDS, POLICIES, EngineConfig
+from duetserve.config import ATTENTION_BACKENDS, BLOCK_SIZES, POLICIES, EngineConfig
 from duetserve.partition.base import BACKENDS as PARTITION_BACKENDS
 from duetserve.sim import cli as sim_cli
 
@@ -79,7 +81,8 @@ def _add_serve(sub) -> None:
     p.add_argument("--max-num-seqs", type=int, default=64, help="most sequences per iteration")
     p.add_argument("--max-num-batched-tokens", type=int, default=None,
                    help="token budget per iteration (default: 512 on CPU, 8192 on CUDA)")
-    p.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block")
+    p.add_argument("--block-size", type=block_size, default=16,
+                   help=f"tokens per KV-cache block: {', '.join(map(str, BLOCK_SIZES))}")
     group = p.add_mutually_exclusive_group()
     group.add_argument("--num-kv-blocks", type=int, default=None, help="KV-cache blocks")
     group.add_argument("--kv-cache-memory-fraction", type=float, default=0.9,
@@ -221,8 +224,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=getattr(args, "log_level", "info").upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.command == "serve":
-        return _serve(args, sub.choices["serve"])
-    return args.func(args)
+        return exit_on_interrupt("serve", lambda: _serve(args, sub.choices["serve"]))
+    return exit_on_interrupt(args.command, lambda: args.func(args))
 
 
 if __name__ == "__main__":

@@ -8,6 +8,9 @@ from duetserve.partition.base import BACKENDS as PARTITION_BACKENDS
 
 POLICIES = ("chunked", "prefill-first", "duet", "pdmux")
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "flash")
+BLOCK_SIZES = (1, 8, 16, 32, 64, 128, 256)
+"""Tokens per KV-cache block (``--block-size``): vLLM's choices. The Triton kernels compile once per
+block size (a constexpr), flash-attn needs 256, and a larger block wastes the KV cache on short requests."""
 
 _DURATION = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*(us|ms|s|min)?\s*$")
 _UNITS_S = {"us": 1e-6, "ms": 1e-3, "s": 1.0, "min": 60.0}
@@ -108,7 +111,7 @@ class EngineConfig:
             (1 <= self.num_decode_steps <= 256, "--num-decode-steps", "must be in [1, 256]"),
             (self.trim_margin in (None, "auto") or (not isinstance(self.trim_margin, str) and 0 < self.trim_margin <= 1),
              "--trim-margin", "must be in (0, 1] or auto"),
-            (self.block_size >= 1, "--block-size", "must be >= 1"),
+            (self.block_size in BLOCK_SIZES, "--block-size", f"must be one of {', '.join(map(str, BLOCK_SIZES))}"),
             (self.num_kv_blocks is None or self.num_kv_blocks >= 1, "--num-kv-blocks", "must be >= 1"),
             (0 < self.kv_cache_memory_fraction <= 1, "--kv-cache-memory-fraction", "must be in (0, 1]"),
             (self.cpu_kv_cache_bytes > 0, "--cpu-kv-cache-gb", "must be positive"),

@@ -19,6 +19,7 @@ Trace data files are never part of the repository; pass their path.
 from __future__ import annotations
 
 import csv
+import io
 import json
 import math
 from dataclasses import dataclass, replace
@@ -145,9 +146,33 @@ MAX_SIGMA = 5.0
 # Readers
 
 
+class TraceFileError(ValueError):
+    """A trace file whose contents cannot be read as a trace; the message starts with the file's
+    path (and the line: ``PATH:LINE: ...``)."""
+
+
 def _check_lengths(input_len: int, output_len: int, where: str) -> None:
     if input_len < 1 or output_len < 1:
-        raise ValueError(f"{where}: token lengths must be >= 1, got {input_len}/{output_len}")
+        raise TraceFileError(f"{where}: token lengths must be >= 1, got {input_len}/{output_len}")
+
+
+def _read_text(path: str | Path) -> str:
+    """The text of trace file ``path``, decoded as UTF-8 (a leading byte-order mark dropped, as
+    spreadsheet programs write one and it would hide the first column's name).
+
+    Raises:
+        OSError: the file cannot be read.
+        TraceFileError: an empty file, or bytes that are not UTF-8 (naming the line).
+    """
+    data = Path(path).read_bytes()
+    try:
+        text = data.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        line = data.count(b"\n", 0, e.start) + 1
+        raise TraceFileError(f"{path}:{line}: not UTF-8 text ({e.reason} at byte {e.start})") from e
+    if not text.strip():
+        raise TraceFileError(f"{path}: the file is empty")
+    return text
 
 
 def _azure_time(stamp: str) -> tuple[int, float]:
@@ -161,29 +186,33 @@ def _azure_time(stamp: str) -> tuple[int, float]:
 def read_azure_csv(path: str | Path) -> list[TraceRequest]:
     """Read an Azure LLM inference trace 2023 CSV.
 
-    Arrival times are relative to the first row's timestamp. Fractional seconds of any number
-    of digits are accepted (the published files have 7).
+    Rows are sorted by timestamp (stably: rows with the same timestamp keep their order), as
+    trace replayers treat a trace as a schedule; arrival times are relative to the earliest.
+    Fractional seconds of any number of digits are accepted (the published files have 7).
 
     Raises:
         OSError: the file cannot be read.
-        ValueError: a missing column, an unparsable row, or a length < 1 (with the line number).
+        TraceFileError: an empty or non-UTF-8 file, a missing column, no rows, an unparsable row,
+            or a length < 1 (with the line number).
     """
-    with open(path, newline="") as f:
-        reader = csv.DictReader(f)
-        missing = {"TIMESTAMP", "ContextTokens", "GeneratedTokens"} - set(reader.fieldnames or [])
-        if missing:
-            raise ValueError(f"{path}: not an Azure trace, missing columns {sorted(missing)}")
-        rows = []
-        for line, row in enumerate(reader, start=2):
-            where = f"{path}:{line}"
-            try:
-                t = _azure_time(row["TIMESTAMP"])
-                lengths = int(row["ContextTokens"]), int(row["GeneratedTokens"])
-            except (TypeError, ValueError) as e:
-                raise ValueError(f"{where}: {e}") from e
-            _check_lengths(*lengths, where)
-            rows.append((t, *lengths))
-    (s0, f0) = rows[0][0] if rows else (0, 0.0)
+    reader = csv.DictReader(io.StringIO(_read_text(path), newline=""))
+    missing = {"TIMESTAMP", "ContextTokens", "GeneratedTokens"} - set(reader.fieldnames or [])
+    if missing:
+        raise TraceFileError(f"{path}: not an Azure trace, missing columns {sorted(missing)}")
+    rows = []
+    for line, row in enumerate(reader, start=2):
+        where = f"{path}:{line}"
+        try:
+            t = _azure_time(row["TIMESTAMP"])
+            lengths = int(row["ContextTokens"]), int(row["GeneratedTokens"])
+        except (TypeError, ValueError) as e:
+            raise TraceFileError(f"{where}: {e}") from e
+        _check_lengths(*lengths, where)
+        rows.append((t, *lengths))
+    if not rows:
+        raise TraceFileError(f"{path}: no requests, only the header")
+    rows.sort(key=lambda row: row[0])
+    (s0, f0) = rows[0][0]
     return [TraceRequest((s - s0) + (f - f0), i, o) for (s, f), i, o in rows]
 
 
@@ -221,30 +250,30 @@ def _mooncake_record(text: str) -> TraceRequest:
 
 
 def read_mooncake_jsonl(path: str | Path) -> list[TraceRequest]:
-    """Read a Mooncake FAST'25 JSONL trace (``timestamp`` in ms, lengths, ``hash_ids``). Arrival
-    times are relative to the first record's timestamp, as ``read_azure_csv``'s (a file cut from
-    the middle of a trace waited its first timestamp, 1593 s, before sending anything).
+    """Read a Mooncake FAST'25 JSONL trace (``timestamp`` in ms, lengths, ``hash_ids``). Records
+    are sorted by timestamp (stably) and arrival times are relative to the earliest, as
+    ``read_azure_csv``'s (a file cut from the middle of a trace waited its first timestamp,
+    1593 s, before sending anything).
 
     Raises:
         OSError: the file cannot be read.
-        ValueError: invalid JSON, a missing field, or a length < 1 (with the line number); a
-            first record that fails says the file is not a Mooncake trace.
+        TraceFileError: an empty or non-UTF-8 file, invalid JSON, a missing field, or a length
+            < 1 (with the line number); a first record that fails says the file is not a Mooncake trace.
     """
     out = []
-    with open(path) as f:
-        for line, text in enumerate(f, start=1):
-            if not text.strip():
-                continue
-            where = f"{path}:{line}"
-            try:
-                req = _mooncake_record(text)
-            except ValueError as e:
-                kind = "" if out else "not a Mooncake trace (JSON lines): "
-                raise ValueError(f"{where}: {kind}{e}") from e
-            _check_lengths(req.input_len, req.output_len, where)
-            out.append(req)
-    t0 = out[0].arrival_s if out else 0.0
-    return [replace(r, arrival_s=r.arrival_s - t0) for r in out]
+    for line, text in enumerate(_read_text(path).splitlines(), start=1):
+        if not text.strip():
+            continue
+        where = f"{path}:{line}"
+        try:
+            req = _mooncake_record(text)
+        except ValueError as e:
+            kind = "" if out else "not a Mooncake trace (JSON lines): "
+            raise TraceFileError(f"{where}: {kind}{e}") from e
+        _check_lengths(req.input_len, req.output_len, where)
+        out.append(req)
+    out.sort(key=lambda r: r.arrival_s)
+    return [replace(r, arrival_s=r.arrival_s - out[0].arrival_s) for r in out]
 
 
 def gamma_arrivals(n: int, qps: float, cv: float, rng: np.random.Generator) -> np.ndarray:
@@ -390,7 +419,8 @@ def load_trace(path: str | Path | None, spec: TraceSpec | None = None) -> list[T
 
     Raises:
         OSError: the file cannot be read.
-        ValueError: bad file contents or inconsistent options (see :class:`TraceSpec`).
+        TraceFileError: bad file contents (a ValueError whose message starts with the path).
+        ValueError: inconsistent options (see :class:`TraceSpec`).
     """
     spec = spec or TraceSpec()
     fmt = resolve_format(path, spec.format)
@@ -404,7 +434,7 @@ def load_trace(path: str | Path | None, spec: TraceSpec | None = None) -> list[T
         if spec.arrival == "trace" and spec.qps is not None:
             raise ValueError("qps needs arrival 'scale' or 'poisson' for a trace file")
         reader = read_azure_csv if fmt == "azure" else read_mooncake_jsonl
-        reqs = sorted(reader(path), key=lambda r: r.arrival_s)  # type: ignore[arg-type]
+        reqs = reader(path)  # type: ignore[arg-type]
 
     if spec.window_s is not None:
         start, end = spec.window_s

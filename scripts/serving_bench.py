@@ -561,16 +561,18 @@ class Bench:
         self.add_runs(run)
 
     def save(self) -> None:
-        """Rewrite serving.json, serving_table.md and iterations.jsonl.gz (each replaced whole)."""
+        """Rewrite serving.json, serving_table.md and iterations.jsonl.gz (each replaced whole), as strict JSON."""
+        from duetserve.jsonio import dumps
+
         with self.lock:
             settings = {k: [asdict(x) for x in v] if isinstance(v, list) and v and is_dataclass(v[0]) else v
                         for k, v in vars(self.args).items()}
             doc = {"settings": settings, "environment": self.env,
                    "elapsed_s": round(time.monotonic() - self.t_start, 1),
                    "servers": self.servers, "runs": self.runs}
-            _replace(self.out / "serving.json", json.dumps(doc).encode())
+            _replace(self.out / "serving.json", dumps(doc).encode())
             _replace(self.out / "serving_table.md", format_table(self.runs, self.slo_ms).encode())
-            lines = [json.dumps({"policy": label, **rec}) + "\n"
+            lines = [dumps({"policy": label, **rec}) + "\n"
                      for label, path in self.iter_logs.items() for rec in _read_jsonl(path)]
             _replace(self.out / "iterations.jsonl.gz", gzip.compress("".join(lines).encode()))
 
@@ -642,7 +644,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--trace", type=TraceRun.parse, action="append", required=True,
                    metavar="NAME:QPS,QPS:SECONDS[:MAX_INPUT[:MAX_OUTPUT]]",
                    help="runs of one trace: Poisson QPS levels, seconds of arrivals each, input cap")
-    p.add_argument("--traces-dir", default=str(ROOT / ".traces"))
+    p.add_argument("--traces-dir", default=str(ROOT / ".traces"),
+                   help="folder of the trace files (scripts/copy_traces.sh fills the default)")
     p.add_argument("--tbt-slo-ms", type=float, default=100.0)
     p.add_argument("--port", type=int, default=8123, help="lane i's servers listen on PORT + i")
     p.add_argument("--seed", type=int, default=0)
@@ -663,12 +666,23 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def missing_traces(folder: Path, runs: list[TraceRun]) -> list[str]:
+    """The files of ``runs``' traces (``TRACE_FILES``) that ``folder`` lacks, each once, in order."""
+    names = dict.fromkeys(TRACE_FILES[run.name][0] for run in runs)
+    return [name for name in names if not (folder / name).is_file()]
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The command line, with ``configs`` (the configurations in order) added."""
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.gpus < 1:
         parser.error(f"--gpus {args.gpus}: must be >= 1")
+    # found only after a server had started (minutes on a GPU)
+    if not Path(args.traces_dir).is_dir():
+        parser.error(f"--traces-dir {args.traces_dir}: no such folder (scripts/copy_traces.sh fills .traces)")
+    if missing := missing_traces(Path(args.traces_dir), args.trace):
+        parser.error(f"--traces-dir {args.traces_dir}: no {', '.join(missing)} (scripts/copy_traces.sh copies them)")
     try:
         args.configs = configurations(args.policies, args.variant)
     except ValueError as exc:

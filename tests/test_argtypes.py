@@ -127,8 +127,22 @@ def test_output_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     assert refused(output_file, str(tmp_path)) == f"{tmp_path} is a folder"
     assert refused(output_file, str(tmp_path / "no" / "out.json")) == f"no such folder: {tmp_path / 'no'}"
     assert refused(output_file, str(tmp_path / "plain" / "out.json")) == f"{tmp_path / 'plain'} is not a folder"
+    read_only = tmp_path / "ro.json"
+    read_only.write_text("{}")
+    monkeypatch.setattr(argtypes.os, "access", lambda path, mode: Path(path) != read_only)  # as if not root
+    assert refused(output_file, str(read_only)) == f"{read_only} is not writable"  # failed after the run
     monkeypatch.setattr(argtypes.os, "access", lambda path, mode: False)  # as if not root and read-only
     assert refused(output_file, str(tmp_path / "out.json")) == f"folder {tmp_path} is not writable"
+
+
+def test_write_output_names_the_flag(tmp_path: Path):
+    out = tmp_path / "out.json"
+    argtypes.write_output(out, "[]", "--json")
+    assert out.read_text() == "[]"
+    gone = tmp_path / "gone" / "out.json"  # a folder removed during the run
+    with pytest.raises(OSError) as exc:
+        argtypes.write_output(gone, "[]", "--json")
+    assert str(exc.value) == f"--json {gone}: No such file or directory"
 
 
 def test_plot_file_needs_a_suffix_matplotlib_writes(tmp_path: Path):

@@ -31,9 +31,10 @@ import pytest
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
+from test_jsonio import strict_loads
 
 from duetserve.bench.cli import configure_parser, run
-from duetserve.bench.launch import LaunchConfig, ServerProcess
+from duetserve.bench.launch import LaunchConfig, ServerProcess, launched_base_url
 from duetserve.bench.plot import read_iteration_log
 from duetserve.bench.prompts import COMMON_WORDS, PromptBuilder
 from duetserve.traces import MOONCAKE_BLOCK_TOKENS, TraceRequest
@@ -204,12 +205,38 @@ def test_well_behaved_server_completions(tmp_path: Path, capsys: pytest.CaptureF
     assert "Time to First Token" in capsys.readouterr().out
 
 
+def test_a_result_file_that_cannot_be_written_after_the_run_names_the_flag(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
+    """Checked before the run (argtypes.output_file); a folder removed during the run printed only
+    "[Errno 2] No such file or directory: '...'"."""
+    from duetserve.bench import cli as bench_cli
+
+    folder = tmp_path / "results"
+    folder.mkdir()
+    out = folder / "r.json"
+    run_benchmark = bench_cli.run_benchmark
+
+    async def removing_the_folder(*args: Any) -> Any:
+        folder.rmdir()
+        return await run_benchmark(*args)
+
+    monkeypatch.setattr(bench_cli, "run_benchmark", removing_the_folder)
+    with serving(fake_app()) as url:
+        assert bench(["--base-url", url, *SYNTHETIC, "--result-file", str(out)]) == 1
+    captured = capsys.readouterr()
+    assert captured.err.endswith(f"duetserve bench: error: --result-file {out}: No such file or directory\n")
+    assert "Serving Benchmark Result" in captured.out  # the report was printed first
+
+
 def test_concurrency_cap(tmp_path: Path) -> None:
     app = fake_app(token_gap_s=0.01)
+    out = tmp_path / "r.json"
     with serving(app) as url:
         assert bench(["--base-url", url, "--qps", "inf", "--num-requests", "8",
-                      "--max-concurrency", "2", "--output-len", "5"]) == 0
+                      "--max-concurrency", "2", "--output-len", "5", "--result-file", str(out)]) == 0
     assert app.state.max_in_flight == 2
+    result = strict_loads(out.read_text())  # --qps inf: "inf", not a bare Infinity
+    assert (result["request_rate"], result["trace_spec"]["qps"], result["completed"]) == ("inf", "inf", 8)
 
 
 def test_chat_with_tokenizer(tmp_path: Path) -> None:
@@ -254,6 +281,12 @@ def test_unreachable_server_is_a_setup_error(capsys: pytest.CaptureFixture) -> N
     port = free_port()
     assert bench(["--base-url", f"http://127.0.0.1:{port}", *SYNTHETIC]) == 1
     assert "could not read a model id" in capsys.readouterr().err
+    # with --model: every request failed, exit 2 (a usage error's status) after a report of zeros
+    assert bench(["--base-url", f"http://127.0.0.1:{port}", "--model", "m", *SYNTHETIC]) == 1
+    captured = capsys.readouterr()
+    assert captured.err.endswith(f"duetserve bench: error: server not reachable at http://127.0.0.1:{port}: "
+                                 "ConnectError: All connection attempts failed\n")
+    assert "Serving Benchmark Result" not in captured.out
 
 
 @pytest.fixture
@@ -275,6 +308,35 @@ def test_launch_runs_and_stops_the_server(tmp_path: Path, temp_dir: Path) -> Non
     with socket.socket() as s:  # the server is gone
         assert s.connect_ex(("127.0.0.1", port)) != 0
     assert list(temp_dir.iterdir()) == []  # and so is its log (each run left /tmp/duetserve-bench-server-*.log)
+
+
+def test_launch_without_base_url_polls_the_launched_servers_port(tmp_path: Path, temp_dir: Path) -> None:
+    """bench polled :8000 for the whole --launch-timeout when the server listened elsewhere."""
+    port = free_port()
+    out = tmp_path / "r.json"
+    assert bench(["--launch", f"{sys.executable} {Path(__file__)} --port {port}", *SYNTHETIC,
+                  "--launch-timeout", "60s", "--result-file", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert (result["base_url"], result["completed"]) == (f"http://127.0.0.1:{port}", 12)
+
+
+@pytest.mark.parametrize("command, url", [
+    ("duetserve serve --model m", "http://127.0.0.1:8000"),
+    ("vllm serve m --port 8123", "http://127.0.0.1:8123"),
+    ("vllm serve m --host=0.0.0.0 --port=9000 --port 9001", "http://127.0.0.1:9001"),
+    ("serve --host :: --port 7000", "http://[::1]:7000"),
+    ("serve --host 10.1.2.3 --port 7000", "http://10.1.2.3:7000"),
+    ("serve --host fe80::1 --port 7000", "http://[fe80::1]:7000"),
+])
+def test_launched_base_url(command: str, url: str) -> None:
+    assert launched_base_url(command) == url
+
+
+@pytest.mark.parametrize("port", ["0", "x", "70000"])
+def test_a_launched_port_bench_cannot_reach_is_refused(port: str, capsys: pytest.CaptureFixture) -> None:
+    assert bench(["--launch", f"true --port {port}", *SYNTHETIC]) == 2
+    assert capsys.readouterr().err == (f"duetserve bench: error: --launch true --port {port}: its --port {port} "
+                                       "is not a port to reach the server at; give --base-url\n")
 
 
 def test_launch_failure_is_reported(temp_dir: Path, capsys: pytest.CaptureFixture) -> None:
@@ -321,6 +383,27 @@ def test_sigterm_stops_the_launched_server() -> None:
     time.sleep(1.0)  # the run is under way
     bench_proc.send_signal(signal.SIGTERM)
     assert bench_proc.wait(60) == 143 and not _answers(health)
+
+
+def test_ctrl_c_stops_the_launched_server_and_exits_130_without_a_traceback(tmp_path: Path) -> None:
+    """Ctrl-C (SIGINT) printed a KeyboardInterrupt traceback; the server must still be stopped, and its
+    temporary log deleted (an interrupt is no failure)."""
+    port = free_port()
+    health = f"http://127.0.0.1:{port}/health"
+    launch = f"{sys.executable} {Path(__file__)} --port {port}"
+    bench_proc = subprocess.Popen(
+        [sys.executable, "-m", "duetserve.cli", "bench", "--launch", launch, "--num-requests", "1000", "--qps", "1",
+         "--input-len", "8", "--output-len", "4", "--no-progress"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env={**os.environ, "TMPDIR": str(tmp_path)})
+    deadline = time.time() + 60
+    while time.time() < deadline and not _answers(health):
+        time.sleep(0.2)
+    assert _answers(health)
+    time.sleep(1.0)  # the run is under way
+    bench_proc.send_signal(signal.SIGINT)
+    assert bench_proc.wait(60) == 130 and not _answers(health)
+    assert bench_proc.stderr.read().splitlines()[-1:] == ["duetserve bench: interrupted"]
+    assert list(tmp_path.glob("duetserve-bench-server-*.log")) == []
 
 
 def _answers(url: str) -> bool:
@@ -389,5 +472,5 @@ def test_text_prompts_exact_under_tokenizer() -> None:
 
 if __name__ == "__main__":
     cli = argparse.ArgumentParser()
-    cli.add_argument("--serve", type=int, required=True, metavar="PORT")
+    cli.add_argument("--serve", "--port", type=int, required=True, metavar="PORT")
     uvicorn.run(fake_app(), host="127.0.0.1", port=cli.parse_args().serve, log_level="warning")

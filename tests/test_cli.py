@@ -48,6 +48,10 @@ def test_bad_serve_flags_exit_2_naming_the_flag(argv, flag, capsys):
     (["--served-model-name", "  "], "argument --served-model-name: must not be empty"),
     (["--api-key", ""], "argument --api-key: must not be empty"),  # `--api-key "$UNSET"` served without auth
     (["--trim-margin", "fast"], "argument --trim-margin: must be a number in (0, 1] or auto, got 'fast'"),
+    (["--block-size", "1000000"],  # no upper bound: allocated blocks of a million tokens
+     "argument --block-size: must be one of 1, 8, 16, 32, 64, 128, 256, got '1000000'"),
+    (["--block-size", "0"], "argument --block-size: must be one of 1, 8, 16, 32, 64, 128, 256, got '0'"),
+    (["--block-size", "x"], "argument --block-size: expected an integer, got 'x'"),
 ])
 def test_bad_serve_values_are_explained(argv, message, capsys):
     with pytest.raises(SystemExit) as exc:
@@ -222,8 +226,59 @@ def test_bench_arrival_and_rate_that_do_not_go_together_are_usage_errors(argv, m
     assert capsys.readouterr().err == f"duetserve bench: error: {message}\n"
 
 
+@pytest.mark.parametrize("argv, message", [
+    (["--cv", "2"], ("--cv 2 does nothing with --arrival trace: a trace file keeps its own gaps (--arrival poisson "
+                     "draws gaps of that CV)")),
+    (["--cv", "0.5", "--arrival", "scale", "--qps", "2"],
+     ("--cv 0.5 does nothing with --arrival scale: a trace file keeps its own gaps (--arrival poisson draws gaps "
+      "of that CV)")),
+])
+def test_bench_cv_on_a_trace_file_replayed_with_its_own_gaps_is_refused(argv, message, tmp_path, capsys):
+    """--cv was ignored silently."""
+    trace = tmp_path / "trace.csv"
+    trace.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46.6805900,100,10\n")
+    assert main(["bench", "--base-url", "http://127.0.0.1:1", "--trace", str(trace), *argv]) == 2
+    assert capsys.readouterr().err == f"duetserve bench: error: {message}\n"
+
+
+@pytest.mark.parametrize("argv, cv", [
+    (["--trace", "TRACE", "--arrival", "poisson", "--qps", "2", "--cv", "2"], 2.0),
+    (["--trace", "TRACE", "--arrival", "poisson", "--qps", "2"], 1.0),
+    (["--num-requests", "2", "--qps", "2", "--cv", "0.5"], 0.5),  # synthetic arrivals are drawn too
+])
+def test_bench_cv_where_arrivals_are_drawn_reaches_the_trace(argv, cv, tmp_path, monkeypatch, capsys):
+    from duetserve.bench import cli as bench_cli
+
+    def read_trace(path, spec):
+        specs.append(spec)
+        raise argtypes.UsageError("stop here")
+
+    trace = tmp_path / "trace.csv"
+    trace.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46.6805900,100,10\n")
+    specs = []
+    monkeypatch.setattr(bench_cli, "read_trace", read_trace)
+    assert main(["bench", "--base-url", "http://127.0.0.1:1", *[str(trace) if a == "TRACE" else a for a in argv]]) == 2
+    assert capsys.readouterr().err == "duetserve bench: error: stop here\n"
+    assert [s.cv for s in specs] == [cv]
+
+
+def test_bench_compare_refuses_flags_that_only_matter_for_a_run(tmp_path, capsys):
+    """They were ignored silently; --plot, --iteration-log and --no-progress go with --compare."""
+    result = tmp_path / "a.json"
+    result.write_text('{"completed": 1, "duration": 1.0, "requests": []}')
+    compare = ["bench", "--compare", str(result), str(result)]
+    assert main([*compare, "--qps", "2", "--result-file", str(tmp_path / "r.json")]) == 2
+    assert capsys.readouterr().err == ("duetserve bench: error: --qps, --result-file: only when running a benchmark, "
+                                       "not with --compare (which prints two saved results)\n")
+    assert main([*compare, "--launch", "true", "--base-url", "http://127.0.0.1:1"]) == 2
+    assert capsys.readouterr().err.startswith("duetserve bench: error: --base-url, --launch: only when running")
+    assert main([*compare, "--no-progress"]) == 0
+    assert "completed" in capsys.readouterr().out
+
+
 def test_bench_trace_suffix_and_content(tmp_path, capsys):
-    """A suffix that tells no format is a usage error (2); a malformed trace is not (1)."""
+    """A suffix that tells no format and a malformed trace are both usage errors (2), the latter naming
+    --trace (it exited 1, as a server that cannot be reached does)."""
     text, bad = tmp_path / "trace.txt", tmp_path / "trace.csv"
     text.write_text("x\n")
     bad.write_text("a,b\n1,2\n")
@@ -231,9 +286,23 @@ def test_bench_trace_suffix_and_content(tmp_path, capsys):
     assert capsys.readouterr().err == (
         f"duetserve bench: error: cannot infer the trace format of {text} from its suffix (.csv: azure, "
         ".jsonl: mooncake); give the format (simulate --format, bench --trace-format)\n")
-    assert main(["bench", "--base-url", "http://127.0.0.1:1", "--trace", str(bad)]) == 1
-    assert capsys.readouterr().err == (f"duetserve bench: error: {bad}: not an Azure trace, missing columns "
+    assert main(["bench", "--base-url", "http://127.0.0.1:1", "--trace", str(bad)]) == 2
+    assert capsys.readouterr().err == (f"duetserve bench: error: --trace {bad}: not an Azure trace, missing columns "
                                        "['ContextTokens', 'GeneratedTokens', 'TIMESTAMP']\n")
+
+
+@pytest.mark.parametrize("command", ["bench", "simulate"])
+@pytest.mark.parametrize("name, text, reason", [
+    ("t.csv", "", "the file is empty"),  # exited 1, "not an Azure trace, missing columns [...]"
+    ("t.jsonl", "", "the file is empty"),  # exited 2, "the trace selection holds no requests"
+    ("t.csv", "TIMESTAMP,ContextTokens,GeneratedTokens\n", "no requests, only the header"),
+])
+def test_an_empty_trace_file_exits_2_naming_the_flag(command, name, text, reason, tmp_path, capsys):
+    trace = tmp_path / name
+    trace.write_text(text)
+    argv = ["--base-url", "http://127.0.0.1:1"] if command == "bench" else ["--qps", "2", "--no-progress"]
+    assert main([command, "--trace", str(trace), *argv]) == 2
+    assert capsys.readouterr().err == f"duetserve {command}: error: --trace {trace}: {reason}\n"
 
 
 def test_bench_compare_names_a_file_that_is_no_bench_result(tmp_path, capsys):
@@ -255,7 +324,7 @@ def test_bench_needs_the_iteration_log_up_front_unless_a_launched_server_writes_
     """It was read only after the whole run: "[Errno 2] No such file or directory: '/nonexist.jsonl'"."""
     from duetserve.bench import cli as bench_cli
 
-    monkeypatch.setattr(bench_cli, "load_trace", lambda *a: pytest.fail("the trace was loaded first"))
+    monkeypatch.setattr(bench_cli, "read_trace", lambda *a: pytest.fail("the trace was loaded first"))
     missing = tmp_path / "it.jsonl"
     assert main(["bench", "--num-requests", "2", "--qps", "2", "--iteration-log", str(missing),
                  "--plot", str(tmp_path / "b.png")]) == 2
@@ -364,6 +433,22 @@ def test_serve_names_real_flags_when_the_kv_cache_is_too_small(flags, message, c
         main(["serve", "--device", "cpu", "--port", "0", *flags])
     assert exc.value.code == 2
     assert capsys.readouterr().err.endswith(f"duetserve serve: error: {message}\n")
+
+
+@pytest.mark.parametrize("argv", [["serve"], ["bench"], ["simulate", "--qps", "1"],
+                                  ["calibrate", "--gpu-name", "x", "--out", "OUT"]])
+def test_ctrl_c_exits_130_with_one_line(argv, tmp_path, monkeypatch, capsys):
+    """Ctrl-C printed a KeyboardInterrupt traceback."""
+    import duetserve.cli as cli_module
+
+    def interrupted(*_):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli_module, "_serve", interrupted)
+    for _, module, _ in cli_module.TOOLS:
+        monkeypatch.setattr(module, "run", interrupted)
+    assert main([str(tmp_path / "p.json") if a == "OUT" else a for a in argv]) == 130
+    assert capsys.readouterr().err == f"duetserve {argv[0]}: interrupted\n"
 
 
 def test_version(capsys):

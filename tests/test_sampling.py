@@ -106,8 +106,9 @@ def test_parse_duration():
 def test_engine_config_names_the_flag():
     with pytest.raises(ValueError, match="--policy"):
         EngineConfig(policy="fastest")
-    with pytest.raises(ValueError, match="--block-size"):
-        EngineConfig(block_size=0)
+    for size in (0, 12, 512, 10**9):  # 10**9 tokens a block had no upper bound
+        with pytest.raises(ValueError, match=r"^--block-size must be one of 1, 8, 16, 32, 64, 128, 256$"):
+            EngineConfig(block_size=size)
     with pytest.raises(ValueError, match="--cpu-kv-cache-gb"):
         EngineConfig(cpu_kv_cache_bytes=0)
     with pytest.raises(ValueError, match="--num-decode-steps"):

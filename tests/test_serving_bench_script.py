@@ -54,25 +54,52 @@ def test_variant_parse():
             sb.Config.variant(bad)
 
 
+def _trace_args(tmp_path: Path) -> list[str]:
+    """``--trace azure_code:2:3`` and a ``--traces-dir`` holding (empty) files of both traces."""
+    folder = tmp_path / "traces"
+    folder.mkdir(exist_ok=True)
+    for name, _ in sb.TRACE_FILES.values():
+        (folder / name).touch()
+    return ["--trace", "azure_code:2:3", "--traces-dir", str(folder)]
+
+
 def _parse_error(capsys, argv: list[str]) -> str:
-    with pytest.raises(SystemExit):
-        sb.parse_args(["--trace", "azure_code:2:3", *argv])
+    with pytest.raises(SystemExit) as exc:
+        sb.parse_args(argv)
+    assert exc.value.code == 2
     return capsys.readouterr().err
 
 
-def test_configurations_from_the_command_line(capsys):
-    args = sb.parse_args(["--trace", "azure_code:2:3", "--policies", "duet,chunked",
+def test_configurations_from_the_command_line(capsys, tmp_path):
+    trace_args = _trace_args(tmp_path)
+    args = sb.parse_args([*trace_args, "--policies", "duet,chunked",
                           "--variant", "duet-trim=--policy duet --trim-margin 0.85"])
     assert [(c.label, c.policy, c.serve_args) for c in args.configs] == \
         [("duet", "duet", ()), ("chunked", "chunked", ()), ("duet-trim", "duet", ("--trim-margin", "0.85"))]
-    args = sb.parse_args(["--trace", "azure_code:2:3", "--policies", "", "--variant", "c2k=--policy chunked"])
+    args = sb.parse_args([*trace_args, "--policies", "", "--variant", "c2k=--policy chunked"])
     assert args.configs == [sb.Config("c2k", "chunked")]
     assert "argument --variant: --variant 'x=--trim-margin 0.85': SERVE_ARGS must contain --policy X exactly once" \
-        in _parse_error(capsys, ["--variant", "x=--trim-margin 0.85"])
+        in _parse_error(capsys, [*trace_args, "--variant", "x=--trim-margin 0.85"])
     assert "labels must be unique across --policies and --variant: ['duet'] repeated" \
-        in _parse_error(capsys, ["--policies", "duet,chunked", "--variant", "duet=--policy duet"])
-    assert "no configuration: give --policies or --variant" in _parse_error(capsys, ["--policies", ""])
-    assert "--gpus 0: must be >= 1" in _parse_error(capsys, ["--gpus", "0"])
+        in _parse_error(capsys, [*trace_args, "--policies", "duet,chunked", "--variant", "duet=--policy duet"])
+    assert "no configuration: give --policies or --variant" in _parse_error(capsys, [*trace_args, "--policies", ""])
+    assert "--gpus 0: must be >= 1" in _parse_error(capsys, [*trace_args, "--gpus", "0"])
+
+
+def test_missing_traces_are_refused_before_any_server_starts(tmp_path, capsys):
+    """Found only when the first bench run failed, after a server had started (minutes on a GPU)."""
+    folder = tmp_path / "traces"
+    runs = ["--trace", "azure_code:2:3", "--trace", "mooncake:1:3", "--trace", "azure_code:4:3"]
+    assert _parse_error(capsys, [*runs, "--traces-dir", str(folder)]).endswith(
+        f"error: --traces-dir {folder}: no such folder (scripts/copy_traces.sh fills .traces)\n")
+    folder.mkdir()
+    assert _parse_error(capsys, [*runs, "--traces-dir", str(folder)]).endswith(
+        f"error: --traces-dir {folder}: no AzureLLMInferenceTrace_code.csv, mooncake_conversation_trace.jsonl "
+        "(scripts/copy_traces.sh copies them)\n")
+    (folder / "mooncake_conversation_trace.jsonl").touch()
+    assert _parse_error(capsys, [*runs, "--traces-dir", str(folder)]).endswith(
+        f"error: --traces-dir {folder}: no AzureLLMInferenceTrace_code.csv (scripts/copy_traces.sh copies them)\n")
+    assert sb.parse_args(["--trace", "mooncake:1:3", "--traces-dir", str(folder)]).traces_dir == str(folder)
 
 
 def test_assign_lanes_round_robin():
@@ -85,8 +112,8 @@ def test_assign_lanes_round_robin():
 
 
 def _bench(tmp_path: Path, *argv: str) -> sb.Bench:
-    return sb.Bench(sb.parse_args(["--trace", "azure_code:2:3", "--out", str(tmp_path / "out"),
-                                   "--work", str(tmp_path / "work"), "--port", "9000", *argv]))
+    return sb.Bench(sb.parse_args([*_trace_args(tmp_path), "--out", str(tmp_path / "out"), "--work",
+                                   str(tmp_path / "work"), "--port", "9000", *argv]))
 
 
 def test_server_command_of_a_variant(tmp_path):

@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from test_jsonio import strict_loads
 
 from duetserve import argtypes
 from duetserve.cli import main
@@ -28,6 +29,14 @@ def test_end_to_end_writes_table_json_and_plot(tmp_path, capsys):
     assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     printed = capsys.readouterr().out
     assert "TBT ms mean" in printed and "TTFT ms mean" in printed and "chunked" in printed and "req/s" in printed
+
+
+def test_json_is_strict_with_an_infinite_qps(tmp_path):
+    """``--qps inf`` wrote a bare ``Infinity`` (not JSON: JavaScript's JSON.parse refuses the file)."""
+    out = tmp_path / "rows.json"
+    assert main([*SMALL, "--qps", "inf", "--policy", "chunked", "--json", str(out)]) == 0
+    (row,) = strict_loads(out.read_text())
+    assert row["qps"] == "inf" and row["completed"] == 40
 
 
 def test_model_config_file_and_single_policy(tmp_path, capsys):
@@ -147,13 +156,22 @@ def test_a_trace_suffix_that_tells_no_format_is_a_usage_error(tmp_path, capsys):
         ".jsonl: mooncake); give the format (simulate --format, bench --trace-format)\n")
 
 
-def test_a_malformed_trace_still_exits_1(tmp_path, capsys):
-    """Not a usage error: the flags are fine, the file's content is not."""
+def test_a_malformed_trace_is_a_usage_error_naming_the_flag(tmp_path, capsys):
+    """Exit 2 naming --trace, as an empty .jsonl trace did ("holds no requests"); it exited 1."""
     trace = tmp_path / "trace.csv"
     trace.write_text("a,b\n1,2\n")
-    assert main(["simulate", "--trace", str(trace), "--qps", "2", "--no-progress"]) == 1
-    assert capsys.readouterr().err == (f"duetserve simulate: error: {trace}: not an Azure trace, missing columns "
-                                       "['ContextTokens', 'GeneratedTokens', 'TIMESTAMP']\n")
+    assert main(["simulate", "--trace", str(trace), "--qps", "2", "--no-progress"]) == 2
+    assert capsys.readouterr().err == (f"duetserve simulate: error: --trace {trace}: not an Azure trace, missing "
+                                       "columns ['ContextTokens', 'GeneratedTokens', 'TIMESTAMP']\n")
+
+
+def test_cv_with_arrival_scale_on_a_trace_file_is_refused(tmp_path, capsys):
+    """--arrival scale keeps the trace's own gaps: --cv was ignored silently."""
+    trace = tmp_path / "trace.csv"
+    trace.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46.6805900,100,10\n")
+    assert main(["simulate", "--trace", str(trace), "--qps", "2", "--arrival", "scale", "--cv", "3"]) == 2
+    assert capsys.readouterr().err == ("duetserve simulate: error: --cv 3 does nothing with --arrival scale: a trace "
+                                       "file keeps its own gaps (--arrival poisson draws gaps of that CV)\n")
 
 
 def test_all_without_partition_backend_leaves_pdmux_out(capsys):
@@ -224,6 +242,10 @@ def test_policy_takes_a_comma_separated_list(capsys):
     (["--prediction-error", "-0.1"], "argument --prediction-error: must be a number in [0, 1], got '-0.1'"),
     (["--prediction-error", "1000"], "argument --prediction-error: must be a number in [0, 1], got '1000'"),
     (["--prediction-error", "nan"], "argument --prediction-error: must be a number in [0, 1], got 'nan'"),
+    # was "the KV cache of 0 tokens (from --gpu and --gpu-memory-utilization) holds no request", not naming it
+    (["--block-size", "100000000"],
+     "argument --block-size: must be one of 1, 8, 16, 32, 64, 128, 256, got '100000000'"),
+    (["--block-size", "24"], "argument --block-size: must be one of 1, 8, 16, 32, 64, 128, 256, got '24'"),
 ])
 def test_bad_values_name_the_flag(args, message, capsys):
     with pytest.raises(SystemExit) as exc:

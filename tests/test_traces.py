@@ -13,6 +13,7 @@ import pytest
 from duetserve.traces import (
     FixedLength,
     LognormalLength,
+    TraceFileError,
     TraceRequest,
     TraceSpec,
     UniformLength,
@@ -111,6 +112,50 @@ def test_mooncake_reader_says_what_failed(tmp_path: Path, text: str, message: st
     path = write(tmp_path, "a.csv", text)
     with pytest.raises(ValueError) as exc:
         load_trace(path, TraceSpec(format="mooncake"))
+    assert str(exc.value) == f"{tmp_path}/{message}"
+
+
+def test_unsorted_rows_are_replayed_in_timestamp_order(tmp_path: Path) -> None:
+    """Rows before the first row's timestamp arrived at negative times; now the file is sorted,
+    stably (ties keep the file's order), and arrivals count from the earliest, as SGLang's
+    bench_serving replays a trace."""
+    shuffled = AZURE.splitlines()
+    azure = "\n".join([shuffled[0], shuffled[3], shuffled[1], shuffled[4], shuffled[2],
+                       shuffled[2].replace("3180", "3181")])
+    reqs = read_azure_csv(write(tmp_path, "a.csv", azure))
+    assert [r.input_len for r in reqs] == [4808, 3180, 3181, 110, 50]
+    assert [r.arrival_s for r in reqs] == pytest.approx([0.0, 0.052, 0.052, 1.0200401, 60.0], abs=1e-9)
+    lines = [{"timestamp": 3000, "input_length": 1, "output_length": 1},
+             {"timestamp": 1000, "input_length": 2, "output_length": 1},
+             {"timestamp": 3000, "input_length": 3, "output_length": 1}]
+    reqs = read_mooncake_jsonl(write(tmp_path, "m.jsonl", "\n".join(json.dumps(x) for x in lines)))
+    assert [(r.arrival_s, r.input_len) for r in reqs] == [(0.0, 2), (2.0, 1), (2.0, 3)]
+
+
+def test_a_byte_order_mark_is_dropped(tmp_path: Path) -> None:
+    """Excel's "CSV UTF-8" starts with a BOM, which hid the TIMESTAMP column ("missing columns")."""
+    azure, mooncake = tmp_path / "a.csv", tmp_path / "m.jsonl"
+    azure.write_text(AZURE, encoding="utf-8-sig")
+    mooncake.write_text('{"timestamp": 0, "input_length": 5, "output_length": 2}\n', encoding="utf-8-sig")
+    assert [r.input_len for r in read_azure_csv(azure)] == [4808, 3180, 110, 50]
+    assert read_mooncake_jsonl(mooncake) == [TraceRequest(0.0, 5, 2)]
+
+
+@pytest.mark.parametrize("name, data, message", [
+    ("a.csv", AZURE.encode().replace(b"3180", b"31\xff0"), "a.csv:3: not UTF-8 text (invalid start byte at byte 106)"),
+    ("m.jsonl", b'{"timestamp": 0, "input_length": 5, "output_length": 2}\n\xe9\n',
+     "m.jsonl:2: not UTF-8 text (invalid continuation byte at byte 56)"),
+    ("a.csv", b"", "a.csv: the file is empty"),
+    ("m.jsonl", b"\n \n", "m.jsonl: the file is empty"),
+    ("a.csv", b"TIMESTAMP,ContextTokens,GeneratedTokens\n", "a.csv: no requests, only the header"),
+])
+def test_unreadable_trace_files_are_named(tmp_path: Path, name: str, data: bytes, message: str) -> None:
+    """A Latin-1 file failed with "'utf-8' codec can't decode byte 0xff in position 106", naming no file;
+    an empty .jsonl read as no requests, an empty .csv as missing columns."""
+    path = tmp_path / name
+    path.write_bytes(data)
+    with pytest.raises(TraceFileError) as exc:
+        load_trace(path)
     assert str(exc.value) == f"{tmp_path}/{message}"
 
 

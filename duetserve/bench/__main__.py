@@ -3,7 +3,7 @@
 import argparse
 import sys
 
-from duetserve.argtypes import join_negative_values
+from duetserve.argtypes import exit_on_interrupt, join_negative_values
 from duetserve.bench import cli
 from duetserve.bench.cli import configure_parser, run
 
@@ -13,7 +13,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(prog="python -m duetserve.bench", description=cli.__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     configure_parser(parser)
-    return run(parser.parse_args(join_negative_values(sys.argv[1:])))
+    args = parser.parse_args(join_negative_values(sys.argv[1:]))
+    return exit_on_interrupt("bench", lambda: run(args))
 
 
 if __name__ == "__main__":

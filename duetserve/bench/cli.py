@@ -7,11 +7,13 @@ one image.
 
 Exit status:
   0  every run completed at least one request (failed requests are counted in its report)
-  1  setup error: unreadable trace or files, server not reachable or not starting
+  1  setup error: unreadable files, server not reachable or not starting
      ("duetserve bench: error: ..." on stderr)
   2  every request of a run failed (the reports are still printed, and saved with
-     --result-file); 2 is also argparse's status for a usage error: a bad flag, or flags
-     that do not go together ("duetserve bench: error: ..." naming the flag, on stderr)
+     --result-file); 2 is also argparse's status for a usage error: a bad flag, flags
+     that do not go together, or a --trace file that is no trace ("duetserve bench:
+     error: ..." naming the flag, on stderr)
+  130  interrupted (Ctrl-C); a --launch server is stopped first
 """
 
 from __future__ import annotations
@@ -21,7 +23,6 @@ import asyncio
 import contextlib
 import json
 import logging
-import math
 import shlex
 import shutil
 import sys
@@ -34,6 +35,7 @@ from duetserve.argtypes import (
     UsageError,
     add_length_options,
     argtype,
+    arrival_cv,
     comma_items,
     existing_file,
     exit_status,
@@ -47,17 +49,20 @@ from duetserve.argtypes import (
     positive_int,
     rate,
     rates,
+    read_trace,
     tbt_slo,
     trace_format,
     window,
+    write_output,
 )
-from duetserve.bench.launch import LaunchConfig, ServerProcess, stop_servers_on_sigterm
+from duetserve.bench.launch import LaunchConfig, ServerProcess, launched_base_url, stop_servers_on_sigterm
 from duetserve.bench.metrics import Slos, compute_metrics, format_comparison, format_report
 from duetserve.bench.plot import plot_results, read_iteration_log
 from duetserve.bench.prompts import Tokenizer
 from duetserve.bench.runner import BenchConfig, BenchRun, run_benchmark
 from duetserve.config import parse_duration
-from duetserve.traces import TraceSpec, load_trace
+from duetserve.jsonio import dumps, json_safe
+from duetserve.traces import TraceSpec
 
 _GOODPUT_KEYS = ("ttft", "tpot", "e2el")
 
@@ -148,8 +153,10 @@ def _check_iteration_log(args: argparse.Namespace) -> None:
 
 def _check_trace_flags(args: argparse.Namespace) -> None:
     """Raise UsageError naming the flags when ``--trace`` and ``--trace-format`` give no trace, a
-    synthetic trace lacks ``--num-requests`` or a rate, or ``--arrival`` and the rate do not go together."""
+    synthetic trace lacks ``--num-requests`` or a rate, or ``--arrival`` and the rate or ``--cv`` do
+    not go together; set ``args.cv`` to its value (``arrival_cv``)."""
     fmt = trace_format(args.trace, args.trace_format, "--trace-format")
+    args.cv = arrival_cv(args.cv, fmt, args.arrival)
     rate = args.qps is not None or bool(args.sweep_qps)
     if fmt == "synthetic" and (args.num_requests is None or not rate):
         raise UsageError("a synthetic trace needs a number of requests and a QPS (--num-requests and --qps)")
@@ -187,8 +194,8 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
                    help="trace: keep timestamps; scale: stretch to --qps; poisson: re-draw at "
                         "--qps with gamma gaps of CV --cv (default: trace)")
     t.add_argument("--qps", type=rate, help="request rate, req/s ('inf': all at once)")
-    t.add_argument("--cv", type=finite_non_negative, default=1.0,
-                   help="CV of generated inter-arrival gaps (1 = Poisson)")
+    t.add_argument("--cv", type=finite_non_negative,
+                   help="CV of generated inter-arrival gaps: --arrival poisson, or synthetic (default 1 = Poisson)")
     t.add_argument("--window", type=window,
                    metavar="START:END", help="keep arrivals in [START, END) s of the trace")
     t.add_argument("--num-requests", type=positive_int, metavar="N",
@@ -199,7 +206,9 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
     t.add_argument("--seed", type=non_negative_int, default=0, help="seed for lengths, arrivals and prompts")
 
     s = p.add_argument_group("server")
-    s.add_argument("--base-url", default="http://127.0.0.1:8000")
+    s.add_argument("--base-url", metavar="URL",
+                   help="server root (default: http://HOST:PORT of --launch's --host and --port, as "
+                        "vLLM's and SGLang's benchmarks take --host and --port; else http://127.0.0.1:8000)")
     s.add_argument("--endpoint", default="/v1/completions", type=argtype(_endpoint),
                    help="/v1/completions (token-id prompts) or /v1/chat/completions (text)")
     s.add_argument("--model", help="model name (default: first id of /v1/models)")
@@ -213,8 +222,8 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
                    default=(1000, 32000), metavar="LOW:HIGH",
                    help="ids of token-id prompts are drawn from [LOW, HIGH) (default 1000:32000)")
     s.add_argument("--launch", type=argtype(_command), metavar="CMD",
-                   help="start this server command first (it must listen at --base-url), "
-                        "wait for /health, stop it after")
+                   help="start this server command first (it must listen at --base-url, which defaults "
+                        "to its --host and --port), wait for /health, stop it after")
     s.add_argument("--launch-timeout", type=positive_duration("s"), default=600.0,
                    metavar="DURATION", help="longest wait for /health (default 600s)")
     s.add_argument("--launch-log", type=output_file, metavar="PATH",
@@ -247,28 +256,16 @@ def _load_tokenizer(path: str) -> Tokenizer:
     return AutoTokenizer.from_pretrained(path)
 
 
-def _json_number(x: float | None) -> float | str | None:
-    """``x``, with infinity as the string ``"inf"`` (JSON has no infinity)."""
-    return "inf" if x is not None and math.isinf(x) else x
-
-
 def _spec_json(spec: TraceSpec) -> dict[str, Any]:
-    """``spec`` as JSON values: length distributions by their repr, ``inf`` as a string."""
-    out: dict[str, Any] = {}
-    for f in fields(spec):
-        value = getattr(spec, f.name)
-        if isinstance(value, float):
-            value = _json_number(value)
-        elif is_dataclass(value):
-            value = repr(value)
-        out[f.name] = value
-    return out
+    """``spec`` as JSON values: length distributions by their repr."""
+    return {f.name: repr(v) if is_dataclass(v := getattr(spec, f.name)) else v for f in fields(spec)}
 
 
 def _build_result(args: argparse.Namespace, spec: TraceSpec, outcome: BenchRun,
                   slos: Slos) -> dict[str, Any]:
-    """The saved JSON: settings, vLLM-style metrics, then per-request records."""
-    return {
+    """The saved JSON: settings, vLLM-style metrics, then per-request records; ``jsonio.json_safe``
+    (an infinite rate is ``"inf"``)."""
+    return json_safe({
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "base_url": args.base_url,
         "endpoint": args.endpoint,
@@ -276,14 +273,14 @@ def _build_result(args: argparse.Namespace, spec: TraceSpec, outcome: BenchRun,
         "trace": str(args.trace) if args.trace else None,
         "trace_spec": _spec_json(spec),
         "num_prompts": len(outcome.records),
-        "request_rate": _json_number(spec.qps),
+        "request_rate": spec.qps,
         "max_concurrency": args.max_concurrency,
         "goodput_slo_ms": {k: v * 1000 for k in _GOODPUT_KEYS
                            if (v := getattr(slos, f"{k}_s")) is not None} or None,
         "start_time_unix": outcome.start_time_unix,
         **compute_metrics(outcome.records, outcome.duration_s, slos, args.percentiles),
         "requests": [r.to_json() for r in outcome.records],
-    }
+    })
 
 
 def _result_path(path: Path, qps: float | None, sweep: bool) -> Path:
@@ -291,7 +288,25 @@ def _result_path(path: Path, qps: float | None, sweep: bool) -> Path:
     return path.with_name(f"{path.stem}_qps{qps:g}{path.suffix}") if sweep else path
 
 
+_COMPARE_FLAGS = ("compare", "plot", "iteration_log", "no_progress")
+"""Destinations of the flags that matter with ``--compare`` (``--no-progress`` does nothing there, harmlessly)."""
+
+
+def _check_compare_flags(args: argparse.Namespace) -> None:
+    """Raise UsageError naming the flags given with ``--compare`` (different from their defaults) that
+    only matter when running a benchmark: they were ignored."""
+    parser = argparse.ArgumentParser()
+    configure_parser(parser)
+    defaults = vars(parser.parse_args([]))
+    ignored = [f"--{dest.replace('_', '-')}" for dest, default in defaults.items()
+               if dest not in _COMPARE_FLAGS and getattr(args, dest) != default]
+    if ignored:
+        raise UsageError(f"{', '.join(ignored)}: only when running a benchmark, not with --compare "
+                         "(which prints two saved results)")
+
+
 def _compare(args: argparse.Namespace) -> int:
+    _check_compare_flags(args)
     _check_iteration_log(args)
     a, b = (load_result(p) for p in args.compare)
     print(format_comparison(a, b, (args.compare[0].stem, args.compare[1].stem)))
@@ -313,9 +328,21 @@ def _spatial_times(args: argparse.Namespace) -> list[float]:
         raise ValueError(f"--iteration-log {exc}") from exc
 
 
+def _base_url(args: argparse.Namespace) -> str:
+    """``--base-url``; without it, where the ``--launch`` server listens (its ``--host`` and ``--port``:
+    a server launched on another port was polled at :8000 until ``--launch-timeout``), or 127.0.0.1:8000."""
+    if args.base_url is not None:
+        return args.base_url
+    try:
+        return launched_base_url(args.launch or "")
+    except ValueError as exc:  # "its --port 0 is not a port ..."
+        raise UsageError(f"--launch {args.launch}: {exc}") from exc
+
+
 def _bench(args: argparse.Namespace) -> int:
     if args.sweep_qps and args.qps is not None:
         raise UsageError("give either --qps or --sweep-qps")
+    args.base_url = _base_url(args)
     _check_trace_flags(args)
     _check_iteration_log(args)
     slos = replace(parse_goodput(args.goodput), tbt_s=args.tbt_slo)
@@ -339,9 +366,7 @@ def _bench(args: argparse.Namespace) -> int:
     )
     loads = args.sweep_qps or [args.qps]
     specs = [replace(spec, qps=q) for q in loads]
-    traces = [load_trace(args.trace, s) for s in specs]
-    if not traces[0]:
-        raise UsageError("the trace selection holds no requests (see --window and --num-requests)")
+    traces = [read_trace(args.trace, s) for s in specs]
     server: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
     if args.launch:
         server = ServerProcess(LaunchConfig(
@@ -361,7 +386,7 @@ def _bench(args: argparse.Namespace) -> int:
             print(format_report(result, f"Serving Benchmark Result (qps {qps or 'trace'})"))
             if args.result_file:
                 path = _result_path(args.result_file, qps, bool(args.sweep_qps))
-                path.write_text(json.dumps(result))
+                write_output(path, dumps(result), "--result-file")
                 print(f"results: {path}")
     if args.plot:
         labels = [f"qps {q:g}" if q else "trace timing" for q in loads]
@@ -387,8 +412,8 @@ def run(args: argparse.Namespace) -> int:
 
     Returns:
         0 when every run produced a report with at least one completed request (some may
-        have failed), 1 on a setup error (unreadable trace, server not reachable or not
-        starting), 2 on a usage error (bad flags, named in the message) or when every
+        have failed), 1 on a setup error (server not reachable or not starting), 2 on a
+        usage error (bad flags or a bad --trace file, named in the message) or when every
         request of a run failed (the reports are still written).
     """
     for name in ("httpx", "httpcore"):  # one INFO line per request otherwise

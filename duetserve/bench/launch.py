@@ -42,6 +42,31 @@ class LaunchConfig:
     log_path: Path | None = None
 
 
+DEFAULT_PORT = 8000
+"""Port of a launched server without ``--port``: ``duetserve serve``'s and ``vllm serve``'s default."""
+_LOOPBACK = {"": "127.0.0.1", "0.0.0.0": "127.0.0.1", "::": "::1"}  # a wildcard address, reached here
+
+
+def launched_base_url(command: str) -> str:
+    """``http://HOST:PORT``, where the server that ``command`` starts listens: the command's ``--host``
+    and ``--port`` (``--flag VALUE`` or ``--flag=VALUE``, the last one counting, as with argparse),
+    by default 127.0.0.1 and ``DEFAULT_PORT``; a wildcard host (0.0.0.0, ::) is reached at loopback.
+
+    Raises:
+        ValueError: a ``--port`` that is no port number, or 0 (a free port, which no one is told).
+    """
+    found = {"--host": "127.0.0.1", "--port": str(DEFAULT_PORT)}
+    words = shlex.split(command)
+    for i, word in enumerate(words):
+        flag, eq, value = word.partition("=")
+        if flag in found and (eq or i + 1 < len(words)):
+            found[flag] = value if eq else words[i + 1]
+    host, port = _LOOPBACK.get(found["--host"], found["--host"]), found["--port"]
+    if not (port.isdigit() and 0 < int(port) < 65536):
+        raise ValueError(f"its --port {port} is not a port to reach the server at; give --base-url")
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
 _LIVE: set[ServerProcess] = set()  # launched and not yet stopped (stop_servers_on_sigterm)
 
 
@@ -66,8 +91,8 @@ class ServerProcess:
 
     ``__enter__`` starts the process and returns once ``health_url`` answers 200; ``__exit__``
     sends SIGTERM to the group, then SIGKILL after ``stop_timeout_s``, and deletes a temporary log
-    (no ``log_path``) unless the server exited on its own or the run raised: then it prints the
-    log's path to stderr.
+    (no ``log_path``) unless the server exited on its own or the run raised (Ctrl-C is no failure):
+    then it prints the log's path to stderr.
 
     Raises (from ``__enter__``):
         RuntimeError: something already answers at ``health_url`` before the launch (another
@@ -111,8 +136,10 @@ class ServerProcess:
             raise
         try:
             self._wait_healthy()
-        except BaseException:
+        except BaseException as exc:
             self.stop()
+            if isinstance(exc, KeyboardInterrupt) and self._temporary_log:  # stopped by the user: no failure
+                self.log_path.unlink(missing_ok=True)
             raise
         return self
 
@@ -126,7 +153,7 @@ class ServerProcess:
         self.stop()
         if not self._temporary_log:
             return
-        if exc_type is None and not exited:
+        if (exc_type is None or issubclass(exc_type, KeyboardInterrupt)) and not exited:
             self.log_path.unlink(missing_ok=True)
         else:
             why = f"it exited with code {self.proc.returncode} during the run" if exited else "the run failed"

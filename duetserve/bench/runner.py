@@ -88,6 +88,15 @@ async def fetch_model_id(client: httpx.AsyncClient, base_url: str) -> str:
         raise RuntimeError(f"could not read a model id from {base_url}/v1/models: {e}") from e
 
 
+async def check_reachable(client: httpx.AsyncClient, base_url: str) -> None:
+    """Raise RuntimeError when nothing answers at ``base_url`` (``GET /v1/models``; any HTTP status,
+    a 404 included, is an answer): with ``--model`` given, every request failed instead, exit 2."""
+    try:
+        await client.get(f"{base_url}/v1/models")
+    except httpx.TransportError as e:
+        raise RuntimeError(f"server not reachable at {base_url}: {type(e).__name__}: {e}") from e
+
+
 def _payload(model: str, prompt: list[int] | str, output_len: int, chat: bool) -> dict[str, Any]:
     body: dict[str, Any] = {
         "model": model,
@@ -118,7 +127,7 @@ async def run_benchmark(
         The run's records (failures included) and timing.
 
     Raises:
-        RuntimeError: the model id cannot be fetched from the server.
+        RuntimeError: the server is not reachable, or the model id cannot be fetched from it.
         ValueError: bad prompt settings (see :class:`PromptBuilder`).
     """
     builder = PromptBuilder(config.seed, config.token_id_range, tokenizer)
@@ -132,7 +141,10 @@ async def run_benchmark(
         limits=limits,
         trust_env=False,
     ) as client:
-        model = config.model or await fetch_model_id(client, config.base_url.rstrip("/"))
+        base_url = config.base_url.rstrip("/")
+        if config.model:
+            await check_reachable(client, base_url)
+        model = config.model or await fetch_model_id(client, base_url)
         bar = tqdm(total=len(requests), disable=not config.progress, unit="req")
         failed = 0
 
@@ -157,7 +169,9 @@ async def run_benchmark(
             return record
 
         start_unix, start = time.time(), time.perf_counter()
-        records = await asyncio.gather(*(one(i, r) for i, r in enumerate(requests)))
-        duration = time.perf_counter() - start
-        bar.close()
+        try:
+            records = await asyncio.gather(*(one(i, r) for i, r in enumerate(requests)))
+            duration = time.perf_counter() - start
+        finally:  # after Ctrl-C too: its line ends before the next message, not at exit after it
+            bar.close()
     return BenchRun(model, list(records), duration, start_unix)

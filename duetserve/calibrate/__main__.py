@@ -4,6 +4,7 @@
 import argparse
 import sys
 
+from duetserve.argtypes import exit_on_interrupt
 from duetserve.calibrate.cli import configure_parser, run
 
 
@@ -11,7 +12,8 @@ def main(argv: list[str] | None = None) -> int:
     """Parse ``argv`` (default ``sys.argv``) and calibrate; returns the exit status."""
     parser = argparse.ArgumentParser(prog="python -m duetserve.calibrate", description=__doc__)
     configure_parser(parser)
-    return run(parser.parse_args(argv))
+    args = parser.parse_args(argv)
+    return exit_on_interrupt("calibrate", lambda: run(args))
 
 
 if __name__ == "__main__":

@@ -16,7 +16,7 @@ with ``--base``, needs no GPU, and writes ``--base`` with those two terms replac
 
 Exit status: 0 on success (failed single measurements are listed); 2 on bad usage: a bad flag,
 or flags that do not go together (the message names the flag); 1 on any other error (no GPU, an
-iteration log that does not fit, a profile that cannot be written).
+iteration log that does not fit, a profile that cannot be written); 130 when interrupted (Ctrl-C).
 """
 from __future__ import annotations
 
@@ -38,6 +38,7 @@ from duetserve.calibrate.report import (
 from duetserve.calibrate.runner import Calibration, Options, run_calibration
 from duetserve.calibrate.workload import QWEN3_8B
 from duetserve.config import ATTENTION_BACKENDS
+from duetserve.jsonio import dumps
 from duetserve.partition.base import BACKENDS as PARTITION_BACKENDS
 from duetserve.planner.cost_model import ModelShape
 from duetserve.planner.hardware import HardwareProfile, available_profiles, load_profile
@@ -132,7 +133,7 @@ def fit_host(args: argparse.Namespace) -> int:
     profile = dataclasses.replace(args.base, name=args.gpu_name, **fields,
                                   provenance={**args.base.provenance, **dict.fromkeys(fields, "measured")})
     try:
-        args.out.write_text(json.dumps(dataclasses.asdict(profile), indent=1) + "\n")
+        args.out.write_text(dumps(dataclasses.asdict(profile), indent=1) + "\n")
     except OSError as exc:
         print(f"duetserve calibrate: error: --out {args.out}: {exc.strerror or exc}", file=sys.stderr)
         return 1

@@ -10,13 +10,13 @@ them and ``with_overheads`` adds the ones fitted here.
 from __future__ import annotations
 
 import dataclasses
-import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import date
 from pathlib import Path
 
 from duetserve.calibrate.overhead import OverheadFit
+from duetserve.jsonio import dumps
 from duetserve.planner.hardware import HardwareProfile, Points, load_profile
 
 Curve = dict[int, float]
@@ -119,7 +119,7 @@ def write_profile(profile: dict, path: Path) -> HardwareProfile:
         OSError: the file cannot be written.
     """
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(profile, indent=1) + "\n")
+    tmp.write_text(dumps(profile, indent=1) + "\n")
     try:
         loaded = load_profile(tmp)
     except ValueError:

@@ -6,8 +6,9 @@ highest swept QPS whose p99 TBT stays within the SLO while finished requests kee
 offered load (``report.slo_capacity``), and its request throughput relative to ``chunked``;
 with no such QPS, which condition failed at each (``report.capacity_misses``).
 ``--json`` saves the rows, ``--plot`` draws TBT, TTFT and throughput against QPS.
-Exit status: 0 on success; 2 on bad usage: a bad flag, or flags that do not go together or do not
-fit the trace or the model (the message names the flag); 1 on any other error, such as a malformed trace.
+Exit status: 0 on success; 2 on bad usage: a bad flag, flags that do not go together or do not
+fit the trace or the model, or a --trace file that is no trace (the message names the flag); 1 on
+any other error; 130 when interrupted (Ctrl-C).
 """
 
 from __future__ import annotations
@@ -20,19 +21,16 @@ from pathlib import Path
 
 from duetserve import argtypes
 from duetserve.argtypes import UsageError, trace_format
-from duetserve.config import POLICIES
+from duetserve.config import BLOCK_SIZES, POLICIES
 from duetserve.engine.policy import policy_by_name
+from duetserve.jsonio import dumps
 from duetserve.partition.base import BACKENDS as PARTITION_BACKENDS
 from duetserve.planner.cost_model import ModelShape
 from duetserve.planner.hardware import available_profiles, load_profile
 from duetserve.planner.policies import PlannerConfig
 from duetserve.sim.report import format_capacity, format_table, plot_rows, summarize
 from duetserve.sim.simulator import SimConfig, simulate
-from duetserve.traces import (
-    TraceRequest,
-    TraceSpec,
-    load_trace,
-)
+from duetserve.traces import TraceRequest, TraceSpec
 
 
 def _fraction(text: str) -> float:
@@ -81,7 +79,8 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
                    help="request rates to sweep, req/s")
     t.add_argument("--arrival", default="poisson", choices=["poisson", "scale"],
                    help="poisson: re-draw arrivals at each QPS (gaps of CV --cv); scale: stretch the trace's own")
-    t.add_argument("--cv", type=argtypes.finite_non_negative, default=1.0, help="CV of Poisson/gamma gaps")
+    t.add_argument("--cv", type=argtypes.finite_non_negative,
+                   help="CV of the gamma gaps of --arrival poisson, or of a synthetic trace (default 1 = Poisson)")
     t.add_argument("--window", type=argtypes.window, metavar="START:END",
                    help="keep requests arriving in [START, END) of the trace, e.g. 0:10min")
     t.add_argument("--num-requests", type=argtypes.positive_int, metavar="N",
@@ -121,7 +120,8 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
     s.add_argument("--max-num-batched-tokens", type=argtypes.positive_int, default=8192,
                    help="token budget per iteration (default 8192; 2048 suits A100)")
     s.add_argument("--max-num-seqs", type=argtypes.positive_int, default=256)
-    s.add_argument("--block-size", type=argtypes.positive_int, default=16)
+    s.add_argument("--block-size", type=argtypes.block_size, default=16,
+                   help=f"tokens per KV-cache block: {', '.join(map(str, BLOCK_SIZES))} (default 16)")
     s.add_argument("--max-model-len", type=argtypes.positive_int, metavar="TOKENS",
                    help="context limit (default: the trace's longest request)")
 
@@ -140,9 +140,12 @@ def _trace_spec(args: argparse.Namespace, qps: float) -> TraceSpec:
 
 
 def _check_trace_flags(args: argparse.Namespace) -> None:
-    """Raise UsageError naming the flag when ``--trace``, ``--format`` and ``--num-requests`` give no trace."""
-    if trace_format(args.trace, args.format, "--format") == "synthetic" and args.num_requests is None:
+    """Raise UsageError naming the flag when ``--trace``, ``--format`` and ``--num-requests`` give no trace,
+    or ``--cv`` goes with ``--arrival scale`` on a trace file; set ``args.cv`` to its value (``arrival_cv``)."""
+    fmt = trace_format(args.trace, args.format, "--format")
+    if fmt == "synthetic" and args.num_requests is None:
         raise UsageError("--num-requests is required for a synthetic trace")
+    args.cv = argtypes.arrival_cv(args.cv, fmt, args.arrival)
 
 
 def _check_tp(args: argparse.Namespace) -> None:
@@ -202,9 +205,7 @@ def _simulate(args: argparse.Namespace) -> int:
                        args.prediction_error, args.seed)
     rows = []
     for qps in args.qps:
-        trace = load_trace(args.trace, _trace_spec(args, qps))
-        if not trace:
-            raise UsageError("the trace selection holds no requests (see --window and --num-requests)")
+        trace = argtypes.read_trace(args.trace, _trace_spec(args, qps))
         _check_trace_fits(args, config, trace)
         for policy in policies:
             result = simulate(trace, policy, config, not args.no_progress, f"{policy.name} qps {qps:g}")
@@ -214,7 +215,7 @@ def _simulate(args: argparse.Namespace) -> int:
     print()
     print(format_capacity(rows))
     if args.json:
-        args.json.write_text(json.dumps(rows, indent=1))
+        argtypes.write_output(args.json, dumps(rows, indent=1), "--json")  # an infinite --qps is "inf"
         print(f"json: {args.json}")
     if args.plot:
         plot_rows(rows, args.plot)
@@ -223,8 +224,8 @@ def _simulate(args: argparse.Namespace) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Run ``duetserve simulate`` with parsed arguments; 0 on success, 2 on a usage error, 1 on any other
-    error, such as an unreadable or malformed trace (the message goes to stderr)."""
+    """Run ``duetserve simulate`` with parsed arguments; 0 on success, 2 on a usage error (a bad
+    --trace file included), 1 on any other error (the message goes to stderr)."""
     try:
         return _simulate(args)
     except (ValueError, OSError) as exc:
