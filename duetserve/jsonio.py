@@ -23,6 +23,21 @@ def json_safe(value: Any) -> Any:
     return value
 
 
+def loads_object(text: str) -> dict:
+    """The JSON object ``text`` holds.
+
+    Raises:
+        ValueError: "not JSON (MSG at line L column C)", or "not a JSON object but TYPE"
+            (the caller adds where the text came from)."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"not JSON ({exc.msg} at line {exc.lineno} column {exc.colno})") from exc
+    if not isinstance(value, dict):
+        raise ValueError(f"not a JSON object but {type(value).__name__}")  # noqa: TRY004 (bad input, not a bad call)
+    return value
+
+
 def dumps(value: Any, **kwargs: Any) -> str:
     """``json.dumps`` of ``json_safe(value)``, refusing any value left that JSON cannot hold
     (``allow_nan=False``); ``kwargs`` go to ``json.dumps`` (``indent``, ...)."""

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import csv
 import io
-import json
 import math
 from dataclasses import dataclass, replace
 from datetime import datetime, timezone
@@ -28,6 +27,8 @@ from pathlib import Path
 from typing import Literal, Protocol
 
 import numpy as np
+
+from duetserve.jsonio import loads_object
 
 MOONCAKE_BLOCK_TOKENS = 512
 """Tokens per entry of a Mooncake request's ``hash_ids`` (prefix-cache block size)."""
@@ -226,12 +227,7 @@ def _mooncake_record(text: str) -> TraceRequest:
         ValueError: the line is not a JSON object, lacks a field of ``_MOONCAKE_FIELDS``, or
             holds a value that is not a number (``hash_ids``: not a list of integers).
     """
-    try:
-        rec = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"not JSON ({e.msg} at column {e.colno})") from e
-    if not isinstance(rec, dict):
-        raise ValueError(f"not a JSON object but {type(rec).__name__}")
+    rec = loads_object(text)
     missing = [name for name in _MOONCAKE_FIELDS if name not in rec]
     if missing:
         raise ValueError(f"missing fields {missing}")

@@ -109,10 +109,10 @@ def test_calibrate_iteration_log_writes_the_profile(tmp_path, capsys):
     assert p.compute_points == H200.compute_points and p.provenance["host_eager_s"] == "measured"
     log.write_text('{"spatial": false}\nnot json\n')
     assert main(["calibrate", "--gpu-name", "lab", "--out", str(out), "--iteration-log", str(log)]) == 1
-    assert "line 2 is not JSON" in capsys.readouterr().err
+    assert "line 2: not JSON" in capsys.readouterr().err
     with pytest.raises(ValueError, match="line 2"):
         read_iteration_log(log)
-    for text, message in (("[1, 2]\n", "line 1 is not a JSON object"),
+    for text, message in (("[1, 2]\n", "line 1: not a JSON object but list"),
                           ('{"k": "x", "measured_s": 0.1}\n', "line 1: k must be finite numbers >= 0"),
                           # NaN broke the least-squares fit (LAPACK noise, no line), inf fitted zeros
                           ('{"measured_s": NaN}\n', "line 1: measured_s must be finite numbers >= 0"),

@@ -30,3 +30,13 @@ def test_what_json_safe_cannot_map_is_refused():
     assert dumps({"x": Half(0.5)}) == '{"x": 0.5}'
     with pytest.raises(TypeError, match="not JSON serializable"):
         dumps({"x": {1, 2}})
+
+
+def test_loads_object_names_what_is_wrong():
+    from duetserve.jsonio import loads_object
+
+    assert loads_object('{"a": [1, 2]}') == {"a": [1, 2]}
+    with pytest.raises(ValueError, match=r"^not JSON \(Expecting ',' delimiter at line 2 column 1\)$"):
+        loads_object('{"a": 1\n"b": 2}')
+    with pytest.raises(ValueError, match="^not a JSON object but list$"):
+        loads_object("[1, 2]")

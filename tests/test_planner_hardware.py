@@ -120,7 +120,7 @@ def test_invalid_profiles_are_rejected(tmp_path):
         with pytest.raises(ValueError, match=message):
             load_profile(path)
     path.write_text("[]")
-    with pytest.raises(ValueError, match="must be a JSON object, got list"):
+    with pytest.raises(ValueError, match="not a JSON object but list"):
         load_profile(path)
     path.write_text(json.dumps({"num_sms": 132}))
     with pytest.raises(ValueError, match="missing keys \\['allreduce_alpha_s', 'bandwidth_points', 'compute_capability_major'"):

@@ -92,7 +92,7 @@ def test_mooncake_reader(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("text, message", [
-    (AZURE, "a.csv:1: not a Mooncake trace (JSON lines): not JSON (Expecting value at column 1)"),
+    (AZURE, "a.csv:1: not a Mooncake trace (JSON lines): not JSON (Expecting value at line 1 column 1)"),
     ('{"timestamp": 0}\n', "a.csv:1: not a Mooncake trace (JSON lines): missing fields ['input_length', "
                             "'output_length']"),
     ("[1, 2]\n", "a.csv:1: not a Mooncake trace (JSON lines): not a JSON object but list"),

@@ -16,7 +16,6 @@ work overlaps the GPU.
 """
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -25,6 +24,7 @@ from typing import Any
 
 import numpy as np
 
+from duetserve.jsonio import loads_object
 from duetserve.planner.hardware import HardwareProfile
 
 
@@ -50,11 +50,9 @@ def read_iteration_log(path: str | Path) -> list[dict[str, Any]]:
     for i, line in enumerate(Path(path).read_text().splitlines(), 1):
         if line.strip():
             try:
-                record = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"{path}: line {i} is not JSON: {exc.msg}") from exc
-            if not isinstance(record, dict):
-                raise ValueError(f"{path}: line {i} is not a JSON object")
+                record = loads_object(line)
+            except ValueError as exc:
+                raise ValueError(f"{path}: line {i}: {exc}") from exc
             bad = [k for k in _NUMERIC if record.get(k) is not None and
                    (isinstance(record[k], bool) or not isinstance(record[k], (int, float))
                     or not 0 <= record[k] < math.inf)]

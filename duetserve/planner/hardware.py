@@ -41,7 +41,6 @@ no extrapolation and no clamping.
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Mapping
 from dataclasses import MISSING, dataclass, field, fields, replace
@@ -51,6 +50,8 @@ from pathlib import Path
 
 import numpy as np
 from numpy.typing import ArrayLike
+
+from duetserve.jsonio import loads_object
 
 Points = tuple[tuple[float, float], ...]
 """Curve points ``((S, rate), ...)`` with S in SMs, strictly increasing, the last at num_sms."""
@@ -305,11 +306,9 @@ def load_profile(name_or_path: str | Path) -> HardwareProfile:
     else:
         raise ValueError(f"no profile {name_or_path!r}: not one of {available_profiles()} and not a file")
     try:
-        raw = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"profile {name_or_path!r} is not JSON: {exc}") from exc
-    if not isinstance(raw, dict):
-        raise ValueError(f"profile {name_or_path!r} must be a JSON object, got {type(raw).__name__}")
+        raw = loads_object(text)
+    except ValueError as exc:
+        raise ValueError(f"profile {name_or_path!r}: {exc}") from exc
     raw.pop("calibration", None)
     known = {f.name for f in fields(HardwareProfile)}
     if set(raw) - known:
