@@ -372,15 +372,9 @@ def test_sigterm_stops_the_launched_server() -> None:
     session and Python's default exit skipped ``__exit__``. Now the server goes too, exit 143."""
     port = free_port()
     health = f"http://127.0.0.1:{port}/health"
-    bench_proc = subprocess.Popen(
-        [sys.executable, "-m", "duetserve.bench", "--launch", f"{sys.executable} {Path(__file__)} --serve {port}",
-         "--base-url", f"http://127.0.0.1:{port}", "--num-requests", "1000", "--qps", "1", "--input-len", "8",
-         "--output-len", "4"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.time() + 60
-    while time.time() < deadline and not _answers(health):
-        time.sleep(0.2)
-    assert _answers(health)
-    time.sleep(1.0)  # the run is under way
+    bench_proc = _bench_under_way(
+        ["-m", "duetserve.bench", "--launch", f"{sys.executable} {Path(__file__)} --serve {port}",
+         "--base-url", f"http://127.0.0.1:{port}"], health, stderr=subprocess.DEVNULL)
     bench_proc.send_signal(signal.SIGTERM)
     assert bench_proc.wait(60) == 143 and not _answers(health)
 
@@ -390,20 +384,26 @@ def test_ctrl_c_stops_the_launched_server_and_exits_130_without_a_traceback(tmp_
     temporary log deleted (an interrupt is no failure)."""
     port = free_port()
     health = f"http://127.0.0.1:{port}/health"
-    launch = f"{sys.executable} {Path(__file__)} --port {port}"
-    bench_proc = subprocess.Popen(
-        [sys.executable, "-m", "duetserve.cli", "bench", "--launch", launch, "--num-requests", "1000", "--qps", "1",
-         "--input-len", "8", "--output-len", "4", "--no-progress"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env={**os.environ, "TMPDIR": str(tmp_path)})
-    deadline = time.time() + 60
-    while time.time() < deadline and not _answers(health):
-        time.sleep(0.2)
-    assert _answers(health)
-    time.sleep(1.0)  # the run is under way
+    bench_proc = _bench_under_way(
+        ["-m", "duetserve.cli", "bench", "--launch", f"{sys.executable} {Path(__file__)} --port {port}",
+         "--no-progress"], health, stderr=subprocess.PIPE, text=True, env={**os.environ, "TMPDIR": str(tmp_path)})
     bench_proc.send_signal(signal.SIGINT)
     assert bench_proc.wait(60) == 130 and not _answers(health)
     assert bench_proc.stderr.read().splitlines()[-1:] == ["duetserve bench: interrupted"]
     assert list(tmp_path.glob("duetserve-bench-server-*.log")) == []
+
+
+def _bench_under_way(args: list[str], health: str, **popen) -> subprocess.Popen:
+    """``python ARGS`` plus a 1000-request run at QPS 1, once the server it launched answers
+    ``health`` and the run has had a second to start."""
+    proc = subprocess.Popen([sys.executable, *args, "--num-requests", "1000", "--qps", "1", "--input-len", "8",
+                             "--output-len", "4"], stdout=subprocess.DEVNULL, **popen)
+    deadline = time.time() + 60
+    while time.time() < deadline and not _answers(health):
+        time.sleep(0.2)
+    assert _answers(health)
+    time.sleep(1.0)
+    return proc
 
 
 def _answers(url: str) -> bool:
