@@ -186,17 +186,17 @@ def non_negative_int(text: str) -> int:
 
 
 @argtype
-def trim_margin(text: str) -> float | str:
-    """``--trim-margin``: ``auto`` (returned as is) or a number in (0, 1]; else
-    "must be a number in (0, 1] or auto, got 'TEXT'"."""
-    if text.strip() == "auto":
-        return "auto"
+def trim_margin(text: str) -> float | str | None:
+    """``--trim-margin``: ``auto`` (returned as is), ``off`` (None: the paper's rule) or a number
+    in (0, 1]; else "must be a number in (0, 1], auto or off, got 'TEXT'"."""
+    if text.strip() in ("auto", "off"):
+        return "auto" if text.strip() == "auto" else None
     try:
         value = float(text)
     except ValueError:
         value = math.nan
     if not 0 < value <= 1:
-        raise ValueError(f"must be a number in (0, 1] or auto, got {text!r}")
+        raise ValueError(f"must be a number in (0, 1], auto or off, got {text!r}")
     return value
 
 

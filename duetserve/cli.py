@@ -113,11 +113,11 @@ def _add_serve(sub) -> None:
     p.add_argument("--num-decode-steps", type=int, default=1, metavar="N",
                    help="decode-only iterations run up to N steps back to back, stopping when a request "
                         "arrives (hides the host time between steps; 1 = off)")
-    p.add_argument("--trim-margin", type=trim_margin, default=None, metavar="FRACTION|auto",
+    p.add_argument("--trim-margin", type=trim_margin, default="auto", metavar="FRACTION|auto|off",
                    help="duet: when a split is planned, run a temporal batch with its prefill trimmed to fit "
-                        "FRACTION x --tbt-slo instead if its predicted token rate is higher (e.g. 0.85; auto: "
-                        "a margin that follows the measured error of temporal iterations, and decode steps of splits "
-                        "planned with room for their measured error's p99; default: off, the paper's rule)")
+                        "FRACTION x --tbt-slo instead if its predicted token rate is higher (e.g. 0.85); auto "
+                        "(default): a margin that follows the measured error of temporal iterations, and decode "
+                        "steps of splits planned with room for their measured error's p99; off: the paper's rule")
     p.add_argument("--decode-stream", action="store_true",
                    help="experimental, slower than the default decode graphs for now: decode batches of up to 8 through "
                         "the weight-stream kernels (Qwen3 shapes, sm_90 GPU, nvcc and cuda-bindings)")

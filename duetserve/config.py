@@ -69,8 +69,8 @@ class EngineConfig:
             share of ``tbt_slo_s`` and run it instead of a split when its predicted token rate
             is higher (``plan_iteration``); ``"auto"``: a share that follows the measured error
             of temporal iterations (``DuetPolicy.trim_margin``), and splits' decode steps planned
-            with room for their measured error (``DuetPolicy.decode_spread``); None (default)
-            keeps the paper's rule.
+            with room for their measured error (``DuetPolicy.decode_spread``; the default);
+            None keeps the paper's rule.
         decode_stream: record the CUDA graphs of decode batches of up to 8 sequences with the
             weight-stream kernels (``duetserve.model.decode_stream``; experimental: Qwen3 shapes,
             sm_90, nvcc and cuda-bindings).
@@ -95,7 +95,7 @@ class EngineConfig:
     attention_backend: str = "auto"
     enforce_eager: bool = False
     num_decode_steps: int = 1
-    trim_margin: float | str | None = None
+    trim_margin: float | str | None = "auto"
     decode_stream: bool = False
 
     def __post_init__(self) -> None:

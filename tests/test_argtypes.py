@@ -210,7 +210,8 @@ def test_trace_format_resolves_or_names_the_flag(tmp_path):
 
 def test_trim_margin_is_auto_or_a_fraction():
     assert argtypes.trim_margin("auto") == "auto" and argtypes.trim_margin("0.85") == 0.85
+    assert argtypes.trim_margin("off") is None
     assert argtypes.trim_margin("1") == 1.0
     for bad in ("0", "1.5", "-0.5", "nan", "sometimes", ""):
-        with pytest.raises(argparse.ArgumentTypeError, match="must be a number in \\(0, 1\\] or auto"):
+        with pytest.raises(argparse.ArgumentTypeError, match=r"must be a number in \(0, 1\], auto or off"):
             argtypes.trim_margin(bad)

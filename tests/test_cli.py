@@ -47,7 +47,7 @@ def test_bad_serve_flags_exit_2_naming_the_flag(argv, flag, capsys):
     (["--served-model-name", ""], "argument --served-model-name: must not be empty"),
     (["--served-model-name", "  "], "argument --served-model-name: must not be empty"),
     (["--api-key", ""], "argument --api-key: must not be empty"),  # `--api-key "$UNSET"` served without auth
-    (["--trim-margin", "fast"], "argument --trim-margin: must be a number in (0, 1] or auto, got 'fast'"),
+    (["--trim-margin", "fast"], "argument --trim-margin: must be a number in (0, 1], auto or off, got 'fast'"),
     (["--block-size", "1000000"],  # no upper bound: allocated blocks of a million tokens
      "argument --block-size: must be one of 1, 8, 16, 32, 64, 128, 256, got '1000000'"),
     (["--block-size", "0"], "argument --block-size: must be one of 1, 8, 16, 32, 64, 128, 256, got '0'"),
@@ -466,3 +466,21 @@ def test_an_unknown_flag_gets_the_subcommands_usage(argv, capsys):
     assert exc.value.code == 2
     assert err.startswith(f"usage: duetserve {argv[0]} ")
     assert err.endswith(f"duetserve {argv[0]}: error: unrecognized arguments: {' '.join(argv[argv.index('--bogus'):])}\n")
+
+
+@pytest.mark.parametrize("flags,expected", [([], "auto"), (["--trim-margin", "off"], None),
+                                            (["--trim-margin", "0.85"], 0.85)])
+def test_serve_trim_margin_defaults_to_auto_and_off_is_the_papers_rule(monkeypatch, capsys, flags, expected):
+    import duetserve.engine.engine as engine_module
+
+    seen = []
+
+    def capture(config):
+        seen.append(config)
+        raise ValueError("stop before loading")
+
+    monkeypatch.setattr(engine_module, "LLMEngine", capture)
+    with pytest.raises(SystemExit):
+        main(["serve", "--device", "cpu", "--port", "0", *flags])
+    assert seen[0].trim_margin == expected
+    assert "stop before loading" in capsys.readouterr().err

@@ -122,13 +122,13 @@ def test_engine_policy_from_the_model_config():
     assert not policy.plan(DECODE, PREFILL, 100).spatial
     assert isinstance(make_policy(EngineConfig(policy="chunked")), ChunkedPolicy)
     # --trim-margin reaches the planner: at tau 100 ms the split gives way to a temporal batch
-    # trimmed to fit 0.85 tau (tests/test_planner_optimizer.py); without it the split stays
-    config = EngineConfig(policy="duet", tbt_slo_s=0.1, partition_backend="greenctx")
+    # trimmed to fit 0.85 tau (tests/test_planner_optimizer.py); with off (None) the split stays
+    config = EngineConfig(policy="duet", tbt_slo_s=0.1, partition_backend="greenctx", trim_margin=None)
     assert make_policy(config, hf).plan(DECODE, PREFILL, 100).spatial
     trimmed = make_policy(dataclasses.replace(config, trim_margin=0.85), hf).plan(DECODE, PREFILL, 100)
     assert not trimmed.spatial and trimmed.predicted_s <= 0.85 * 0.1 and 0 < trimmed.prefill_token_limit < 4096
-    # --trim-margin auto reaches it too (0.7 until it has measured temporal iterations)
-    auto = make_policy(dataclasses.replace(config, trim_margin="auto"), hf)
+    # auto, the default, reaches it too (0.7 until it has measured temporal iterations)
+    auto = make_policy(EngineConfig(policy="duet", tbt_slo_s=0.1, partition_backend="greenctx"), hf)
     assert auto.config.trim_margin == TRIM_AUTO and auto.trim_margin == TRIM_START
     with pytest.raises(ValueError, match="--trim-margin"):
         EngineConfig(trim_margin="sometimes")

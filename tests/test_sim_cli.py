@@ -108,7 +108,7 @@ def test_bad_flags_are_usage_errors_naming_the_flag(args, flag, capsys):
     (["--qps", "2", "--input-len", "-5:10"],
      "argument --input-len: bad length '-5:10': expected N, LOW:HIGH or lognormal:MEAN:SIGMA with lengths in "
      "[1, 100000000] and SIGMA in [0, 5]"),
-    (["--qps", "2", "--trim-margin", "-.5"], "argument --trim-margin: must be a number in (0, 1] or auto, got '-.5'"),
+    (["--qps", "2", "--trim-margin", "-.5"], "argument --trim-margin: must be a number in (0, 1], auto or off, got '-.5'"),
 ])
 def test_a_negative_value_after_a_space_is_the_flags_value(args, message, capsys):
     """``--tbt-slo -5ms`` was read as an unknown option: "argument --tbt-slo: expected one argument"."""

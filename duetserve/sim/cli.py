@@ -113,10 +113,10 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
                    help=f"policies to simulate, comma-separated, from {', '.join(POLICIES)}; or all")
     s.add_argument("--tbt-slo", type=argtypes.tbt_slo, default=0.1, metavar="DURATION",
                    help="TBT SLO, e.g. 100ms (bare numbers: ms)")
-    s.add_argument("--trim-margin", type=argtypes.trim_margin, default=None, metavar="FRACTION|auto",
+    s.add_argument("--trim-margin", type=argtypes.trim_margin, default="auto", metavar="FRACTION|auto|off",
                    help="duet: prefer a temporal batch trimmed to FRACTION x the SLO when its predicted token "
-                        "rate beats the split (as `serve --trim-margin`; auto: follow the measured error, "
-                        "none unless --prediction-error; default off)")
+                        "rate beats the split (as `serve --trim-margin`; auto, the default: follow the measured "
+                        "error, none unless --prediction-error; off: the paper's rule)")
     s.add_argument("--max-num-batched-tokens", type=argtypes.positive_int, default=8192,
                    help="token budget per iteration (default 8192; 2048 suits A100)")
     s.add_argument("--max-num-seqs", type=argtypes.positive_int, default=256)
