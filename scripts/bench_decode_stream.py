@@ -10,8 +10,7 @@ producer warp per SM streams the weights without stopping at phase boundaries
 
 Kernel variants (``--variants``), each a ``duetserve.model.decode_stream.DecodeStream`` build:
 ``rows:STAGES`` reads the engine's own weights, 16 rows x 1024 columns a stage as 2 KB row copies
-(the build ``serve --decode-stream`` runs, 4 stages); ``rows8:STAGES`` the same with 8 rows a stage,
-two stages a tile (``HALF_TILES``, so 9 stages fit);
+(the build ``serve --decode-stream`` runs, 4 stages);
 ``tiled:STAGES`` reads copies of the weights in the stream layout
 (``bench_weight_stream.stream_layout``, RMSNorm weights folded into qkv and gate_up: twice the
 weight memory). Builds the engine with dummy Qwen3-8B weights (bf16, CUDA
@@ -87,7 +86,9 @@ def make_variant(engine, variant: str, tiled: dict[str, torch.Tensor]) -> Decode
     """``LAYOUT:STAGES[:KC]``: ``rows`` reads the engine's own weights (the product build), ``tiled`` the
     stream-layout copies ``tiled``."""
     layout, stages, *kc = variant.split(":")
-    defines = kernel_defines(engine.model, int(stages), rowcopy=layout != "tiled", half_tiles=layout == "rows8")
+    if layout not in ("rows", "tiled"):
+        raise ValueError(f"--variants {variant}: the layout must be rows or tiled")
+    defines = kernel_defines(engine.model, int(stages), rowcopy=layout == "rows")
     ds = DecodeStream(engine.model, engine.runner.kv_caches, defines={**defines, "KC": int(kc[0])} if kc else defines)
     if layout == "tiled":
         ds.extra_params.update({name: t.data_ptr() for name, t in tiled.items()})
@@ -97,7 +98,7 @@ def make_variant(engine, variant: str, tiled: dict[str, torch.Tensor]) -> Decode
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("out/decode_stream.json"))
-    parser.add_argument("--variants", nargs="+", default=["tiled:9", "rows:4", "rows8:9"],
+    parser.add_argument("--variants", nargs="+", default=["tiled:9", "rows:4"],
                         help="kernels LAYOUT:STAGES to check and time (tiled: stream-layout weight copies; rows: "
                              "the engine's own weights, as serve --decode-stream runs them); the first is also "
                              "profiled")

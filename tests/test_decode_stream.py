@@ -71,10 +71,7 @@ def test_extra_params_reach_the_parameter_block_and_its_cache_key():
 
 def test_kernel_defines_take_qwen3_shapes_only():
     assert ds.kernel_defines(_model()) == {"HID": 1024, "INTER": 3072, "HQ": 8, "HKV": 2, "HD": 128, "KPART": 1024,
-                                           "NSTAGE": ds.STAGES, "ROWCOPY": 1, "KC": 1024, "HALF_TILES": 0}
-    assert ds.kernel_defines(_model(), 9, half_tiles=True)["HALF_TILES"] == 1
-    with pytest.raises(ValueError, match="half tiles read the engine's own weights: they need rowcopy"):
-        ds.kernel_defines(_model(), 9, rowcopy=False, half_tiles=True)
+                                           "NSTAGE": ds.STAGES, "ROWCOPY": 1, "KC": 1024}
     assert ds.kernel_defines(_model(hidden_size=512, num_heads=4))["KC"] == 512  # 2 KB rows need K >= 1024
     assert ds.kernel_defines(_model(), 9, rowcopy=False)["KC"] == 512  # the stream layout's 16 x 512 tiles
     for bad in ({"head_dim": 64, "num_heads": 8}, {"hidden_size": 640, "num_heads": 5}, {"intermediate_size": 1000},
@@ -92,7 +89,6 @@ def test_kernel_builds_for_sm90a_once(tmp_path, monkeypatch):
     assert ds.build_cubin(ds.kernel_defines(_model())) == first and first.stat().st_mtime_ns == stamp
     assert ds.build_cubin({**ds.kernel_defines(_model()), "NSTAGE": 3}) != first  # other flags, other file
     assert ds.build_cubin(ds.kernel_defines(_model(), 9, rowcopy=False)).exists()  # the tiled build compiles too
-    assert ds.build_cubin(ds.kernel_defines(_model(), 9, half_tiles=True)).exists()  # and the 8-row stages
 
 
 def test_build_names_the_missing_compiler(monkeypatch):
@@ -110,8 +106,7 @@ SMALL_QWEN3 = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hi
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
-@pytest.mark.parametrize("half_tiles", [False, True], ids=["16-row stages", "8-row stages"])
-def test_decode_step_matches_the_models_forward(tmp_path, half_tiles):
+def test_decode_step_matches_the_models_forward(tmp_path):
     """On a 2-layer Qwen3 of the kernel's shapes (hidden 1024, dummy bf16 weights) the stream's
     hidden states match the model's own decode step within bf16 rounding."""
     pytest.importorskip("cuda.bindings")
@@ -131,8 +126,7 @@ def test_decode_step_matches_the_models_forward(tmp_path, half_tiles):
         v.normal_()
     seqs = make_batch(engine, 5, 300, 1)
     inputs = engine.runner._prepare(seqs, 5, [None] * 5)
-    stream = ds.DecodeStream(engine.model, engine.runner.kv_caches,
-                             defines=ds.kernel_defines(engine.model, 9 if half_tiles else ds.STAGES, half_tiles=half_tiles))
+    stream = ds.DecodeStream(engine.model, engine.runner.kv_caches)
     with torch.no_grad():
         ref = engine.model(inputs.input_ids, inputs.positions, engine.runner.kv_caches, inputs.meta).float()
         got = stream.forward(inputs.input_ids, inputs.positions, inputs.meta).float()

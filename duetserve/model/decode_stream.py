@@ -49,21 +49,17 @@ def pack_params(values: dict, eps: float) -> np.ndarray:
     return np.array([int(values.get(f, 0)) for f in FIELDS] + [int(tail[0])], dtype=np.int64)
 
 
-def kernel_defines(model: CausalLM, stages: int = STAGES, rowcopy: bool = True, half_tiles: bool = False) -> dict[str, int]:
+def kernel_defines(model: CausalLM, stages: int = STAGES, rowcopy: bool = True) -> dict[str, int]:
     """The kernel's compile-time dims for ``model``, ``stages`` ring stages of 16 weight rows x ``KC``
     columns (1024 where the hidden size allows: 2 KB row copies keep the copy rate up); ``rowcopy``
     False builds the variant that reads stream-layout weight copies (``scripts/bench_decode_stream.py``;
-    16 x 512 tiles, so it takes 9 stages). ``half_tiles`` (with ``rowcopy``; experimental, not yet
-    measured): stages of 8 rows, two a tile, so twice as many fit (``rows8`` in the bench).
+    16 x 512 tiles, so it takes 9 stages).
 
     Raises:
         ValueError: shapes the kernel does not take: head dim other than 128, hidden size other
             than heads x head dim, hidden size not a multiple of 512 or above 4096 (one K part),
-            intermediate size not a multiple of the hidden size, biases, or no q/k norms; or
-            ``half_tiles`` without ``rowcopy``.
+            intermediate size not a multiple of the hidden size, biases, or no q/k norms.
     """
-    if half_tiles and not rowcopy:
-        raise ValueError("half tiles read the engine's own weights: they need rowcopy")
     d = model.dims
     ok = (d.head_dim == 128 and d.hidden_size == d.num_heads * d.head_dim and d.hidden_size % 512 == 0
           and d.hidden_size <= 4096 and d.intermediate_size % d.hidden_size == 0 and d.qk_norm
@@ -73,7 +69,7 @@ def kernel_defines(model: CausalLM, stages: int = STAGES, rowcopy: bool = True, 
                          "<= 4096 and a multiple of 512, intermediate a multiple of hidden, q/k norms, no biases")
     return {"HID": d.hidden_size, "INTER": d.intermediate_size, "HQ": d.num_heads, "HKV": d.num_kv_heads,
             "HD": d.head_dim, "KPART": d.hidden_size, "NSTAGE": stages, "ROWCOPY": int(rowcopy),
-            "KC": 1024 if rowcopy and d.hidden_size % 1024 == 0 else 512, "HALF_TILES": int(half_tiles)}
+            "KC": 1024 if rowcopy and d.hidden_size % 1024 == 0 else 512}
 
 
 def cache_dir() -> Path:

@@ -30,12 +30,7 @@
 #else
 #define ROW_STRIDE ROW_BYTES         // the tiles' rows are XOR-swizzled instead
 #endif
-#ifndef HALF_TILES
-#define HALF_TILES 0  // ROWCOPY: 1 = a stage holds 8 of a tile's 16 rows (two stages a tile, 8 copies each)
-#endif
-static_assert(!HALF_TILES || ROWCOPY, "half tiles read the engine's own weights");
-#define TILE_STAGES (HALF_TILES ? 2 : 1)
-#define STAGE_BYTES (ROWS / TILE_STAGES * ROW_STRIDE)
+#define STAGE_BYTES (ROWS * ROW_STRIDE)
 #define WCOLS (KC / NCW)  // a consumer warp's columns of a tile
 #define KS (WCOLS / 16)   // its mma k-steps
 #define CHUNKS (KPART / KC)
@@ -295,12 +290,10 @@ __device__ void rope_phase(const Params& P, int layer, const bf16* qnorm, const 
   }
 }
 
-// acc += this warp's share of a weight tile (16 rows x KC, shared memory: rows 0-7 at lo, 8-15
-// at hi) times x's columns at xs (this lane's B fragments): KS mma.sync k-steps over the warp's
-// WCOLS columns.
-__device__ __forceinline__ void tile_mma(float (&acc)[4], uint32_t lo, uint32_t hi, uint32_t xs, int warp, int lane) {
+// acc += this warp's share of the weight tile at st (16 rows x KC, shared memory) times x's
+// columns at xs (this lane's B fragments): KS mma.sync k-steps over the warp's WCOLS columns.
+__device__ __forceinline__ void tile_mma(float (&acc)[4], uint32_t st, uint32_t xs, int warp, int lane) {
   const int arow = lane % 16;  // this lane's ldmatrix row of the tile
-  const uint32_t st = arow < 8 ? lo : hi - 8 * ROW_STRIDE;  // row arow at st + arow * ROW_STRIDE
   uint32_t xb[KS][2];
 #pragma unroll
   for (int i = 0; i < KS / 2; ++i)
@@ -345,7 +338,7 @@ extern "C" __global__ void __launch_bounds__((NCW + 1) * 32, 1) decode_stream(in
       const int p = phase % 5, following = weight_phase(phase + 1);
       if (following < phase_end) next = phase_shape(P, following / 5, following % 5);
 #if ROWCOPY
-      produce_phase_rows(ring, full, NSTAGE, STAGE_BYTES, ROW_STRIDE, s, CHUNKS, p == 3 ? INTER : 0, it, TILE_STAGES);
+      produce_phase_rows(ring, full, NSTAGE, STAGE_BYTES, ROW_STRIDE, s, CHUNKS, p == 3 ? INTER : 0, it);
 #else
       produce_phase(ring, full, NSTAGE, STAGE_BYTES, s, CHUNKS, it);
 #endif
@@ -386,20 +379,13 @@ extern "C" __global__ void __launch_bounds__((NCW + 1) * 32, 1) decode_stream(in
         float acc[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
         for (int c = 0; c < CHUNKS; ++c) {
-          const int n0 = it + c * TILE_STAGES, n1 = n0 + TILE_STAGES - 1;  // the tile's stages
-          const int slot0 = n0 % NSTAGE, slot1 = n1 % NSTAGE;
-          mbar_wait(full + 8 * slot0, (n0 / NSTAGE) & 1);
-          if (HALF_TILES) mbar_wait(full + 8 * slot1, (n1 / NSTAGE) & 1);
-          const uint32_t lo = ring + slot0 * STAGE_BYTES;
-          if (!no_mma)
-            tile_mma(acc, lo, HALF_TILES ? ring + slot1 * STAGE_BYTES : lo + 8 * ROW_STRIDE, xrow + c * KC * 2, warp, lane);
+          const int slot = (it + c) % NSTAGE;
+          mbar_wait(full + 8 * slot, ((it + c) / NSTAGE) & 1);
+          if (!no_mma) tile_mma(acc, ring + slot * STAGE_BYTES, xrow + c * KC * 2, warp, lane);
           __syncwarp();
-          if (lane == 0) {
-            mbar_arrive(empty + 8 * slot0);
-            if (HALF_TILES) mbar_arrive(empty + 8 * slot1);
-          }
+          if (lane == 0) mbar_arrive(empty + 8 * slot);
         }
-        it += CHUNKS * TILE_STAGES;
+        it += CHUNKS;
         if (!stream_only) {
           const int r = lane / 4, mm = 2 * (lane % 4);
           red[(warp * ROWS + r) * MR + mm] = acc[0];

@@ -129,29 +129,26 @@ __device__ __forceinline__ void produce_phase(uint32_t ring, uint32_t full, int 
 }
 
 // Producer, weights in their own [N, K] layout (ROWCOPY builds): each tile's 16 rows are one-row
-// bulk copies (KC columns: 2 KB pieces or more keep the copy rate up) issued by lanes 0-15, in
-// one stage, or with tile_stages 2 in two stages of 8 rows (lanes 0-7) (every lane of the producer warp calls this). With up_rows > 0
+// bulk copies (KC columns: 2 KB pieces or more keep the copy rate up) issued by lanes 0-15 (every lane of the producer warp calls this). With up_rows > 0
 // (gate_up as [gate; up]) a group takes 8 gate rows and the same 8 rows of the up half.
 __device__ __forceinline__ void produce_phase_rows(uint32_t ring, uint32_t full, int stages, int stage_bytes,
                                                   int row_stride, const PhaseShape& s, int chunks, int up_rows,
-                                                  int& it, int tile_stages = 1) {
-  const int lane = threadIdx.x % 32, kpart = s.k / s.ksplit, stage_rows = ROWS / tile_stages;
+                                                  int& it) {
+  const int lane = threadIdx.x % 32, kpart = s.k / s.ksplit;
   int part, g0, g1;
   my_work(s, part, g0, g1);
   for (int g = g0; g < g1; ++g)
-    for (int c = 0; c < chunks; ++c)
-      for (int h = 0; h < tile_stages; ++h, ++it) {
-        const int slot = it % stages;
-        if (lane == 0) {
-          mbar_wait(full + 8 * (stages + slot), ((it / stages) & 1) ^ 1);
-          mbar_expect_tx(full + 8 * slot, stage_rows * ROW_BYTES);
-        }
-        __syncwarp();
-        if (lane < stage_rows) {
-          const int r = h * stage_rows + lane;  // the tile's row
-          const int row = up_rows ? (r < 8 ? 8 * g + r : up_rows + 8 * g + r - 8) : ROWS * g + r;
-          bulk_g2s(ring + slot * stage_bytes + lane * row_stride, s.w + (size_t)row * s.k + part * kpart + c * KC,
-                   ROW_BYTES, full + 8 * slot);
-        }
+    for (int c = 0; c < chunks; ++c, ++it) {
+      const int slot = it % stages;
+      if (lane == 0) {
+        mbar_wait(full + 8 * (stages + slot), ((it / stages) & 1) ^ 1);
+        mbar_expect_tx(full + 8 * slot, ROWS * ROW_BYTES);
       }
+      __syncwarp();
+      if (lane < ROWS) {
+        const int row = up_rows ? (lane < 8 ? 8 * g + lane : up_rows + 8 * g + lane - 8) : ROWS * g + lane;
+        bulk_g2s(ring + slot * stage_bytes + lane * row_stride, s.w + (size_t)row * s.k + part * kpart + c * KC,
+                 ROW_BYTES, full + 8 * slot);
+      }
+    }
 }
