@@ -14,16 +14,13 @@ import sys
 import tempfile
 from pathlib import Path
 
-
+from duetserve.calibrate.workload import QWEN3_8B, make_batch
 from duetserve.config import EngineConfig
 from duetserve.engine.engine import LLMEngine
 from duetserve.engine.policy import Plan
 from duetserve.engine.scheduler import SchedulerOutput
 from duetserve.planner.cost_model import CostModel, ModelShape
 from duetserve.planner.hardware import load_profile
-
-
-from duetserve.calibrate.workload import QWEN3_8B, make_batch  # noqa: E402
 
 
 def stream_times(engine: LLMEngine, out: SchedulerOutput, reps: int = 3) -> dict[str, float]:

@@ -8,7 +8,11 @@ import os
 import numpy as np
 import pytest
 
-from duetserve.calibrate.host import fit_host_overheads, read_iteration_log, temporal_rows
+from duetserve.calibrate.host import (
+    fit_host_overheads,
+    read_iteration_log,
+    temporal_rows,
+)
 from duetserve.cli import main
 from duetserve.planner.hardware import load_profile
 

@@ -66,7 +66,7 @@ def test_mask_offsets_by_driver_version():
 
 def test_disabled_words_set_a_bit_per_excluded_tpc():
     # 66 TPCs, keep 0..7: bits 8..65 set -> word0 = 0xFFFFFF00, word1 = all, word2 = bits 64, 65.
-    assert disabled_words(range(0, 8), 66) == [0xFFFFFF00, 0xFFFFFFFF, 0x3, 0]
+    assert disabled_words(range(8), 66) == [0xFFFFFF00, 0xFFFFFFFF, 0x3, 0]
     # keep 8..65: only bits 0..7 set
     assert disabled_words(range(8, 66), 66) == [0xFF, 0, 0, 0]
 

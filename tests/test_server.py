@@ -69,7 +69,7 @@ def tokenizer(smollm_folder):
 def metric(base: str, name: str, label: str = "") -> float:
     """Sum of the samples of ``name`` whose labels contain ``label`` (e.g. 'finished_reason="abort"')."""
     text = httpx.get(f"{base}/metrics").text
-    return sum(float(m.group(2)) for m in re.finditer(rf"^{re.escape(name)}(?:{{([^}}]*)}})? (\S+)$", text, re.M)
+    return sum(float(m.group(2)) for m in re.finditer(rf"^{re.escape(name)}(?:{{([^}}]*)}})? (\S+)$", text, re.MULTILINE)
                if label in (m.group(1) or ""))
 
 

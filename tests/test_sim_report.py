@@ -1,7 +1,12 @@
 """Capacity at equal TBT SLO attainment, from hand-made rows."""
 from __future__ import annotations
 
-from duetserve.sim.report import capacity_misses, format_capacity, format_table, slo_capacity
+from duetserve.sim.report import (
+    capacity_misses,
+    format_capacity,
+    format_table,
+    slo_capacity,
+)
 
 
 def row(policy: str, qps: float, thr: float, p99: float) -> dict:

@@ -10,7 +10,13 @@ from duetserve.engine.policy import policy_by_name
 from duetserve.planner import ModelShape, load_profile
 from duetserve.planner.hardware import roofline_only
 from duetserve.planner.optimizer import executed_steps
-from duetserve.planner.policies import TRIM_AUTO, TRIM_MIN_SAMPLES, TRIM_START, DuetPolicy, PlannerConfig
+from duetserve.planner.policies import (
+    TRIM_AUTO,
+    TRIM_MIN_SAMPLES,
+    TRIM_START,
+    DuetPolicy,
+    PlannerConfig,
+)
 from duetserve.sim.simulator import SimConfig, kv_cache_tokens, simulate, weight_bytes
 from duetserve.traces import (
     FixedLength,

@@ -55,8 +55,18 @@ from duetserve.argtypes import (
     window,
     write_output,
 )
-from duetserve.bench.launch import LaunchConfig, ServerProcess, launched_base_url, stop_servers_on_sigterm
-from duetserve.bench.metrics import Slos, compute_metrics, format_comparison, format_report
+from duetserve.bench.launch import (
+    LaunchConfig,
+    ServerProcess,
+    launched_base_url,
+    stop_servers_on_sigterm,
+)
+from duetserve.bench.metrics import (
+    Slos,
+    compute_metrics,
+    format_comparison,
+    format_report,
+)
 from duetserve.bench.plot import plot_results, read_iteration_log
 from duetserve.bench.prompts import Tokenizer
 from duetserve.bench.runner import BenchConfig, BenchRun, run_benchmark

@@ -8,13 +8,12 @@ time, so it lines up with each result's ``start_time_unix``).
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
-from collections.abc import Sequence
 
 import numpy as np
 from matplotlib.figure import Figure
-
 
 MIN_GAP_MS = 0.01
 """Gaps below this (chunks that arrived together) are drawn at it: the TBT axes are logarithmic,

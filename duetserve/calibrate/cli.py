@@ -27,7 +27,15 @@ import sys
 import tempfile
 from pathlib import Path
 
-from duetserve.argtypes import UsageError, argtype, existing_file, exit_status, non_empty, output_file, plot_file
+from duetserve.argtypes import (
+    UsageError,
+    argtype,
+    existing_file,
+    exit_status,
+    non_empty,
+    output_file,
+    plot_file,
+)
 from duetserve.calibrate.host import fit_host_overheads, read_iteration_log
 from duetserve.calibrate.report import (
     format_curves,

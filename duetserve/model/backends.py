@@ -9,7 +9,12 @@ import torch
 import torch.nn.functional as F
 
 from duetserve.config import ATTENTION_BACKENDS
-from duetserve.model.attention import AttentionBackend, AttentionMetadata, TorchAttention, write_kv
+from duetserve.model.attention import (
+    AttentionBackend,
+    AttentionMetadata,
+    TorchAttention,
+    write_kv,
+)
 
 log = logging.getLogger(__name__)
 

@@ -14,7 +14,13 @@ import torch
 from torch import nn
 
 from duetserve.model.attention import AttentionBackend, AttentionMetadata
-from duetserve.model.layers import Linear, MergedLinear, RMSNorm, RotaryEmbedding, SwiGLU
+from duetserve.model.layers import (
+    Linear,
+    MergedLinear,
+    RMSNorm,
+    RotaryEmbedding,
+    SwiGLU,
+)
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen3", "mistral")
 
@@ -38,7 +44,7 @@ class ModelDims:
     mlp_bias: bool
 
     @classmethod
-    def from_config(cls, config) -> "ModelDims":
+    def from_config(cls, config) -> ModelDims:
         """Read a transformers ``PretrainedConfig``.
 
         Raises:

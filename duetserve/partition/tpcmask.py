@@ -120,7 +120,7 @@ class TpcMaskBackend:
             with torch.cuda.device(self.device_index):
                 decode, prefill = torch.cuda.Stream(), torch.cuda.Stream()
             split = s_decode // 2
-            self.set_mask(decode, range(0, split))
+            self.set_mask(decode, range(split))
             self.set_mask(prefill, range(split, self.num_tpcs))
             self._pairs[s_decode] = StreamPair(decode, prefill, s_decode, self.num_sms - s_decode)
         return self._pairs[s_decode]
