@@ -143,6 +143,18 @@ def test_detokenizer_keeps_the_stop_string_when_asked():
     assert det.add([ord("N")]) == ("", False) and det.add([ord("!"), ord("x")]) == ("N!", True)
 
 
+@pytest.mark.parametrize("stop", [["n", "a"], ["a", "n"]])
+@pytest.mark.parametrize("include_stop, text", [(False, "-"), (True, "-a")])
+def test_detokenizer_stops_at_the_stop_string_that_ends_first_whatever_the_list_order(stop, include_stop, text):
+    """One token completing two stop strings ("-an"): the text ends at the earlier one ("a"),
+    whichever the list names first; the list order once cut "-an" at "n", leaving "a" in the text."""
+    det = IncrementalDetokenizer(CharTokenizer(), [], stop=stop, include_stop=include_stop)
+    assert det.add([ord(c) for c in "-an"]) == (text, True) and det.text == text
+    # a longer stop string that starts earlier but ends later loses to one inside it
+    det = IncrementalDetokenizer(CharTokenizer(), [], stop=["abc", "b"], include_stop=include_stop)
+    assert det.add([ord(c) for c in "xabc"]) == ("xab" if include_stop else "xa", True)
+
+
 def test_detokenizer_holds_incomplete_characters():
     det = IncrementalDetokenizer(CharTokenizer(), [], stop=[])
     assert det.add([0xE000]) == ("", False)      # decodes to U+FFFD: wait for more

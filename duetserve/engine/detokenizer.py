@@ -38,11 +38,15 @@ class IncrementalDetokenizer:
         return self._flush(final=False)
 
     def _flush(self, final: bool) -> tuple[str, bool]:
-        for stop in self.stop:
-            at = self.text.find(stop, max(0, self.emitted - len(stop) + 1))
-            if at != -1:
-                self.text = self.text[:at + len(stop) if self.include_stop else at]
-                return self._emit(len(self.text)), True
+        # (end, start) of each stop string found; the one that ends first is the one generation
+        # reached first, whatever the order of the list, and no other stop string lies wholly
+        # before its end (one token may complete several: "-an" with stop ["n", "a"] is "-")
+        hits = [(at + len(stop), at) for stop in self.stop
+                if (at := self.text.find(stop, max(0, self.emitted - len(stop) + 1))) != -1]
+        if hits:
+            end, start = min(hits)
+            self.text = self.text[:end if self.include_stop else start]
+            return self._emit(len(self.text)), True
         end = len(self.text) if final else max(self.emitted, len(self.text) - self.hold)
         return self._emit(end), False
 
