@@ -384,9 +384,12 @@ def test_ctrl_c_stops_the_launched_server_and_exits_130_without_a_traceback(tmp_
     temporary log deleted (an interrupt is no failure)."""
     port = free_port()
     health = f"http://127.0.0.1:{port}/health"
+    # SIGINT at its default in the child: a test run started in the background (`nohup ... &`)
+    # ignores it, the child inherits that, and Python then never raises KeyboardInterrupt
     bench_proc = _bench_under_way(
         ["-m", "duetserve.cli", "bench", "--launch", f"{sys.executable} {Path(__file__)} --port {port}",
-         "--no-progress"], health, stderr=subprocess.PIPE, text=True, env={**os.environ, "TMPDIR": str(tmp_path)})
+         "--no-progress"], health, stderr=subprocess.PIPE, text=True, env={**os.environ, "TMPDIR": str(tmp_path)},
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     bench_proc.send_signal(signal.SIGINT)
     assert bench_proc.wait(60) == 130 and not _answers(health)
     assert bench_proc.stderr.read().splitlines()[-1:] == ["duetserve bench: interrupted"]
