@@ -196,6 +196,8 @@ WRONG_TYPES = [
     ("/v1/completions", {"prompt": "hi", "temperature": "0.5"}, "temperature",
      "Input should be a valid number, not a string (temperature)"),
     ("/v1/completions", {"prompt": "hi", "n": True}, "n", "Input should be a valid integer, not a boolean (n)"),
+    ("/v1/completions", {"prompt": "hi", "seed": 1e30}, "seed",
+     "Input should be an integer in [-2**63, 2**63), got 1e+30 (seed)"),
     ("/v1/completions", {"prompt": "hi", "stream": "yes"}, "stream", "Input should be a valid boolean (stream)"),
     ("/v1/completions", {"prompt": "hi", "ignore_eos": 1}, "ignore_eos", "Input should be a valid boolean (ignore_eos)"),
     ("/v1/completions", {"prompt": "hi", "stop_token_ids": [True]}, "stop_token_ids",

@@ -26,6 +26,9 @@ def _json_number(kind: str):
         if isinstance(value, (bool, str)):
             raise PydanticCustomError(f"{kind}_type", f"Input should be a valid {kind}, not a "
                                       f"{'boolean' if isinstance(value, bool) else 'string'}")
+        if kind == "integer" and isinstance(value, float) and not -2**63 <= value < 2**63:
+            # pydantic says "Unable to parse input string as an integer, exceeded maximum size"
+            raise PydanticCustomError("int_type", f"Input should be an integer in [-2**63, 2**63), got {value:g}")
         return value
     return BeforeValidator(check)
 
