@@ -303,10 +303,11 @@ def existing_file(text: str) -> Path:
 @argtype
 def output_file(text: str) -> Path:
     """A file to write later, checked now: not a folder itself, in an existing, writable folder,
-    and writable itself if it exists.
+    writable itself if it exists, and opened for append once (a new file removed again), as
+    permissions do not tell everything (``/proc/x.json`` passed them, and failed after the run).
 
     Errors: "TEXT is a folder", "no such folder: F", "F is not a folder", "folder F is not writable",
-    "TEXT is not writable".
+    "TEXT is not writable", "TEXT: REASON" (the error of opening it).
     """
     path = Path(text)
     folder = path.parent
@@ -318,6 +319,13 @@ def output_file(text: str) -> Path:
         raise ValueError(f"folder {folder} is not writable")
     if path.exists() and not os.access(path, os.W_OK):  # a read-only file in a writable folder
         raise ValueError(f"{text} is not writable")
+    existed = path.exists()
+    try:
+        open(path, "a").close()
+    except OSError as exc:
+        raise ValueError(f"{text}: {exc.strerror or exc}") from exc
+    if not existed:
+        path.unlink()
     return path
 
 

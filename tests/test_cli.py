@@ -165,6 +165,8 @@ def test_serve_refuses_a_busy_port_before_loading(capsys):
     (["--token-id-range", "5:1"], "argument --token-id-range: expected 0 <= LOW < HIGH, got '5:1'"),
     (["--window", "5:1"], "argument --window: START must be before END, got '5:1'"),
     (["--result-file", "/nonexistent/r.json"], "argument --result-file: no such folder: /nonexistent"),
+    (["--result-file", "/proc/r.json"], "argument --result-file: /proc/r.json: No such file or directory"),
+    (["--launch-log", "/proc/l.txt"], "argument --launch-log: /proc/l.txt: No such file or directory"),
     (["--plot", "/nonexistent/p.png"], "argument --plot: no such folder: /nonexistent"),
     (["--plot", "/tmp/p.txt"],  # failed in matplotlib after the whole run
      "argument --plot: /tmp/p.txt: matplotlib cannot write .txt images; use one of "

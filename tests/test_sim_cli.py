@@ -185,7 +185,8 @@ def test_unwritable_outputs_fail_before_simulating(flag, tmp_path, monkeypatch, 
     simulated = []
     monkeypatch.setattr(sim_cli, "simulate", lambda *a, **k: simulated.append(a))
     for path, words in [(tmp_path / "no" / "out", f"argument {flag}: no such folder: {tmp_path / 'no'}"),
-                        (tmp_path, f"argument {flag}: {tmp_path} is a folder")]:
+                        (tmp_path, f"argument {flag}: {tmp_path} is a folder"),
+                        ("/proc/out", f"argument {flag}: /proc/out: No such file or directory")]:
         with pytest.raises(SystemExit) as exc:
             main([*SMALL, "--qps", "2", flag, str(path)])
         assert exc.value.code == 2 and words in capsys.readouterr().err
