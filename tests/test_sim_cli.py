@@ -253,3 +253,13 @@ def test_bad_values_name_the_flag(args, message, capsys):
         main([*SMALL, "--qps", "2", *args])
     assert exc.value.code == 2
     assert f"duetserve simulate: error: {message}\n" in capsys.readouterr().err
+
+
+def test_a_truncated_azure_trace_names_the_line_and_what_is_wrong(tmp_path, capsys):
+    """Said "int() argument must be a string, a bytes-like object or a real number, not 'NoneType'"."""
+    trace = tmp_path / "trunc.csv"
+    trace.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46.6805900,100,10\n"
+                     "2023-11-16 18:15:47.1000000,81")
+    assert main(["simulate", "--trace", str(trace), "--qps", "2", "--no-progress"]) == 2
+    assert capsys.readouterr().err == (f"duetserve simulate: error: --trace {trace}:3: expected 3 columns "
+                                       "(TIMESTAMP, ContextTokens, GeneratedTokens), got 2\n")
