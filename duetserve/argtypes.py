@@ -255,9 +255,12 @@ MIN_TBT_SLO_S = 1e-3
 
 @argtype
 def tbt_slo(text: str) -> float:
-    """A TBT SLO in seconds: a duration (bare numbers are ms) of at least 1 ms; below that it is
-    refused, naming the likely slip (``--tbt-slo 0.1`` is 0.1 ms, not 0.1 s)."""
+    """A TBT SLO in seconds: a finite duration (bare numbers are ms) of at least 1 ms; below that it is
+    refused, naming the likely slip (``--tbt-slo 0.1`` is 0.1 ms, not 0.1 s). ``1e400`` overflows to inf,
+    which served with "TBT SLO inf ms": "must be a finite duration, got '1e400'"."""
     value = _positive(parse_duration(text, "ms"), text, "duration")
+    if math.isinf(value):
+        raise ValueError(f"must be a finite duration, got {text!r}")
     if value < MIN_TBT_SLO_S:
         raise ValueError(f"a TBT SLO under 1 ms cannot be served, got {text!r} (bare numbers are milliseconds: "
                          f"write 100ms or 0.1s)")

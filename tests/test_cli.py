@@ -134,6 +134,23 @@ def test_a_tbt_slo_under_a_millisecond_is_refused_as_a_likely_slip(command, caps
     assert argtypes.tbt_slo("1") == pytest.approx(1e-3) and argtypes.tbt_slo("0.1s") == pytest.approx(0.1)
 
 
+@pytest.mark.parametrize("command", [["serve"], ["bench", "--num-requests", "2", "--qps", "1"],
+                                     ["simulate", "--format", "synthetic", "--qps", "1", "--num-requests", "2"]])
+@pytest.mark.parametrize("value", ["1e400", "1e308min"])
+def test_an_infinite_tbt_slo_is_refused(command, value, monkeypatch, capsys):
+    """``serve --tbt-slo 1e400`` overflowed to inf and served with "TBT SLO inf ms"."""
+    import duetserve.engine.engine as engine_module
+
+    def no_loading(*_, **__):
+        raise AssertionError("the model was loaded with an infinite --tbt-slo")
+
+    monkeypatch.setattr(engine_module, "LLMEngine", no_loading)
+    with pytest.raises(SystemExit) as exc:
+        main([*command, "--tbt-slo", value])
+    assert exc.value.code == 2
+    assert capsys.readouterr().err.endswith(f"error: argument --tbt-slo: must be a finite duration, got {value!r}\n")
+
+
 def test_serve_refuses_a_busy_port_before_loading(capsys):
     import socket
 
