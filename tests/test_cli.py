@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 from pathlib import Path
 
 import pytest
@@ -511,3 +512,19 @@ def test_serve_trim_margin_defaults_to_auto_and_off_is_the_papers_rule(monkeypat
         main(["serve", "--device", "cpu", "--port", "0", *flags])
     assert seen[0].trim_margin == expected
     assert "stop before loading" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_serve_port_0_logs_the_port_it_serves_on(monkeypatch, caplog):
+    """``--port 0`` logged "on http://127.0.0.1:0" while uvicorn listened on a port of its own choosing;
+    now uvicorn serves on the socket that serve bound, and the log names that socket's port."""
+    import uvicorn
+
+    ports = []  # of the sockets uvicorn is given (closed when serve returns)
+    monkeypatch.setattr(uvicorn.Server, "run", lambda self, sockets: ports.extend(s.getsockname()[1] for s in sockets))
+    with caplog.at_level(logging.INFO, logger="duetserve.cli"):
+        assert main(["serve", "--device", "cpu", "--port", "0", "--load-format", "dummy", "--num-kv-blocks", "64"]) == 0
+    [port] = ports
+    assert port != 0
+    assert (f"serving SmolLM2-135M-Instruct on http://127.0.0.1:{port} (policy duet, TBT SLO 100 ms)"
+            in [r.getMessage() for r in caplog.records])
