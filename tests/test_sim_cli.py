@@ -135,8 +135,8 @@ def test_missing_qps_is_a_usage_error(capsys):
      "the KV cache of 96 tokens (from --kv-cache-tokens) holds no request of the trace: the shortest needs "
      "521 tokens of prompt and output"),
     ([*SMALL, "--qps", "2", "--gpu-memory-utilization", "0.01"],  # exited 1 naming no flag
-     "--gpu-memory-utilization 0.01 of the h200's memory (--gpu) leaves nothing for the KV cache after the model's "
-     "weights (--model-config); raise it, or give --kv-cache-tokens"),
+     ("--gpu-memory-utilization 0.01 of the h200's memory (--gpu) leaves nothing for the KV cache after the model's "
+      "weights (--model-config); raise it, or give --kv-cache-tokens")),
     ([*SMALL, "--qps", "2", "--tp", "3"],  # printed a ModelShape(...) repr
      "--tp 3: the model's 32 query heads and 8 KV heads are not divisible by 3"),
     ([*SMALL, "--qps", "2", "--max-model-len", "10"],
