@@ -255,9 +255,12 @@ MIN_TBT_SLO_S = 1e-3
 
 @argtype
 def tbt_slo(text: str) -> float:
-    """A TBT SLO in seconds: a duration (bare numbers are ms) of at least 1 ms; below that it is
-    refused, naming the likely slip (``--tbt-slo 0.1`` is 0.1 ms, not 0.1 s)."""
+    """A TBT SLO in seconds: a finite duration (bare numbers are ms) of at least 1 ms; below that it is
+    refused, naming the likely slip (``--tbt-slo 0.1`` is 0.1 ms, not 0.1 s). ``1e400`` overflows to inf,
+    which served with "TBT SLO inf ms": "must be a finite duration, got '1e400'"."""
     value = _positive(parse_duration(text, "ms"), text, "duration")
+    if math.isinf(value):
+        raise ValueError(f"must be a finite duration, got {text!r}")
     if value < MIN_TBT_SLO_S:
         raise ValueError(f"a TBT SLO under 1 ms cannot be served, got {text!r} (bare numbers are milliseconds: "
                          f"write 100ms or 0.1s)")
@@ -303,10 +306,11 @@ def existing_file(text: str) -> Path:
 @argtype
 def output_file(text: str) -> Path:
     """A file to write later, checked now: not a folder itself, in an existing, writable folder,
-    and writable itself if it exists.
+    writable itself if it exists, and opened for append once (a new file removed again), as
+    permissions do not tell everything (``/proc/x.json`` passed them, and failed after the run).
 
     Errors: "TEXT is a folder", "no such folder: F", "F is not a folder", "folder F is not writable",
-    "TEXT is not writable".
+    "TEXT is not writable", "TEXT: REASON" (the error of opening it).
     """
     path = Path(text)
     folder = path.parent
@@ -318,6 +322,13 @@ def output_file(text: str) -> Path:
         raise ValueError(f"folder {folder} is not writable")
     if path.exists() and not os.access(path, os.W_OK):  # a read-only file in a writable folder
         raise ValueError(f"{text} is not writable")
+    existed = path.exists()
+    try:
+        open(path, "a").close()
+    except OSError as exc:
+        raise ValueError(f"{text}: {exc.strerror or exc}") from exc
+    if not existed:
+        path.unlink()
     return path
 
 

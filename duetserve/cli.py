@@ -127,15 +127,9 @@ def _add_serve(sub) -> None:
 
 def _serve(args, parser: argparse.ArgumentParser) -> int:
     import torch
-    import uvicorn
 
-    from duetserve.engine.async_engine import AsyncEngine
-    from duetserve.engine.engine import LLMEngine
     from duetserve.model.fused_ops import fused_mode
     from duetserve.model.layers import decode_gemm_mode
-    from duetserve.planner.hardware import load_profile
-    from duetserve.server.api import create_app
-    from duetserve.server.metrics import ServerMetrics
 
     try:  # read later otherwise: at graph capture, or by every request (DUETSERVE_FUSED)
         decode_gemm_mode()
@@ -150,16 +144,39 @@ def _serve(args, parser: argparse.ArgumentParser) -> int:
     budget = args.max_num_batched_tokens
     if budget is None:
         budget = 8192 if device.startswith("cuda") else 512
-    with socket.socket() as sock:  # fail now, not after loading the model for seconds
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn does
-        try:
-            sock.bind((args.host, args.port))
-        except socket.gaierror as exc:  # the host is no address
-            parser.error(f"--host {args.host}: {exc.strerror or exc}")
-        except OSError as exc:
-            if exc.errno == errno.EADDRNOTAVAIL:
-                parser.error(f"--host {args.host}: not an address of this machine ({exc.strerror})")
-            parser.error(f"--port {args.port}: cannot listen on {args.host}: {exc.strerror or exc}")
+    with _bind(args.host, args.port, parser) as sock:  # fail now, not after loading the model for seconds
+        return _serve_on(sock, args, parser, device, budget)
+
+
+def _bind(host: str, port: int, parser: argparse.ArgumentParser) -> socket.socket:
+    """A socket bound to ``host``:``port`` (0: a free port) for uvicorn to listen on, so the port that
+    ``serve`` logs is the one it serves on; a host or port it cannot bind is ``parser.error`` naming
+    ``--host`` or ``--port``."""
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn does
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        if isinstance(exc, socket.gaierror):  # the host is no address
+            parser.error(f"--host {host}: {exc.strerror or exc}")
+        if exc.errno == errno.EADDRNOTAVAIL:
+            parser.error(f"--host {host}: not an address of this machine ({exc.strerror})")
+        parser.error(f"--port {port}: cannot listen on {host}: {exc.strerror or exc}")
+    return sock
+
+
+def _serve_on(sock: socket.socket, args: argparse.Namespace, parser: argparse.ArgumentParser, device: str,
+              budget: int) -> int:
+    """Load the model and serve it on ``sock`` (bound by ``_bind``) until stopped; 0 when it stops."""
+    import uvicorn
+
+    from duetserve.engine.async_engine import AsyncEngine
+    from duetserve.engine.engine import LLMEngine
+    from duetserve.planner.hardware import load_profile
+    from duetserve.server.api import create_app
+    from duetserve.server.metrics import ServerMetrics
+
     if args.policy == "pdmux" and device == "cpu":
         parser.error("--policy pdmux needs an SM partition backend (a CUDA GPU); use duet, chunked or prefill-first")
     try:
@@ -200,9 +217,9 @@ def _serve(args, parser: argparse.ArgumentParser) -> int:
     async_engine.start()
     app = create_app(async_engine, metrics, name, api_key=args.api_key)
     logging.getLogger(__name__).info("serving %s on http://%s:%d (policy %s, TBT SLO %.0f ms)", name, args.host,
-                                     args.port, args.policy, args.tbt_slo * 1e3)
+                                     sock.getsockname()[1], args.policy, args.tbt_slo * 1e3)
     try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+        uvicorn.Server(uvicorn.Config(app, log_level=args.log_level)).run(sockets=[sock])
     finally:
         async_engine.shutdown()
     return 0

@@ -176,16 +176,45 @@ def _read_text(path: str | Path) -> str:
     return text
 
 
-def _azure_time(stamp: str) -> tuple[int, float]:
+AZURE_COLUMNS = ("TIMESTAMP", "ContextTokens", "GeneratedTokens")
+"""Columns an Azure trace CSV must have (others are ignored)."""
+
+
+def _azure_time(stamp: str, where: str) -> tuple[int, float]:
     """Whole seconds since the epoch (UTC) and the fraction of a second, of an Azure
-    ``YYYY-MM-DD HH:MM:SS[.fffffff]`` timestamp (kept apart so differences stay exact)."""
+    ``YYYY-MM-DD HH:MM:SS[.fffffff]`` timestamp (kept apart so differences stay exact).
+
+    Raises:
+        TraceFileError: "WHERE: TIMESTAMP must be YYYY-MM-DD HH:MM:SS[.FRACTION], got 'STAMP'".
+    """
     whole, _, frac = stamp.strip().partition(".")
-    base = datetime.strptime(whole, "%Y-%m-%d %H:%M:%S").replace(tzinfo=timezone.utc)
+    try:
+        if frac and not (frac.isascii() and frac.isdigit()):
+            raise ValueError(frac)
+        base = datetime.strptime(whole, "%Y-%m-%d %H:%M:%S").replace(tzinfo=timezone.utc)
+    except ValueError:
+        raise TraceFileError(f"{where}: TIMESTAMP must be YYYY-MM-DD HH:MM:SS[.FRACTION], got {stamp!r}") from None
     return int(base.timestamp()), float("0." + frac) if frac else 0.0
 
 
+def _azure_tokens(text: str, column: str, where: str) -> int:
+    """The token count ``text`` of ``column``.
+
+    Raises:
+        TraceFileError: "WHERE: COLUMN must be a whole number >= 1, got 'TEXT'" (e.g. 'nan', '2.5', '0').
+    """
+    try:
+        tokens = int(text)
+    except ValueError:
+        tokens = 0
+    if tokens < 1:
+        raise TraceFileError(f"{where}: {column} must be a whole number >= 1, got {text!r}")
+    return tokens
+
+
 def read_azure_csv(path: str | Path) -> list[TraceRequest]:
-    """Read an Azure LLM inference trace 2023 CSV.
+    """Read an Azure LLM inference trace 2023 CSV: a header naming at least ``AZURE_COLUMNS``, then
+    one row of as many fields per request (blank lines are skipped).
 
     Rows are sorted by timestamp (stably: rows with the same timestamp keep their order), as
     trace replayers treat a trace as a schedule; arrival times are relative to the earliest.
@@ -193,23 +222,26 @@ def read_azure_csv(path: str | Path) -> list[TraceRequest]:
 
     Raises:
         OSError: the file cannot be read.
-        TraceFileError: an empty or non-UTF-8 file, a missing column, no rows, an unparsable row,
-            or a length < 1 (with the line number).
+        TraceFileError: an empty or non-UTF-8 file, a missing column, no rows, a row with more or
+            fewer fields than the header (a file cut mid-line), a bad timestamp, or a token count
+            that is not a whole number >= 1 (with the line number).
     """
-    reader = csv.DictReader(io.StringIO(_read_text(path), newline=""))
-    missing = {"TIMESTAMP", "ContextTokens", "GeneratedTokens"} - set(reader.fieldnames or [])
+    reader = csv.reader(io.StringIO(_read_text(path), newline=""))
+    header = next(reader, [])
+    missing = sorted(set(AZURE_COLUMNS) - set(header))
     if missing:
-        raise TraceFileError(f"{path}: not an Azure trace, missing columns {sorted(missing)}")
+        raise TraceFileError(f"{path}: not an Azure trace, missing columns {missing}")
+    columns = [header.index(name) for name in AZURE_COLUMNS]
     rows = []
-    for line, row in enumerate(reader, start=2):
-        where = f"{path}:{line}"
-        try:
-            t = _azure_time(row["TIMESTAMP"])
-            lengths = int(row["ContextTokens"]), int(row["GeneratedTokens"])
-        except (TypeError, ValueError) as e:
-            raise TraceFileError(f"{where}: {e}") from e
-        _check_lengths(*lengths, where)
-        rows.append((t, *lengths))
+    for fields in reader:
+        if not fields:
+            continue
+        where = f"{path}:{reader.line_num}"
+        if len(fields) != len(header):
+            raise TraceFileError(f"{where}: expected {len(header)} columns ({', '.join(header)}), got {len(fields)}")
+        stamp, context, generated = (fields[i] for i in columns)
+        rows.append((_azure_time(stamp, where), _azure_tokens(context, "ContextTokens", where),
+                     _azure_tokens(generated, "GeneratedTokens", where)))
     if not rows:
         raise TraceFileError(f"{path}: no requests, only the header")
     rows.sort(key=lambda row: row[0])

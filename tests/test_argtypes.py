@@ -135,6 +135,16 @@ def test_output_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     assert refused(output_file, str(tmp_path / "out.json")) == f"folder {tmp_path} is not writable"
 
 
+def test_output_file_is_opened_once_and_left_as_it_was(tmp_path: Path):
+    """/proc passes the permission checks but holds no new files: that failed after the whole run."""
+    assert refused(output_file, "/proc/x.json") == "/proc/x.json: No such file or directory"
+    assert output_file(str(tmp_path / "new.json")) == tmp_path / "new.json"
+    assert not (tmp_path / "new.json").exists()  # created to check, removed again
+    kept = tmp_path / "kept.json"
+    kept.write_text("{}")
+    assert output_file(str(kept)) == kept and kept.read_text() == "{}"  # opened for append: not truncated
+
+
 def test_write_output_names_the_flag(tmp_path: Path):
     out = tmp_path / "out.json"
     argtypes.write_output(out, "[]", "--json")

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 from pathlib import Path
 
 import pytest
@@ -134,6 +135,23 @@ def test_a_tbt_slo_under_a_millisecond_is_refused_as_a_likely_slip(command, caps
     assert argtypes.tbt_slo("1") == pytest.approx(1e-3) and argtypes.tbt_slo("0.1s") == pytest.approx(0.1)
 
 
+@pytest.mark.parametrize("command", [["serve"], ["bench", "--num-requests", "2", "--qps", "1"],
+                                     ["simulate", "--format", "synthetic", "--qps", "1", "--num-requests", "2"]])
+@pytest.mark.parametrize("value", ["1e400", "1e308min"])
+def test_an_infinite_tbt_slo_is_refused(command, value, monkeypatch, capsys):
+    """``serve --tbt-slo 1e400`` overflowed to inf and served with "TBT SLO inf ms"."""
+    import duetserve.engine.engine as engine_module
+
+    def no_loading(*_, **__):
+        raise AssertionError("the model was loaded with an infinite --tbt-slo")
+
+    monkeypatch.setattr(engine_module, "LLMEngine", no_loading)
+    with pytest.raises(SystemExit) as exc:
+        main([*command, "--tbt-slo", value])
+    assert exc.value.code == 2
+    assert capsys.readouterr().err.endswith(f"error: argument --tbt-slo: must be a finite duration, got {value!r}\n")
+
+
 def test_serve_refuses_a_busy_port_before_loading(capsys):
     import socket
 
@@ -165,6 +183,16 @@ def test_serve_refuses_a_busy_port_before_loading(capsys):
     (["--token-id-range", "5:1"], "argument --token-id-range: expected 0 <= LOW < HIGH, got '5:1'"),
     (["--window", "5:1"], "argument --window: START must be before END, got '5:1'"),
     (["--result-file", "/nonexistent/r.json"], "argument --result-file: no such folder: /nonexistent"),
+    (["--base-url", "notaurl"],  # failed after the run's header: "Request URL is missing an 'http://' ..."
+     "argument --base-url: expected an http:// or https:// URL with a host, e.g. http://127.0.0.1:8000, got 'notaurl'"),
+    (["--base-url", "ftp://x"],
+     "argument --base-url: expected an http:// or https:// URL with a host, e.g. http://127.0.0.1:8000, got 'ftp://x'"),
+    (["--base-url", "http://"],
+     "argument --base-url: expected an http:// or https:// URL with a host, e.g. http://127.0.0.1:8000, got 'http://'"),
+    (["--base-url", "http://x:99999"], ("argument --base-url: expected an http:// or https:// URL with a host, "
+                                        "e.g. http://127.0.0.1:8000, got 'http://x:99999'")),
+    (["--result-file", "/proc/r.json"], "argument --result-file: /proc/r.json: No such file or directory"),
+    (["--launch-log", "/proc/l.txt"], "argument --launch-log: /proc/l.txt: No such file or directory"),
     (["--plot", "/nonexistent/p.png"], "argument --plot: no such folder: /nonexistent"),
     (["--plot", "/tmp/p.txt"],  # failed in matplotlib after the whole run
      "argument --plot: /tmp/p.txt: matplotlib cannot write .txt images; use one of "
@@ -484,3 +512,19 @@ def test_serve_trim_margin_defaults_to_auto_and_off_is_the_papers_rule(monkeypat
         main(["serve", "--device", "cpu", "--port", "0", *flags])
     assert seen[0].trim_margin == expected
     assert "stop before loading" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_serve_port_0_logs_the_port_it_serves_on(monkeypatch, caplog):
+    """``--port 0`` logged "on http://127.0.0.1:0" while uvicorn listened on a port of its own choosing;
+    now uvicorn serves on the socket that serve bound, and the log names that socket's port."""
+    import uvicorn
+
+    ports = []  # of the sockets uvicorn is given (closed when serve returns)
+    monkeypatch.setattr(uvicorn.Server, "run", lambda self, sockets: ports.extend(s.getsockname()[1] for s in sockets))
+    with caplog.at_level(logging.INFO, logger="duetserve.cli"):
+        assert main(["serve", "--device", "cpu", "--port", "0", "--load-format", "dummy", "--num-kv-blocks", "64"]) == 0
+    [port] = ports
+    assert port != 0
+    assert (f"serving SmolLM2-135M-Instruct on http://127.0.0.1:{port} (policy duet, TBT SLO 100 ms)"
+            in [r.getMessage() for r in caplog.records])

@@ -134,6 +134,9 @@ def test_missing_qps_is_a_usage_error(capsys):
     ([*SMALL, "--qps", "2", "--kv-cache-tokens", "100"],
      "the KV cache of 96 tokens (from --kv-cache-tokens) holds no request of the trace: the shortest needs "
      "521 tokens of prompt and output"),
+    ([*SMALL, "--qps", "2", "--gpu-memory-utilization", "0.01"],  # exited 1 naming no flag
+     ("--gpu-memory-utilization 0.01 of the h200's memory (--gpu) leaves nothing for the KV cache after the model's "
+      "weights (--model-config); raise it, or give --kv-cache-tokens")),
     ([*SMALL, "--qps", "2", "--tp", "3"],  # printed a ModelShape(...) repr
      "--tp 3: the model's 32 query heads and 8 KV heads are not divisible by 3"),
     ([*SMALL, "--qps", "2", "--max-model-len", "10"],
@@ -185,7 +188,8 @@ def test_unwritable_outputs_fail_before_simulating(flag, tmp_path, monkeypatch, 
     simulated = []
     monkeypatch.setattr(sim_cli, "simulate", lambda *a, **k: simulated.append(a))
     for path, words in [(tmp_path / "no" / "out", f"argument {flag}: no such folder: {tmp_path / 'no'}"),
-                        (tmp_path, f"argument {flag}: {tmp_path} is a folder")]:
+                        (tmp_path, f"argument {flag}: {tmp_path} is a folder"),
+                        ("/proc/out", f"argument {flag}: /proc/out: No such file or directory")]:
         with pytest.raises(SystemExit) as exc:
             main([*SMALL, "--qps", "2", flag, str(path)])
         assert exc.value.code == 2 and words in capsys.readouterr().err
@@ -252,3 +256,13 @@ def test_bad_values_name_the_flag(args, message, capsys):
         main([*SMALL, "--qps", "2", *args])
     assert exc.value.code == 2
     assert f"duetserve simulate: error: {message}\n" in capsys.readouterr().err
+
+
+def test_a_truncated_azure_trace_names_the_line_and_what_is_wrong(tmp_path, capsys):
+    """Said "int() argument must be a string, a bytes-like object or a real number, not 'NoneType'"."""
+    trace = tmp_path / "trunc.csv"
+    trace.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46.6805900,100,10\n"
+                     "2023-11-16 18:15:47.1000000,81")
+    assert main(["simulate", "--trace", str(trace), "--qps", "2", "--no-progress"]) == 2
+    assert capsys.readouterr().err == (f"duetserve simulate: error: --trace {trace}:3: expected 3 columns "
+                                       "(TIMESTAMP, ContextTokens, GeneratedTokens), got 2\n")

@@ -69,6 +69,31 @@ def test_azure_rejects_bad_rows(tmp_path: Path) -> None:
         read_azure_csv(write(tmp_path, "d.csv", AZURE.replace(",8\n", ",0\n")))
 
 
+@pytest.mark.parametrize("old, new, line, message", [
+    ("\n2023-11-16 18:18:03.9799600,50,2", "\n2023-11-16 18:18:03.9799600,50", 5,  # a file cut mid-line
+     "expected 3 columns (TIMESTAMP, ContextTokens, GeneratedTokens), got 2"),
+    (",10\n", ",10,7\n", 2, "expected 3 columns (TIMESTAMP, ContextTokens, GeneratedTokens), got 4"),
+    ("4808", "nan", 2, "ContextTokens must be a whole number >= 1, got 'nan'"),
+    (",8\n", ",2.5\n", 3, "GeneratedTokens must be a whole number >= 1, got '2.5'"),
+    (",8\n", ",0\n", 3, "GeneratedTokens must be a whole number >= 1, got '0'"),
+    ("03.9799600", "03.97x", 2, "TIMESTAMP must be YYYY-MM-DD HH:MM:SS[.FRACTION], got '2023-11-16 18:17:03.97x'"),
+    ("2023-11-16 18:17:04", "16/11/2023 18:17:04", 3,
+     "TIMESTAMP must be YYYY-MM-DD HH:MM:SS[.FRACTION], got '16/11/2023 18:17:04.0319600'"),
+])
+def test_azure_says_what_is_wrong_with_a_row(tmp_path: Path, old: str, new: str, line: int, message: str) -> None:
+    """A truncated row said "int() argument must be ... not 'NoneType'", a nan "invalid literal for int()"."""
+    path = write(tmp_path, "t.csv", AZURE.replace(old, new, 1))
+    with pytest.raises(TraceFileError) as exc:
+        read_azure_csv(path)
+    assert str(exc.value) == f"{path}:{line}: {message}"
+
+
+def test_azure_line_numbers_count_blank_lines(tmp_path: Path) -> None:
+    path = write(tmp_path, "t.csv", AZURE.replace("\n2023-11-16 18:17:05", "\n\n2023-11-16 18:17:05,x"))
+    with pytest.raises(TraceFileError, match=r"t.csv:5: expected 3 columns"):
+        read_azure_csv(path)
+
+
 def test_mooncake_reader(tmp_path: Path) -> None:
     lines = [
         {"timestamp": 0, "input_length": 1000, "output_length": 5, "hash_ids": [0, 1]},

@@ -30,6 +30,7 @@ from dataclasses import fields, is_dataclass, replace
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 from duetserve.argtypes import (
     UsageError,
@@ -216,7 +217,7 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
     t.add_argument("--seed", type=non_negative_int, default=0, help="seed for lengths, arrivals and prompts")
 
     s = p.add_argument_group("server")
-    s.add_argument("--base-url", metavar="URL",
+    s.add_argument("--base-url", type=argtype(_server_url), metavar="URL",
                    help="server root (default: http://HOST:PORT of --launch's --host and --port, as "
                         "vLLM's and SGLang's benchmarks take --host and --port; else http://127.0.0.1:8000)")
     s.add_argument("--endpoint", default="/v1/completions", type=argtype(_endpoint),
@@ -408,6 +409,20 @@ def _bench(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 2
     return 0
+
+
+def _server_url(text: str) -> str:
+    """``--base-url``: an http:// or https:// URL with a host, e.g. ``http://127.0.0.1:8000``
+    ("notaurl" and "ftp://x" failed after the run's header, in httpx)."""
+    url = urlsplit(text)
+    try:
+        url.port  # noqa: B018 -- raises ValueError for a port that is no number in [0, 65535]
+        valid = url.scheme in ("http", "https") and bool(url.hostname)
+    except ValueError:
+        valid = False
+    if not valid:
+        raise ValueError(f"expected an http:// or https:// URL with a host, e.g. http://127.0.0.1:8000, got {text!r}")
+    return text
 
 
 def _endpoint(text: str) -> str:

@@ -154,6 +154,17 @@ def _check_tp(args: argparse.Namespace) -> None:
         raise UsageError(f"--tp {args.tp}: the model's {why}")
 
 
+def _check_kv_cache(args: argparse.Namespace, config: SimConfig) -> None:
+    """Raise UsageError naming ``--gpu-memory-utilization``, ``--gpu`` and ``--model-config`` when the
+    model's weights leave no memory for the KV cache (``simulator.kv_cache_tokens``)."""
+    try:
+        config.kv_blocks()
+    except ValueError as exc:
+        raise UsageError(f"--gpu-memory-utilization {args.gpu_memory_utilization:g} of the {args.gpu.name}'s "
+                         "memory (--gpu) leaves nothing for the KV cache after the model's weights "
+                         "(--model-config); raise it, or give --kv-cache-tokens") from exc
+
+
 def _check_trace_fits(args: argparse.Namespace, config: SimConfig, trace: Sequence[TraceRequest]) -> None:
     """Raise UsageError, naming the flag, when the KV cache or the context limit leaves no
     request of ``trace`` able to run."""
@@ -203,6 +214,7 @@ def _simulate(args: argparse.Namespace) -> int:
     config = SimConfig(planner, args.max_num_seqs, args.max_num_batched_tokens, args.block_size,
                        args.kv_cache_tokens, args.gpu_memory_utilization, args.max_model_len,
                        args.prediction_error, args.seed)
+    _check_kv_cache(args, config)
     rows = []
     for qps in args.qps:
         trace = argtypes.read_trace(args.trace, _trace_spec(args, qps))
