@@ -246,23 +246,14 @@ def test_bench_trace_flags_that_give_no_trace_are_usage_errors(argv, message, ca
     (["--sweep-qps", "2,4"], "--qps and --sweep-qps need --arrival scale or poisson for a trace file (--arrival "
                              "trace, the default, keeps the trace's own arrival times)"),
     (["--arrival", "poisson"], "--arrival poisson needs --qps or --sweep-qps"),
-])
-def test_bench_arrival_and_rate_that_do_not_go_together_are_usage_errors(argv, message, tmp_path, capsys):
-    trace = tmp_path / "trace.csv"
-    trace.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46.6805900,100,10\n")
-    assert main(["bench", "--base-url", "http://127.0.0.1:1", "--trace", str(trace), *argv]) == 2
-    assert capsys.readouterr().err == f"duetserve bench: error: {message}\n"
-
-
-@pytest.mark.parametrize("argv, message", [
+    # --cv was ignored silently where the trace keeps its own gaps
     (["--cv", "2"], ("--cv 2 does nothing with --arrival trace: a trace file keeps its own gaps (--arrival poisson "
                      "draws gaps of that CV)")),
     (["--cv", "0.5", "--arrival", "scale", "--qps", "2"],
      ("--cv 0.5 does nothing with --arrival scale: a trace file keeps its own gaps (--arrival poisson draws gaps "
       "of that CV)")),
 ])
-def test_bench_cv_on_a_trace_file_replayed_with_its_own_gaps_is_refused(argv, message, tmp_path, capsys):
-    """--cv was ignored silently."""
+def test_bench_arrival_rate_and_cv_that_do_not_go_together_are_usage_errors(argv, message, tmp_path, capsys):
     trace = tmp_path / "trace.csv"
     trace.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46.6805900,100,10\n")
     assert main(["bench", "--base-url", "http://127.0.0.1:1", "--trace", str(trace), *argv]) == 2
