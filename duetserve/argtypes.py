@@ -320,9 +320,9 @@ def output_file(text: str) -> Path:
         raise ValueError(f"{folder} is not a folder" if folder.exists() else f"no such folder: {folder}")
     if not os.access(folder, os.W_OK):
         raise ValueError(f"folder {folder} is not writable")
-    if path.exists() and not os.access(path, os.W_OK):  # a read-only file in a writable folder
-        raise ValueError(f"{text} is not writable")
     existed = path.exists()
+    if existed and not os.access(path, os.W_OK):  # a read-only file in a writable folder
+        raise ValueError(f"{text} is not writable")
     try:
         open(path, "a").close()
     except OSError as exc:

@@ -110,7 +110,7 @@ class EngineConfig:
             (self.max_num_batched_tokens >= 1, "--max-num-batched-tokens", "must be >= 1"),
             (1 <= self.num_decode_steps <= 256, "--num-decode-steps", "must be in [1, 256]"),
             (self.trim_margin in (None, "auto") or (not isinstance(self.trim_margin, str) and 0 < self.trim_margin <= 1),
-             "--trim-margin", "must be in (0, 1] or auto"),
+             "--trim-margin", "must be in (0, 1], auto or None (off)"),
             (self.block_size in BLOCK_SIZES, "--block-size", f"must be one of {', '.join(map(str, BLOCK_SIZES))}"),
             (self.num_kv_blocks is None or self.num_kv_blocks >= 1, "--num-kv-blocks", "must be >= 1"),
             (0 < self.kv_cache_memory_fraction <= 1, "--kv-cache-memory-fraction", "must be in (0, 1]"),

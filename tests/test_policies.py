@@ -226,6 +226,7 @@ def test_duet_learns_a_decode_correction_from_measured_steps():
     assert after[0] == pytest.approx(before[0] * 1.5 ** 0.3) and (after[1] == before[1]).all()
     assert config.cost_model.decode_margin == 1.0  # the policy scales its own copy
     replanned = policy.plan(DECODE, PREFILL, max_k=100)  # the new prediction includes the correction
+    assert plan.decode_margin == 1.0 and replanned.decode_margin == pytest.approx(1.5 ** 0.3)  # for the log
     assert replanned.predicted_decode_s == pytest.approx(
         float(policy.cost_model.predict_spatial(DECODE, PREFILL, replanned.s_decode, 132)[0]))
     policy.observe(replanned, 0.2 * replanned.predicted_decode_s, None)  # far faster: floor at 1

@@ -412,9 +412,11 @@ def test_iteration_log_carries_the_planning_host_terms(tmp_path):
     assert rec["cuda_graphs"] is False  # an engine without recorded graphs (eager)
     assert (rec["num_decodes"], rec["num_prefills"], rec["num_prefill_tokens"], rec["prefill_layers"]) == (3, 1, 100, None)
     assert rec["predicted_s"] == 0.05
-    metrics.on_step(StepStats(Plan(spatial=True, s_prefill=124, s_decode=8, predicted_s=0.2, trim_rates=(3e4, 3.3e4)),
-                              3, 8192, 0.21, 0, num_prefills=1), [], 2.0)
-    assert json.loads(log.read_text().splitlines()[-1])["trim_rates"] == [3e4, 3.3e4]  # the rates duet weighed
+    assert rec["decode_margin"] is None
+    metrics.on_step(StepStats(Plan(spatial=True, s_prefill=124, s_decode=8, predicted_s=0.2, trim_rates=(3e4, 3.3e4),
+                                   decode_margin=1.25), 3, 8192, 0.21, 0, num_prefills=1), [], 2.0)
+    last = json.loads(log.read_text().splitlines()[-1])
+    assert last["trim_rates"] == [3e4, 3.3e4] and last["decode_margin"] == 1.25  # what duet weighed and priced with
 
 
 def test_iteration_log_predicts_plans_without_a_prediction(tmp_path):

@@ -35,6 +35,7 @@ from duetserve.argtypes import (
     non_empty,
     output_file,
     plot_file,
+    write_output,
 )
 from duetserve.calibrate.host import fit_host_overheads, read_iteration_log
 from duetserve.calibrate.report import (
@@ -141,9 +142,9 @@ def fit_host(args: argparse.Namespace) -> int:
     profile = dataclasses.replace(args.base, name=args.gpu_name, **fields,
                                   provenance={**args.base.provenance, **dict.fromkeys(fields, "measured")})
     try:
-        args.out.write_text(dumps(dataclasses.asdict(profile), indent=1) + "\n")
-    except OSError as exc:
-        print(f"duetserve calibrate: error: --out {args.out}: {exc.strerror or exc}", file=sys.stderr)
+        write_output(args.out, dumps(dataclasses.asdict(profile), indent=1) + "\n", "--out")
+    except OSError as exc:  # "--out PATH: REASON"
+        print(f"duetserve calibrate: error: {exc}", file=sys.stderr)
         return 1
     print(f"host time fitted on {fit.rows} temporal iterations of {args.iteration_log}: "
           f"host_per_request_s {fit.host_per_request_s * 1e3:.3f} ms, host_eager_s {fit.host_eager_s * 1e3:.2f} ms\n"

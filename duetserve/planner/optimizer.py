@@ -64,6 +64,10 @@ class Plan:
     ``plan_iteration`` weighed when it found a split, the trimmed temporal batch's (at its
     ``temporal_scale``) and the split's (at the steps the engine runs); the higher one's plan
     is this one. None when no such comparison ran.
+
+    ``decode_margin`` (for the iteration log): the factor the decode side of a spatial plan was
+    priced with beyond the interference (``CostModel.decode_margin``: duet's learned correction
+    times its spread); None where the policy sets none.
     """
 
     spatial: bool = False
@@ -77,6 +81,7 @@ class Plan:
     slo_risk: bool = False
     prefill_layers: int | None = None
     trim_rates: tuple[float, float] | None = None
+    decode_margin: float | None = None
 
 
 def trim_prefill(prefill_reqs: Sequence[Request], token_limit: int) -> list[Request]:

@@ -192,7 +192,8 @@ class DuetPolicy:
             k = min(max_k, LOOKAHEAD_SLACK * plan.k)
             t_d, t_p = plan.predicted_decode_s, plan.predicted_prefill_s
             steps = executed_steps(t_d, t_p, k)  # what the executor runs if the prediction holds
-            plan = dataclasses.replace(plan, k=k, predicted_s=max(steps * t_d, t_p))
+            plan = dataclasses.replace(plan, k=k, predicted_s=max(steps * t_d, t_p),
+                                       decode_margin=self.cost_model.decode_margin)
             self.carry_s = max(0.0, t_p - steps * t_d)
         if decode_reqs and prefill_reqs and not plan.spatial and self.decode_correction > 1.0:
             # no spatial plan, so no new measurement: let the correction relax toward 1, so one

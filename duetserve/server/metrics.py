@@ -32,7 +32,8 @@ class ServerMetrics:
         # between CUDA events, spatial plans on the GPU; else null), "num_decodes", "num_prefills"
         # (prefill chunks), "num_prefill_tokens", "prefill_layers" (pdmux rounds), "schedule_s"
         # (the scheduler's wall seconds, planning included, within "measured_s"), "trim_rates"
-        # (Plan.trim_rates: trimmed temporal and split tokens/s that duet weighed), "requests"
+        # (Plan.trim_rates: trimmed temporal and split tokens/s that duet weighed), "decode_margin"
+        # (Plan.decode_margin: duet's learned factor on the split's decode prediction), "requests"
         # ([new tokens, cached tokens] of each scheduled sequence, decodes first: the cost
         # model's (q, c), to refit it from a served run), the profile's
         # "host_per_request_s" / "host_eager_s" the predictions include and whether decode-only
@@ -122,7 +123,7 @@ class ServerMetrics:
                     "decode_stream_s": stats.stream_s.get("decode"), "prefill_stream_s": stats.stream_s.get("prefill"),
                     "num_decodes": stats.num_decodes, "num_prefills": stats.num_prefills,
                     "num_prefill_tokens": stats.num_prefill_tokens, "prefill_layers": plan.prefill_layers,
-                    "schedule_s": stats.schedule_s, "trim_rates": plan.trim_rates,
+                    "schedule_s": stats.schedule_s, "trim_rates": plan.trim_rates, "decode_margin": plan.decode_margin,
                     "requests": [[s.num_new_tokens, s.num_cached_tokens] for s in stats.scheduled],
                     **self._planning}) + "\n")
         for out in outputs:
