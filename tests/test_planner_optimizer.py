@@ -3,11 +3,13 @@
 ``RoundCost`` stands in for ``CostModel`` with times that are easy to follow by hand on a
 100-SM GPU: a decode step on S_d SMs takes 0.4 / S_d s (10 SMs: 40 ms, 20 SMs: 20 ms), the
 prefill batch on S_p SMs 9.0 / S_p s (80 SMs: 112.5 ms), and a temporal mixed batch on all
-SMs 10 ms + 0.1 ms per prefill token. Batches: 4 decode requests, one 1000-token prefill.
+SMs 10 ms + 0.1 ms per prefill token, with no host time before a split's first decode step
+(``profile.host_per_request_s`` 0). Batches: 4 decode requests, one 1000-token prefill.
 """
 
 import dataclasses
 import math
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -26,6 +28,9 @@ PREFILL = [(1000, 0)]
 
 
 class RoundCost:
+    def __init__(self, host_per_request_s: float = 0.0):
+        self.profile = SimpleNamespace(host_per_request_s=host_per_request_s)
+
     def predict_total(self, reqs, sms):
         return np.asarray(0.01 + 1e-4 * sum(q for q, _ in reqs if q > 1))
 
@@ -182,6 +187,21 @@ def test_carried_wait_tightens_the_first_token_budget(qwen_h200):
         assert carried.predicted_s + carry <= tau or carried.prefill_token_limit == 0
 
 
+def test_first_decode_step_of_a_split_pays_the_host_time():
+    """The first step must fit ``t_d + R h_r`` into tau: at tau = 45 ms S_d = 20 (t_d 20 ms) wins
+    with no host time (see above). With 6.5 ms per decode request (26 ms for 4) its first token
+    would come at 46 ms, so only S_d >= 30 remain (13.3 + 26 ms fits); with 10 ms a request
+    (40 ms) only S_d >= 80 (t_d <= 5 ms); with 12 ms (48 ms) none, and the fallback runs."""
+    base = plan_iteration(RoundCost(), DECODE, PREFILL, 0.045, total_sms=100, granularity=10)
+    assert base.spatial and base.s_decode == 20
+    hosted = plan_iteration(RoundCost(0.0065), DECODE, PREFILL, 0.045, total_sms=100, granularity=10)
+    assert hosted.spatial and hosted.s_decode >= 30
+    tight = plan_iteration(RoundCost(0.010), DECODE, PREFILL, 0.045, total_sms=100, granularity=10)
+    assert tight.spatial and tight.s_decode >= 80 and tight.predicted_decode_s + 0.040 <= 0.045
+    none = plan_iteration(RoundCost(0.012), DECODE, PREFILL, 0.045, total_sms=100, granularity=10)
+    assert not none.spatial and none.slo_risk  # 48 ms of host alone: the fallback
+
+
 def test_duet_policy_carries_the_idle_tail_of_a_spatial_plan(qwen_h200):
     from duetserve.planner.policies import DuetPolicy, PlannerConfig
 
@@ -191,6 +211,12 @@ def test_duet_policy_carries_the_idle_tail_of_a_spatial_plan(qwen_h200):
     assert policy.carry_s == pytest.approx(spatial.predicted_prefill_s - spatial.k * spatial.predicted_decode_s)
     policy.plan([(1, 2047)] * 32, [], max_k=4)  # decode only: temporal, nothing carried
     assert policy.carry_s == 0.0
+    # a measured wait replaces the predicted one
+    spatial = policy.plan([(1, 2047)] * 32, [(8192, 0)], max_k=2)
+    policy.observe(spatial, spatial.predicted_decode_s, spatial.predicted_prefill_s, idle_tail_s=0.031)
+    assert policy.carry_s == 0.031
+    policy.observe(spatial, spatial.predicted_decode_s, spatial.predicted_prefill_s)  # not measured: kept
+    assert policy.carry_s == 0.031
 
 
 def test_trim_margin_prefers_a_smaller_temporal_chunk_only_when_it_is_faster():

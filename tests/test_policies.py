@@ -249,6 +249,38 @@ def test_duet_learns_a_decode_correction_from_measured_steps():
     assert policy.decode_correction == pytest.approx(1 + 0.99 ** 100)
 
 
+def test_duet_keeps_a_decode_correction_per_decode_sm_count():
+    """``observe`` also moves a correction per decode SM count: a level's first measurement starts
+    from the global correction; measured levels are priced with their own, others with the
+    global one (``CostModel.decode_level_scale``), and ``Plan.decode_margin`` records it."""
+    config = planner(0.05)
+    policy = DuetPolicy(config)
+    plan = policy.plan(DECODE, PREFILL, max_k=100)
+    assert plan.spatial and plan.s_decode == 8 and plan.decode_margin == 1.0
+    base = config.cost_model.predict_spatial(DECODE, PREFILL, [8, 16, 32], 132)[0]
+    policy.observe(plan, 1.5 * plan.predicted_decode_s, None)  # 8 SMs ran 1.5x: both move to 1.5 ** 0.3
+    assert policy.level_corrections == {8: pytest.approx(1.5 ** 0.3)}
+    assert policy.decode_correction == pytest.approx(1.5 ** 0.3)
+    # 16 SMs, priced with the global correction, ran as predicted without the feedback (bias 1)
+    on16 = dataclasses.replace(plan, s_decode=16, s_prefill=116, predicted_decode_s=float(base[1]) * 1.5 ** 0.3,
+                               decode_margin=1.5 ** 0.3)
+    policy.observe(on16, float(base[1]), None)
+    assert policy.level_corrections[16] == pytest.approx(1.5 ** 0.21)  # 1.5 ** 0.3 x (1 / 1.5 ** 0.3) ** 0.3
+    assert policy.decode_correction == pytest.approx(1.5 ** 0.21) and policy.level_corrections[8] == \
+        pytest.approx(1.5 ** 0.3)
+    after = policy.cost_model.predict_spatial(DECODE, PREFILL, [8, 16, 32], 132)[0]
+    # 8 and 16 at their own, 32 (never measured) at the global one
+    assert after == pytest.approx(base * [1.5 ** 0.3, 1.5 ** 0.21, 1.5 ** 0.21])
+    assert (config.cost_model.decode_level_scale == 1.0).all()  # the shared model is untouched
+    replanned = policy.plan(DECODE, PREFILL, max_k=100)
+    assert replanned.decode_margin == pytest.approx(
+        1.5 ** 0.3 if replanned.s_decode == 8 else 1.5 ** 0.21)  # the factor its level was priced with
+    # a temporal plan for decodes beside a prefill relaxes every correction by 0.99 of its excess
+    assert not policy.plan(DECODE, [(64, 0)], max_k=100).spatial
+    assert policy.level_corrections[8] == pytest.approx(1 + (1.5 ** 0.3 - 1) * 0.99)
+    assert policy.decode_correction == pytest.approx(1 + (1.5 ** 0.21 - 1) * 0.99)
+
+
 def test_duet_auto_plans_decode_steps_with_room_for_their_spread():
     """With ``--trim-margin auto``, ``observe`` keeps measured / predicted decode steps against the
     prediction without the policy's feedback, and from 32 on scales the decode side by their p99
@@ -272,13 +304,14 @@ def test_duet_auto_plans_decode_steps_with_room_for_their_spread():
     # later predictions include the spread; steps that ran 0.8x the prediction without it count
     # as 0.8 (not 0.8 / spread, which would move the median): 71 x 0.8 and one 1.0
     for _ in range(40):
-        scaled = dataclasses.replace(plan, predicted_decode_s=plan.predicted_decode_s * policy.decode_spread)
+        scaled = dataclasses.replace(plan, predicted_decode_s=plan.predicted_decode_s * policy.decode_spread,
+                                     decode_margin=policy.decode_spread)  # as plan() records it
         policy.observe(scaled, 0.8 * plan.predicted_decode_s, None)
     spread = (0.8 + 0.29 * 0.2) / 0.8  # position 0.99 x 71 = 70.29
     assert policy.decode_spread == pytest.approx(spread) and policy.decode_correction == 1.0
     # steps 1.2x the prediction without the feedback: the correction moves toward 1.2 (it is
     # the bias), not toward 1.2 / spread, and the spread multiplies it
-    scaled = dataclasses.replace(plan, predicted_decode_s=plan.predicted_decode_s * spread)
+    scaled = dataclasses.replace(plan, predicted_decode_s=plan.predicted_decode_s * spread, decode_margin=spread)
     policy.observe(scaled, 1.2 * plan.predicted_decode_s, None)
     assert policy.decode_correction == pytest.approx(1.2 ** 0.3)
     assert policy.cost_model.decode_margin == pytest.approx(1.2 ** 0.3 * policy.decode_spread)

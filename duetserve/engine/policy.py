@@ -44,9 +44,11 @@ class Policy(Protocol):
         """
         ...
 
-    def observe(self, plan: Plan, decode_step_s: float, prefill_s: float | None) -> None:
-        """Measured seconds per decode step of a spatial ``plan`` that ran, and of its prefill
-        stream (None: it had no prefill) (GPU only)."""
+    def observe(self, plan: Plan, decode_step_s: float, prefill_s: float | None,
+                idle_tail_s: float | None = None) -> None:
+        """Measured seconds per decode step of a spatial ``plan`` that ran, of its prefill stream
+        (None: it had no prefill), and that the decodes then waited for the prefill's end after
+        their last step (``idle_tail_s``, >= 0; None: not measured) (GPU only)."""
         ...
 
     def observe_iteration(self, plan: Plan, measured_s: float) -> None:
@@ -65,7 +67,8 @@ class ChunkedPolicy:
     def plan(self, decode_reqs: list[tuple[int, int]], prefill_reqs: list[tuple[int, int]], max_k: int) -> Plan:
         return TEMPORAL
 
-    def observe(self, plan: Plan, decode_step_s: float, prefill_s: float | None) -> None:
+    def observe(self, plan: Plan, decode_step_s: float, prefill_s: float | None,
+                idle_tail_s: float | None = None) -> None:
         """No feedback: nothing is predicted."""
 
     def observe_iteration(self, plan: Plan, measured_s: float) -> None:

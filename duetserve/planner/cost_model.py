@@ -213,6 +213,10 @@ class CostModel:
         prefill_scale: > 0, multiplies the prefill's GPU time in spatial plans on top of the
             profile's ``prefill_interference`` (``DuetPolicy.observe`` sets it from measurements).
 
+    ``decode_level_scale`` (attribute, float array of ``num_sms + 1``, ones at first): a further
+    factor on the decode side of spatial plans, indexed by the decode partition's SM count
+    (``DuetPolicy.observe`` sets it per level from measurements; index 0 is unused).
+
     Raises:
         ValueError: on non-positive sizes, heads not divisible by ``tp``, an unknown
             ``lm_head`` mode, ``decode_margin < 1`` or ``prefill_scale <= 0``.
@@ -237,6 +241,7 @@ class CostModel:
         self.shape, self.profile, self.tp = shape, profile, tp
         self.dtype_bytes, self.causal, self.lm_head, self.decode_margin = dtype_bytes, causal, lm_head, decode_margin
         self.cuda_graphs, self.prefill_scale = cuda_graphs, prefill_scale
+        self.decode_level_scale = np.ones(profile.num_sms + 1)
 
         b, d, dh = dtype_bytes, shape.hidden, shape.head_dim
         self._hq = shape.q_heads // tp
@@ -319,14 +324,15 @@ class CostModel:
         """Seconds of one decode step on ``s_decode`` SMs and of the prefill batch on
         ``total_sms - s_decode`` SMs, when both run at once (a spatial plan).
 
-        Decode is scaled by the profile's ``decode_interference`` times ``decode_margin``,
-        prefill by ``prefill_interference`` times ``prefill_scale`` (docs/design.md section 5); decode is replayed from graphs
+        Decode is scaled by the profile's ``decode_interference`` times ``decode_margin`` times
+        ``decode_level_scale[s_decode]``, prefill by ``prefill_interference`` times ``prefill_scale`` (docs/design.md section 5); decode is replayed from graphs
         when ``cuda_graphs`` (the engine records them per split level) and its steps carry no
         host time (module docstring); the prefill carries its host time unscaled. Returns (t_decode,
         t_prefill), arrays shaped like ``s_decode``. Raises ValueError as ``predict``.
         """
         s_d = np.asarray(s_decode)
-        t_d = self.predict_total(decode_reqs, s_d, host=False) * (self.profile.decode_interference * self.decode_margin)
+        t_d = self.predict_total(decode_reqs, s_d, host=False) * (self.profile.decode_interference * self.decode_margin
+                                                                   * self.decode_level_scale[s_d])
         t_p = self.predict_total(prefill_reqs, total_sms - s_d, host=False) * (self.profile.prefill_interference *
                                                                                self.prefill_scale)
         prefill = _columns(prefill_reqs)[0]

@@ -23,6 +23,13 @@ Beyond the paper:
   ``k = floor + 1`` never leaves a gap, so a feasible ``S_d`` always keeps a candidate.
 * The engine runs ``executed_steps(t_d, t_p)`` decode steps beside the prefill, not ``k``
   (``k`` is the most it may run); ``trim_margin`` prices the split at those steps.
+* The first decode step also waits for the iteration's host work (scheduling, the step's
+  inputs), which later steps overlap with the step before: it must fit ``t_d + R h_r`` into
+  the first-token budget, for ``R`` decodes and the profile's ``host_per_request_s`` ``h_r``,
+  the host time a temporal iteration is priced with (``cost_model`` module docstring). On the
+  H200 serving Mooncake, a split's iteration took 5 ms (median, about 30 decodes) beyond its
+  two streams, and most gaps over the SLO were a split's first decode tokens
+  (docs/benchmarks.md, fifteenth session).
 """
 
 from __future__ import annotations
@@ -152,7 +159,9 @@ def plan_iteration(cost_model: CostModel, decode_reqs: Sequence[Request], prefil
     min_sms = granularity if min_sms is None else min_sms
     first = -(-min_sms // granularity) * granularity
     s_d = np.arange(first, total_sms - min_sms + 1, granularity)
-    plan = _best_spatial(cost_model, decode, prefill, tau, first_tau, total_sms, s_d, max_k) if s_d.size else None
+    first_host = len(decode) * cost_model.profile.host_per_request_s  # before the first step (module docstring)
+    plan = _best_spatial(cost_model, decode, prefill, tau, first_tau - first_host, total_sms, s_d, max_k) \
+        if s_d.size else None
     if plan is None:
         return _fallback(cost_model, decode, prefill, first_tau, total_sms)
     if trim_margin is not None:
@@ -190,7 +199,8 @@ def _temporal(t: float, total_sms: int, slo_risk: bool, token_limit: int | None 
 def _best_spatial(cost_model: CostModel, decode: np.ndarray, prefill: np.ndarray, tau: float, first_tau: float,
                   total_sms: int, s_d: np.ndarray, max_k: int | None) -> Plan | None:
     """Enumerate S_d x {floor, floor+1} in one vectorised pass; None if nothing is feasible.
-    The first decode step must fit ``first_tau`` (tau less the carried wait), the others tau."""
+    The first decode step must fit ``first_tau`` (tau less the carried wait and the first
+    step's host time), the others tau."""
     t_d, t_p = cost_model.predict_spatial(decode, prefill, s_d, total_sms)
     floor = np.floor(t_p / t_d)
     k = np.stack([np.maximum(floor, 1), floor + 1])  # shape (2, len(s_d))

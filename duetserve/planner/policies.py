@@ -135,6 +135,7 @@ class DuetPolicy:
         self.carry_s = 0.0  # predicted idle tail of the last plan's decode stream, seconds
         self.cost_model = copy.copy(config.cost_model)  # its decode margin and prefill scale follow the feedback
         self.decode_correction = 1.0  # measured / predicted decode step of spatial plans (observe)
+        self.level_corrections: dict[int, float] = {}  # the same per decode SM count (observe)
         self._base_margin = self.cost_model.decode_margin
         self._temporal_ratios: deque[float] = deque(maxlen=TRIM_WINDOW)  # observe_iteration
         self._learned: tuple[float, float] | None = None  # (trim margin, temporal scale) from those ratios
@@ -192,19 +193,31 @@ class DuetPolicy:
             k = min(max_k, LOOKAHEAD_SLACK * plan.k)
             t_d, t_p = plan.predicted_decode_s, plan.predicted_prefill_s
             steps = executed_steps(t_d, t_p, k)  # what the executor runs if the prediction holds
-            plan = dataclasses.replace(plan, k=k, predicted_s=max(steps * t_d, t_p),
-                                       decode_margin=self.cost_model.decode_margin)
+            margin = self.cost_model.decode_margin * float(self.cost_model.decode_level_scale[plan.s_decode])
+            plan = dataclasses.replace(plan, k=k, predicted_s=max(steps * t_d, t_p), decode_margin=margin)
             self.carry_s = max(0.0, t_p - steps * t_d)
-        if decode_reqs and prefill_reqs and not plan.spatial and self.decode_correction > 1.0:
-            # no spatial plan, so no new measurement: let the correction relax toward 1, so one
+        if decode_reqs and prefill_reqs and not plan.spatial and \
+                max(self.decode_correction, *self.level_corrections.values(), 1.0) > 1.0:
+            # no spatial plan, so no new measurement: let the corrections relax toward 1, so one
             # that priced every split out does not keep them out for good
-            self._set_correction(1.0 + (self.decode_correction - 1.0) * DECODE_CORRECTION_DECAY)
+            def relax(c: float) -> float:
+                return 1.0 + (c - 1.0) * DECODE_CORRECTION_DECAY
+            self.level_corrections = {s: relax(c) for s, c in self.level_corrections.items()}
+            self._set_correction(relax(self.decode_correction))
         return plan
 
-    def observe(self, plan: Plan, decode_step_s: float, prefill_s: float | None) -> None:
+    def observe(self, plan: Plan, decode_step_s: float, prefill_s: float | None,
+                idle_tail_s: float | None = None) -> None:
         """Feedback from a spatial ``plan`` that ran: ``decode_step_s`` measured seconds per
         decode step (the decode stream's busy time over the steps run), ``prefill_s`` of its
-        prefill stream (None: no prefill).
+        prefill stream (None: no prefill), ``idle_tail_s`` the decodes' wait for the prefill's
+        end after their last step (None: not measured).
+
+        The measured wait replaces the predicted one that ``plan`` carried into the next plan's
+        first-token budget (``carry_s``). Beyond the paper: on the H200 serving Mooncake the
+        measured wait exceeded the predicted one by up to 35 ms (p99; the executor runs the
+        steps that fit, not the predicted count), and first decode tokens after a split made
+        most of the gaps over the SLO (docs/benchmarks.md, fifteenth session).
 
         The decode side of later spatial predictions is scaled by ``decode_correction``, which
         moves geometrically toward measured / predicted (weight ``DECODE_FEEDBACK_WEIGHT`` per
@@ -216,10 +229,19 @@ class DuetPolicy:
         prefill that ``plan`` keeps temporal moves the correction back toward 1 by the factor
         ``DECODE_CORRECTION_DECAY`` (no split, no new measurement).
 
+        The same correction is also kept per decode SM count (``level_corrections``, starting
+        from the global one at a level's first measurement, updated and relaxed alike); a plan
+        on a measured level is priced with that level's, any other with the global one
+        (``CostModel.decode_level_scale``). Beyond the paper: on the H200 the bias of the
+        profile's prediction grew with the decode partition, measured / predicted 1.02 on 8
+        SMs, 1.08-1.19 on 16, 1.26 on 32 and 1.46 on 48 (docs/benchmarks.md, fifteenth session),
+        so one correction overpriced the small levels and underpriced the large ones.
+
         With ``TRIM_AUTO``, the decode side is also scaled by ``decode_spread``: the
         ``TRIM_QUANTILE`` over the median of measured / predicted over the last ``TRIM_WINDOW``
         spatial plans (1 until ``TRIM_MIN_SAMPLES`` were seen; never below 1), both taken
-        against the prediction without the spread and the correction. The correction follows
+        against the prediction without the spread and the correction (``Plan.decode_margin``
+        divided out). The correction follows
         the middle of that ratio, so without the spread about half the steps planned right at
         ``tau`` run over; it is updated against the prediction without the spread, so the
         spread adds to it rather than replacing it. Beyond the paper: on the H200 serving Mooncake at QPS 1.5 that ratio was 0.94 /
@@ -233,6 +255,8 @@ class DuetPolicy:
         prediction on one host and 1.07x on another (docs/benchmarks.md, eleventh session)."""
         if not plan.spatial:
             return
+        if idle_tail_s is not None:
+            self.carry_s = max(0.0, idle_tail_s)
         if prefill_s is not None and prefill_s > 0 and plan.predicted_prefill_s:
             ratio = prefill_s / plan.predicted_prefill_s
             low, high = PREFILL_SCALE_BOUNDS
@@ -240,19 +264,31 @@ class DuetPolicy:
             cm.prefill_scale = min(high, max(low, cm.prefill_scale * ratio ** DECODE_FEEDBACK_WEIGHT))
         if not plan.predicted_decode_s or decode_step_s <= 0:
             return
-        ratio = decode_step_s / plan.predicted_decode_s * self.decode_spread  # the correction's own error
+        # measured / predicted without this policy's feedback (the factor the plan was priced
+        # with is divided out), so a changed margin does not read as spread or as bias
+        priced = plan.decode_margin if plan.decode_margin is not None else self._base_margin
+        bias = decode_step_s / plan.predicted_decode_s * priced / self._base_margin
         if self.config.trim_margin == TRIM_AUTO:
-            # against the prediction without this policy's feedback, so a changed margin does
-            # not read as spread
-            self._decode_ratios.append(ratio * self.decode_correction)
+            self._decode_ratios.append(bias)
             if len(self._decode_ratios) >= TRIM_MIN_SAMPLES:
                 q, median = np.quantile(self._decode_ratios, [TRIM_QUANTILE, 0.5])
                 self.decode_spread = max(1.0, float(q / median))
-        self._set_correction(min(MAX_DECODE_CORRECTION, max(1.0, self.decode_correction * ratio ** DECODE_FEEDBACK_WEIGHT)))
+
+        def toward_bias(c: float) -> float:
+            return min(MAX_DECODE_CORRECTION, max(1.0, c * (bias / c) ** DECODE_FEEDBACK_WEIGHT))
+        level = self.level_corrections.get(plan.s_decode, self.decode_correction)
+        self.level_corrections[plan.s_decode] = toward_bias(level)
+        self._set_correction(toward_bias(self.decode_correction))
 
     def _set_correction(self, value: float) -> None:
+        """The global correction becomes ``value``; the cost model's decode margin and per-level
+        scale follow it, the spread and the level corrections."""
         self.decode_correction = value
         self.cost_model.decode_margin = self._base_margin * value * self.decode_spread
+        scale = np.ones(self.config.profile.num_sms + 1)  # a new array: the config's model shares the old
+        for sms, level in self.level_corrections.items():
+            scale[sms] = level / value
+        self.cost_model.decode_level_scale = scale
 
 
 class PdmuxPolicy:
@@ -283,7 +319,8 @@ class PdmuxPolicy:
         self.config = config
         self.groups = stream_groups(config.profile.num_sms, config.profile.compute_capability_major, config.pdmux)
 
-    def observe(self, plan: Plan, decode_step_s: float, prefill_s: float | None) -> None:
+    def observe(self, plan: Plan, decode_step_s: float, prefill_s: float | None,
+                idle_tail_s: float | None = None) -> None:
         """No feedback: SGLang's levels are fixed."""
 
     def observe_iteration(self, plan: Plan, measured_s: float) -> None:

@@ -242,7 +242,8 @@ class _Run:
             self.scheduler.policy.observe_iteration(plan, duration)
         elif streams is not None and out.decodes:  # a split: its streams' times, as the engine's events
             t_d, t_p = streams
-            self.scheduler.policy.observe(plan, t_d, t_p if out.prefills else None)
+            tail = max(0.0, t_p - len(decode_times) * t_d) if out.prefills else None
+            self.scheduler.policy.observe(plan, t_d, t_p if out.prefills else None, tail)
         self.iterations.append(IterationRecord(self.now, duration, plan.predicted_s, plan.spatial, plan.slo_risk,
                                                plan.s_decode, plan.k, len(out.decodes), out.num_prefill_tokens))
         before = {s.seq.seq_id: s.seq.num_output_tokens for s in out.scheduled}
