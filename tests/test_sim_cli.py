@@ -2,10 +2,12 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 from test_jsonio import strict_loads
 
+import duetserve.planner
 from duetserve import argtypes
 from duetserve.cli import main
 from duetserve.sim import cli as sim_cli
@@ -77,6 +79,31 @@ def test_prediction_error_changes_the_run_and_the_seed_repeats_it(tmp_path, caps
     exact, noisy = rows(), rows("--prediction-error", "0.2", "--seed", "3")
     assert noisy != exact and noisy == rows("--prediction-error", "0.2", "--seed", "3")
     assert noisy[0]["mean_ttft_ms"] != exact[0]["mean_ttft_ms"]
+
+
+def test_clock_profile_reaches_the_simulator_and_must_match_the_sm_count(tmp_path, capsys):
+    """``--clock-profile``: iterations take its times (a clock with 2x the decode interference
+    slows duet's splits, so the rows differ, while ``--gpu`` as the clock changes nothing); a
+    profile of another SM count is refused naming the flags."""
+    profiles = Path(duetserve.planner.__file__).parent / "profiles"
+    slow = json.loads((profiles / "h200.json").read_text())
+    slow["decode_interference"] *= 2
+    (tmp_path / "slow.json").write_text(json.dumps(slow))
+
+    def rows(*extra):
+        out = tmp_path / f"rows{len(list(tmp_path.iterdir()))}.json"
+        assert main(["simulate", "--format", "synthetic", "--num-requests", "60", "--input-len", "6000",
+                     "--output-len", "50", "--qps", "8", "--policy", "duet", "--no-progress",
+                     "--json", str(out), *extra]) == 0
+        return [{k: v for k, v in r.items() if k != "sim_wall_s"} for r in json.loads(out.read_text())]
+    exact = rows()
+    assert rows("--clock-profile", "h200") == exact
+    (biased,) = rows("--clock-profile", str(tmp_path / "slow.json"))
+    assert exact[0]["spatial_fraction"] > 0 and biased["mean_tbt_ms"] > 1.1 * exact[0]["mean_tbt_ms"]
+    capsys.readouterr()
+    assert main([*SMALL, "--qps", "2", "--clock-profile", "a100"]) == 2
+    assert capsys.readouterr().err == ("duetserve simulate: error: --clock-profile: the clock profile 'a100' has "
+                                       "108 SMs, the planner's 'h200' 132 (--gpu)\n")
 
 
 @pytest.mark.parametrize("args, flag", [

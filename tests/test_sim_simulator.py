@@ -122,6 +122,35 @@ def test_prediction_error_spreads_iterations_lognormally_and_auto_trim_follows(p
             SimConfig(planner, prediction_error=bad)
 
 
+def test_clock_profile_runs_iterations_off_a_biased_planner(planner):
+    """``clock_profile``: iterations take the clock's predictions, the policy plans with its own.
+    A clock whose ``decode_interference`` is 1.5x the planner's runs every split's decode steps
+    at exactly 1.5x the policy's prediction without its feedback (``Plan.decode_margin`` divided
+    out), and duet's per-level corrections learn it; the planner's own profile as the clock
+    changes nothing."""
+    trace = load_trace(None, TraceSpec(qps=20, num_requests=200, input_len=UniformLength(1000, 7000),
+                                       output_len=UniformLength(10, 100), seed=2))
+    plain = simulate(trace, DuetPolicy(planner), SimConfig(planner))
+    same = simulate(trace, DuetPolicy(planner), SimConfig(planner, clock_profile=planner.profile))
+    assert [it.duration_s for it in same.iterations] == [it.duration_s for it in plain.iterations]
+
+    seen = []
+
+    class Recording(DuetPolicy):
+        def observe(self, plan, decode_step_s, prefill_s, idle_tail_s=None):
+            seen.append((plan.s_decode, decode_step_s / plan.predicted_decode_s * plan.decode_margin))
+            super().observe(plan, decode_step_s, prefill_s, idle_tail_s)
+
+    clock = dataclasses.replace(planner.profile, decode_interference=1.5 * planner.profile.decode_interference)
+    policy = Recording(planner)
+    simulate(trace, policy, SimConfig(planner, clock_profile=clock))
+    assert len(seen) > 20 and [b for _, b in seen] == pytest.approx([1.5] * len(seen), rel=1e-9)
+    busiest = max({s for s, _ in seen}, key=[s for s, _ in seen].count)
+    assert 1.3 < policy.level_corrections[busiest] <= 1.5 and policy.decode_correction > 1.2
+    with pytest.raises(ValueError, match="the clock profile 'a100' has 108 SMs, the planner's 'h200' 132"):
+        SimConfig(planner, clock_profile=load_profile("a100"))
+
+
 def test_spatial_iteration_emits_decode_tokens_per_step(planner):
     """A long prompt arriving beside a decoding request: duet splits, decode tokens every t_d,
     and steps start only while half a step of the prefill is left (``executed_steps``)."""

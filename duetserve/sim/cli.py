@@ -104,6 +104,9 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
                    help="share of HBM for weights and KV cache (default 0.9)")
     m.add_argument("--kv-cache-tokens", type=argtypes.positive_int, metavar="TOKENS",
                    help="KV capacity (default: from the profile's HBM minus the weights)")
+    m.add_argument("--clock-profile", type=argtypes.argtype(load_profile), metavar="NAME|PATH",
+                   help="hardware profile the simulated iterations take their time from, while the policies "
+                        "plan with --gpu's: replays a profile that is wrong about the GPU (default: --gpu)")
     m.add_argument("--prediction-error", type=argtypes.argtype(_sigma), default=0.0, metavar="SIGMA",
                    help="run each iteration for its predicted time times a lognormal factor exp(N(0, SIGMA^2)), "
                         "seeded by --seed (default 0: exactly the prediction; 0.05 is close to the H200's spread)")
@@ -211,9 +214,12 @@ def _simulate(args: argparse.Namespace) -> int:
         policies = [policy_by_name(name, planner) for name in names]
     except ValueError as exc:  # "--policy pdmux needs an SM partition backend ..."
         raise UsageError(str(exc)) from exc
-    config = SimConfig(planner, args.max_num_seqs, args.max_num_batched_tokens, args.block_size,
-                       args.kv_cache_tokens, args.gpu_memory_utilization, args.max_model_len,
-                       args.prediction_error, args.seed)
+    try:
+        config = SimConfig(planner, args.max_num_seqs, args.max_num_batched_tokens, args.block_size,
+                           args.kv_cache_tokens, args.gpu_memory_utilization, args.max_model_len,
+                           args.prediction_error, args.seed, args.clock_profile)
+    except ValueError as exc:  # only the clock profile can be wrong here: the other fields were checked
+        raise UsageError(f"--clock-profile: {exc} (--gpu)") from exc
     _check_kv_cache(args, config)
     rows = []
     for qps in args.qps:

@@ -31,6 +31,12 @@ with decodes and prefill (``observe_iteration``, ``--trim-margin auto``), and ea
 decode step and prefill times (``observe``: duet's decode correction and prefill scale), as the
 engine reports them.
 
+With ``SimConfig.clock_profile`` the iterations take that profile's predictions while the
+policies plan with the planner's: a profile that is wrong about the GPU in a known way (say a
+``decode_interference`` 1.3x too low) replays what biased predictions do to the policies'
+feedback, which a centred ``prediction_error`` cannot (docs/benchmarks.md, fourteenth H200
+session: a decode correction that fell to its floor on the GPU and passed the simulation).
+
 A request's TTFT runs from its arrival to its first token, its TBT gaps between consecutive
 tokens (a preempted request's gap includes its recompute). KV capacity is the profile's HBM
 times a utilization, minus the weights, divided by the KV bytes per token (vLLM's sizing).
@@ -51,7 +57,7 @@ from duetserve.engine.kv_cache import BlockManager
 from duetserve.engine.policy import Policy
 from duetserve.engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from duetserve.engine.sequence import Sequence as Seq
-from duetserve.planner.cost_model import ModelShape
+from duetserve.planner.cost_model import CostModel, ModelShape
 from duetserve.planner.hardware import HardwareProfile
 from duetserve.planner.optimizer import executed_steps
 from duetserve.planner.policies import PlannerConfig
@@ -106,9 +112,12 @@ class SimConfig:
         prediction_error: sigma of the lognormal factor on every simulated time (module
             docstring); 0 runs the predictions exactly.
         seed: seed of those factors.
+        clock_profile: the profile whose predictions the simulated iterations take (module
+            docstring); None: the planner's.
 
     Raises:
-        ValueError: ``prediction_error`` outside [0, 1].
+        ValueError: ``prediction_error`` outside [0, 1], or a ``clock_profile`` with another SM
+            count than the planner's profile.
     """
 
     planner: PlannerConfig
@@ -120,10 +129,15 @@ class SimConfig:
     max_model_len: int | None = None
     prediction_error: float = 0.0
     seed: int = 0
+    clock_profile: HardwareProfile | None = None
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.prediction_error <= 1.0:
             raise ValueError(f"prediction_error must be a sigma in [0, 1], got {self.prediction_error}")
+        clock, planned = self.clock_profile, self.planner.profile
+        if clock is not None and clock.num_sms != planned.num_sms:
+            raise ValueError(f"the clock profile {clock.name!r} has {clock.num_sms} SMs, the planner's "
+                             f"{planned.name!r} {planned.num_sms}")
 
     def kv_blocks(self) -> int:
         """KV-cache blocks of ``block_size`` tokens (raises ValueError as ``kv_cache_tokens``)."""
@@ -195,7 +209,8 @@ class _Run:
 
     def __init__(self, trace: Sequence[TraceRequest], policy: Policy, config: SimConfig) -> None:
         self.trace, self.config = trace, config
-        self.cm = config.planner.cost_model
+        p, clock = config.planner, config.clock_profile  # the clock: what iterations take
+        self.cm = p.cost_model if clock is None else CostModel(p.shape, clock, tp=p.tp, cuda_graphs=p.cuda_graphs)
         self.total_sms = config.planner.profile.num_sms
         max_len = config.max_model_len or max((r.input_len + r.output_len for r in trace), default=2)
         self.blocks = BlockManager(config.kv_blocks(), config.block_size)
