@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import gc
 import logging
 from pathlib import Path
 
@@ -511,11 +512,17 @@ def test_serve_port_0_logs_the_port_it_serves_on(monkeypatch, caplog):
     now uvicorn serves on the socket that serve bound, and the log names that socket's port."""
     import uvicorn
 
-    ports = []  # of the sockets uvicorn is given (closed when serve returns)
-    monkeypatch.setattr(uvicorn.Server, "run", lambda self, sockets: ports.extend(s.getsockname()[1] for s in sockets))
+    ports, frozen = [], []  # of the sockets uvicorn is given (closed when serve returns); gc.get_freeze_count()
+
+    def run(self, sockets):
+        ports.extend(s.getsockname()[1] for s in sockets)
+        frozen.append(gc.get_freeze_count())
+    monkeypatch.setattr(uvicorn.Server, "run", run)
     with caplog.at_level(logging.INFO, logger="duetserve.cli"):
         assert main(["serve", "--device", "cpu", "--port", "0", "--load-format", "dummy", "--num-kv-blocks", "64"]) == 0
     [port] = ports
     assert port != 0
+    # the start-up heap was frozen while serving (no full collection rescans it) and thawed after
+    assert frozen[0] > 100_000 and gc.get_freeze_count() == 0
     assert (f"serving SmolLM2-135M-Instruct on http://127.0.0.1:{port} (policy duet, TBT SLO 100 ms)"
             in [r.getMessage() for r in caplog.records])
