@@ -162,7 +162,10 @@ def iteration_summary(records: list[dict[str, Any]], t0: float, t1: float) -> di
     Where the log has the scheduler's time (``schedule_s``, the policy's planning included),
     ``schedule_ms_median`` and ``schedule_ms_p99`` give it. Where spatial iterations carry the
     rates duet weighed (``trim_rates``: trimmed temporal, split), ``split_over_trimmed_rate_median``
-    is the median of split / trimmed: how clearly the splits won.
+    is the median of split / trimmed: how clearly the splits won. Where they carry the factor the
+    decode side was priced with (``decode_margin``), ``decode_bias_by_sms`` maps each decode SM
+    count to ``[median, count]`` of the decode step over its prediction with that factor divided
+    out: the profile's own bias per level, which duet learns (``DuetPolicy.level_corrections``).
     """
     its = [r for r in records if t0 <= r.get("t", -1.0) <= t1]
     spatial = [r for r in its if r.get("spatial")]
@@ -188,6 +191,13 @@ def iteration_summary(records: list[dict[str, Any]], t0: float, t1: float) -> di
         out["decode_step_measured_over_predicted"] = _median_ratio(
             [r for r in spatial if r.get("steps")], lambda r: r["decode_stream_s"] / r["steps"],
             lambda r: r["predicted_decode_s"])
+        priced = [r for r in spatial if r.get("steps") and r.get("decode_margin")]
+        if priced:
+            out["decode_bias_by_sms"] = {
+                s: [_median_ratio(level, lambda r: r["decode_stream_s"] / r["steps"] * r["decode_margin"],
+                                  lambda r: r["predicted_decode_s"]), len(level)]
+                for s in sorted({r["s_decode"] for r in priced})
+                for level in [[r for r in priced if r["s_decode"] == s]]}
         weighed = [r for r in spatial if r.get("trim_rates")]
         if weighed:
             out["split_over_trimmed_rate_median"] = _median_ratio(weighed, lambda r: r["trim_rates"][1],
@@ -553,6 +563,9 @@ class Bench:
                          f"{_f(it['prefill_measured_over_predicted'], '.2f')}, decode step "
                          f"{_f(it['decode_step_measured_over_predicted'], '.2f')}; split / trimmed "
                          f"token rate (median) {_f(it.get('split_over_trimmed_rate_median'), '.3f')}", lane)
+            if it.get("decode_bias_by_sms"):
+                self.log("  decode step / the profile's prediction by decode SMs (median, count): " + ", ".join(
+                    f"{s}: {_f(m, '.2f')} ({n})" for s, (m, n) in it["decode_bias_by_sms"].items()), lane)
             if it.get("schedule_ms_median") is not None:
                 self.log(f"  scheduling a step (planning included), ms p50/p99: {it['schedule_ms_median']:.2f}/"
                          f"{it['schedule_ms_p99']:.2f}", lane)

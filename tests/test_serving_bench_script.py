@@ -229,6 +229,12 @@ def test_iteration_summary_stream_times():
     assert "split_over_trimmed_rate_median" not in s  # no trim_rates logged
     weighed = [{**r, "trim_rates": [30e3, t]} for r, t in zip(recs, (33e3, 36e3, 31.5e3), strict=True)]
     assert sb.iteration_summary(weighed, 0.0, 4.0)["split_over_trimmed_rate_median"] == pytest.approx(1.1)
+    assert "decode_bias_by_sms" not in s  # no decode_margin logged
+    # priced with a margin: step x margin / prediction per level (the zero-step record is left out)
+    priced = [{**recs[0], "decode_margin": 1.5}, {**recs[2], "decode_margin": 1.1}] + [
+        {**recs[1], "t": 2.0 + i / 10, "decode_margin": m, "s_decode": 16} for i, m in enumerate((1.2, 1.6, 1.4))]
+    assert sb.iteration_summary(priced, 0.0, 4.0)["decode_bias_by_sms"] == {
+        8: [pytest.approx(0.04 * 1.5 / 0.03), 1], 16: [pytest.approx(1.4), 3]}  # 0.03 / 0.03 x 1.2, 1.6, 1.4
 
 
 def _run(policy, trace, qps, p99, failed=0, req_s=None, status="ok", spatial=0.0):
