@@ -55,6 +55,10 @@ def test_bad_serve_flags_exit_2_naming_the_flag(argv, flag, capsys):
      "argument --block-size: must be one of 1, 8, 16, 32, 64, 128, 256, got '1000000'"),
     (["--block-size", "0"], "argument --block-size: must be one of 1, 8, 16, 32, 64, 128, 256, got '0'"),
     (["--block-size", "x"], "argument --block-size: expected an integer, got 'x'"),
+    # accepted, while bench, simulate and the API's seed refuse negative seeds
+    (["--seed", "-1"], "argument --seed: must be an integer >= 0, got '-1'"),
+    # "duetserve serve: error: Overflow when unpacking long long", after binding the port
+    (["--port", "0", "--seed", str(2**64)], "duetserve serve: error: --seed must be in [0, 2**64)"),
 ])
 def test_bad_serve_values_are_explained(argv, message, capsys):
     with pytest.raises(SystemExit) as exc:
