@@ -18,6 +18,7 @@ from duetserve.argtypes import (
     exit_on_interrupt,
     join_negative_values,
     non_empty,
+    non_negative_int,
     tbt_slo,
     trim_margin,
 )
@@ -109,7 +110,7 @@ def _add_serve(sub) -> None:
     p.add_argument("--api-key", type=non_empty, default=None,
                    help="require 'Authorization: Bearer KEY' on /v1 routes (an empty KEY is refused: it would "
                         "turn authentication off)")
-    p.add_argument("--seed", type=int, default=0, help="seed for dummy weights and unseeded sampling")
+    p.add_argument("--seed", type=non_negative_int, default=0, help="seed for dummy weights and unseeded sampling")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode")
     p.add_argument("--num-decode-steps", type=int, default=1, metavar="N",
                    help="decode-only iterations run up to N steps back to back, stopping when a request "

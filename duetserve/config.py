@@ -59,7 +59,7 @@ class EngineConfig:
             ``none`` (the engine runs no spatial plans yet) keeps plans temporal and refuses
             ``pdmux``; ``auto`` falls back to ``none``, while an explicit backend that cannot
             run makes ``LLMEngine`` raise.
-        seed: seed for dummy weights and for unseeded sampling.
+        seed: seed for dummy weights and for unseeded sampling, in [0, 2**64).
         attention_backend: one of ``ATTENTION_BACKENDS`` (see ``duetserve.model.backends``).
         enforce_eager: never replay CUDA graphs (decode runs eagerly).
         num_decode_steps: decode-only iterations run up to this many steps back to back (each
@@ -117,6 +117,7 @@ class EngineConfig:
             (self.cpu_kv_cache_bytes > 0, "--cpu-kv-cache-gb", "must be positive"),
             (self.max_model_len is None or self.max_model_len >= 2, "--max-model-len", "must be >= 2"),
             (self.tbt_slo_s > 0, "--tbt-slo", "must be positive"),
+            (0 <= self.seed < 2**64, "--seed", "must be in [0, 2**64)"),  # torch's generators take no more
             (self.partition_backend in PARTITION_BACKENDS + ("auto",), "--partition-backend",
              f"must be auto or one of {', '.join(PARTITION_BACKENDS)}"),
             (self.policy != "pdmux" or self.partition_backend != "none", "--policy",

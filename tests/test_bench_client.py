@@ -37,6 +37,7 @@ from duetserve.bench.cli import configure_parser, run
 from duetserve.bench.launch import LaunchConfig, ServerProcess, launched_base_url
 from duetserve.bench.plot import read_iteration_log
 from duetserve.bench.prompts import COMMON_WORDS, PromptBuilder
+from duetserve.bench.runner import fetch_model_id
 from duetserve.traces import MOONCAKE_BLOCK_TOKENS, TraceRequest
 
 MISBEHAVIOURS = ("ok", "http500", "abort", "truncate", "short", "hang")
@@ -275,6 +276,23 @@ def test_sweep_compare_and_iteration_log(tmp_path: Path, capsys: pytest.CaptureF
     text = capsys.readouterr().out
     assert "sweep_qps20" in text and "B/A" in text and re.search(r"completed\s+6\s+6\s+1.000", text)
     assert png.is_file()
+
+
+@pytest.mark.parametrize("error, reason", [
+    (httpx.ReadTimeout(""), "ReadTimeout"),  # said "could not read a model id from URL/v1/models: " (bench --request-timeout 1ms)
+    (httpx.ConnectError("All connection attempts failed"), "ConnectError: All connection attempts failed"),
+])
+def test_a_failed_model_list_names_the_reason(error: httpx.HTTPError, reason: str) -> None:
+    def fail(request: httpx.Request) -> httpx.Response:
+        raise error
+
+    async def fetch() -> str:
+        async with httpx.AsyncClient(transport=httpx.MockTransport(fail)) as client:
+            return await fetch_model_id(client, "http://server")
+
+    with pytest.raises(RuntimeError) as exc:
+        asyncio.run(fetch())
+    assert str(exc.value) == f"could not read a model id from http://server/v1/models: {reason}"
 
 
 def test_unreachable_server_is_a_setup_error(capsys: pytest.CaptureFixture) -> None:

@@ -130,3 +130,6 @@ def test_parse_goodput() -> None:
     for bad in (["itl:5"], ["ttft"], ["ttft:1", "ttft:2"]):
         with pytest.raises(ValueError):
             parse_goodput(bad)
+    # accepted: request_goodput 0.00 for any server, as --tbt-slo 0 is refused
+    with pytest.raises(ValueError, match=r"^--goodput ttft:0ms: must be a positive duration$"):
+        parse_goodput(["ttft:0ms"])

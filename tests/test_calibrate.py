@@ -385,6 +385,9 @@ def test_plot_draws_a_png(tmp_path):
     (["--partition-backend", "mig"], "--partition-backend"),
     (["--gpu-name", " "], "--gpu-name: must not be empty"),
     (["--iteration-log", "/no/such/log.jsonl"], "--iteration-log: no such file: /no/such/log.jsonl"),
+    # exit 1 after the checks: "needs a CUDA GPU" here, torch's "Invalid device string" on a GPU
+    (["--device", "cpu"], "--device: must be cuda or cuda:N, got 'cpu'"),
+    (["--device", "cuda:x"], "--device: must be cuda or cuda:N, got 'cuda:x'"),
 ])
 def test_cli_argument_errors_name_the_flag(tmp_path, capsys, extra, flag):
     with pytest.raises(SystemExit) as exc:

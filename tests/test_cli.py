@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
 import logging
 from pathlib import Path
 
@@ -54,6 +55,10 @@ def test_bad_serve_flags_exit_2_naming_the_flag(argv, flag, capsys):
      "argument --block-size: must be one of 1, 8, 16, 32, 64, 128, 256, got '1000000'"),
     (["--block-size", "0"], "argument --block-size: must be one of 1, 8, 16, 32, 64, 128, 256, got '0'"),
     (["--block-size", "x"], "argument --block-size: expected an integer, got 'x'"),
+    # accepted, while bench, simulate and the API's seed refuse negative seeds
+    (["--seed", "-1"], "argument --seed: must be an integer >= 0, got '-1'"),
+    # "duetserve serve: error: Overflow when unpacking long long", after binding the port
+    (["--port", "0", "--seed", str(2**64)], "duetserve serve: error: --seed must be in [0, 2**64)"),
 ])
 def test_bad_serve_values_are_explained(argv, message, capsys):
     with pytest.raises(SystemExit) as exc:
@@ -421,6 +426,29 @@ def test_serve_refuses_a_model_file_that_is_no_gguf(tmp_path, capsys):
     assert exc.value.code == 2
     assert capsys.readouterr().err.endswith(
         f"duetserve serve: error: --model {readme}: neither a model folder (with config.json) nor a .gguf file\n")
+
+
+_TINY_LLAMA = {"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 1, "num_attention_heads": 1,
+               "intermediate_size": 4, "vocab_size": 10, "max_position_embeddings": 64}
+
+
+@pytest.mark.parametrize("config, reason", [
+    # each was a traceback: transformers' OSError (exit 1), its own size check, torch.arange building RoPE
+    ('{"model_type": "llama", ', "It looks like the config file at '{folder}/config.json' is not a valid JSON file."),
+    (json.dumps({**_TINY_LLAMA, "num_attention_heads": 3}), "Class validation error for validator 'validate_architecture':"),
+    (json.dumps({**_TINY_LLAMA, "hidden_size": -5}), "config.json: hidden_size must be an integer >= 1, got -5"),
+    (json.dumps({**_TINY_LLAMA, "num_hidden_layers": 0}), "config.json: num_hidden_layers must be an integer >= 1, got 0"),
+])
+def test_serve_names_the_flag_for_a_bad_config_json(tmp_path, capsys, config, reason):
+    folder = tmp_path / "model"
+    folder.mkdir()
+    (folder / "config.json").write_text(config)
+    with pytest.raises(SystemExit) as exc:
+        main(["serve", "--device", "cpu", "--port", "0", "--load-format", "dummy", "--model", str(folder)])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    assert f"duetserve serve: error: --model {folder}: {reason.format(folder=folder)}" in err
 
 
 @pytest.mark.parametrize("content, message", [

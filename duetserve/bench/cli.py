@@ -83,7 +83,7 @@ def parse_goodput(items: list[str]) -> Slos:
     bare numbers are milliseconds (as in vLLM's ``--goodput ttft:200``).
 
     Raises:
-        UsageError: an unknown key, a repeated key, or a bad value.
+        UsageError: an unknown key, a repeated key, or a bad or zero value.
     """
     slos: dict[str, float] = {}
     for item in items:
@@ -94,6 +94,8 @@ def parse_goodput(items: list[str]) -> Slos:
             slos[key] = parse_duration(value, "ms")
         except ValueError as exc:
             raise UsageError(f"--goodput {item}: {exc}") from exc
+        if not slos[key] > 0:  # no request meets it: a goodput of 0 whatever the server does
+            raise UsageError(f"--goodput {item}: must be a positive duration")
     return Slos(**{f"{k}_s": v for k, v in slos.items()})
 
 

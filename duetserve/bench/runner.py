@@ -74,6 +74,11 @@ class BenchRun:
     start_time_unix: float
 
 
+def _reason(e: Exception) -> str:
+    """``TYPE: MESSAGE``, or ``TYPE`` alone: httpx's timeouts have no message."""
+    return f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+
+
 async def fetch_model_id(client: httpx.AsyncClient, base_url: str) -> str:
     """The first model id listed by ``GET {base_url}/v1/models``.
 
@@ -85,7 +90,7 @@ async def fetch_model_id(client: httpx.AsyncClient, base_url: str) -> str:
         resp.raise_for_status()
         return resp.json()["data"][0]["id"]
     except (httpx.HTTPError, ValueError, KeyError, IndexError) as e:
-        raise RuntimeError(f"could not read a model id from {base_url}/v1/models: {e}") from e
+        raise RuntimeError(f"could not read a model id from {base_url}/v1/models: {_reason(e)}") from e
 
 
 async def check_reachable(client: httpx.AsyncClient, base_url: str) -> None:
@@ -94,7 +99,7 @@ async def check_reachable(client: httpx.AsyncClient, base_url: str) -> None:
     try:
         await client.get(f"{base_url}/v1/models")
     except httpx.TransportError as e:
-        raise RuntimeError(f"server not reachable at {base_url}: {type(e).__name__}: {e}") from e
+        raise RuntimeError(f"server not reachable at {base_url}: {_reason(e)}") from e
 
 
 def _payload(model: str, prompt: list[int] | str, output_len: int, chat: bool) -> dict[str, Any]:

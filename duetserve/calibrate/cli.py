@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import re
 import sys
 import tempfile
 from pathlib import Path
@@ -60,6 +61,14 @@ def _model_path(text: str) -> Path:
     return path
 
 
+def _cuda_device(text: str) -> str:
+    """``--device``: ``cuda`` or ``cuda:N``; else "must be cuda or cuda:N, got 'TEXT'" (torch's own
+    error came after the argument checks, exit 1, or a CPU device failed inside the measurement)."""
+    if not re.fullmatch(r"cuda(:\d+)?", text):
+        raise argparse.ArgumentTypeError(f"must be cuda or cuda:N, got {text!r}")
+    return text
+
+
 def configure_parser(p: argparse.ArgumentParser) -> None:
     """Add every ``duetserve calibrate`` option to ``p``."""
     p.add_argument("--gpu-name", required=True, type=non_empty, metavar="NAME", help="name of the profile written")
@@ -75,7 +84,7 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--partition-backend", choices=PARTITION_BACKENDS, default="greenctx",
                    help="streams of S SMs for BW(S), Pi(S) and split decode (none: all SMs only)")
     p.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default="auto")
-    p.add_argument("--device", default="cuda", help="cuda or cuda:N")
+    p.add_argument("--device", type=_cuda_device, default="cuda", help="cuda or cuda:N")
     p.add_argument("--plot", type=plot_file, metavar="OUT.png", help="draw predicted against measured")
     p.add_argument("--quick", action="store_true",
                    help="8 timed repeats instead of 20, one decode batch on split SM levels")

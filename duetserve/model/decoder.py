@@ -23,6 +23,9 @@ from duetserve.model.layers import (
 )
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen3", "mistral")
+# config.json sizes that must be integers >= 1
+_POSITIVE_SIZES = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size",
+                   "max_position_embeddings")
 
 
 @dataclass(frozen=True)
@@ -48,11 +51,16 @@ class ModelDims:
         """Read a transformers ``PretrainedConfig``.
 
         Raises:
-            ValueError: the model type is not one of ``SUPPORTED_MODEL_TYPES``.
+            ValueError: the model type is not one of ``SUPPORTED_MODEL_TYPES``, or a size in
+                ``_POSITIVE_SIZES`` is not an integer >= 1 ("config.json: KEY must be ...").
         """
         if config.model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(f"model type {config.model_type!r} is not supported "
                              f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
+        for key in _POSITIVE_SIZES:  # else torch fails building the layers, with a traceback
+            value = getattr(config, key, None)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"config.json: {key} must be an integer >= 1, got {value!r}")
         heads = config.num_attention_heads
         return cls(
             hidden_size=config.hidden_size,

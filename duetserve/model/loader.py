@@ -20,7 +20,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from duetserve.model.attention import AttentionBackend
-from duetserve.model.decoder import CausalLM
+from duetserve.model.decoder import CausalLM, ModelDims
 
 log = logging.getLogger(__name__)
 
@@ -158,12 +158,18 @@ def load_model(model: str | None, backend: AttentionBackend, dtype: torch.dtype,
 
     Raises:
         FileNotFoundError: see ``resolve_model``; or the folder has no ``*.safetensors``.
+        ValueError: "--model MODEL: REASON" for a ``config.json`` that transformers cannot read, or
+            whose model type or sizes ``ModelDims.from_config`` refuses.
         KeyError: a checkpoint lacks a parameter the model needs.
     """
     from transformers import AutoConfig, AutoTokenizer
 
     folder, name = resolve_model(model)
-    config = AutoConfig.from_pretrained(folder)
+    try:
+        config = AutoConfig.from_pretrained(folder)
+        ModelDims.from_config(config)  # checked here to name --model; CausalLM reads it again
+    except Exception as exc:  # not JSON, no model_type, transformers' own checks (OSError, ValueError, ...)
+        raise ValueError(f"--model {model or name}: {exc}") from exc
     positions = max_positions or config.max_position_embeddings
     with torch.device(device), _default_dtype(dtype):
         lm = CausalLM(config, backend, positions)
