@@ -122,7 +122,8 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
                         "error, none unless --prediction-error; off: the paper's rule)")
     s.add_argument("--max-num-batched-tokens", type=argtypes.positive_int, default=8192,
                    help="token budget per iteration (default 8192; 2048 suits A100)")
-    s.add_argument("--max-num-seqs", type=argtypes.positive_int, default=256)
+    s.add_argument("--max-num-seqs", type=argtypes.positive_int, default=256,
+                   help="most running sequences (default 256; serve's default is 64)")
     s.add_argument("--block-size", type=argtypes.block_size, default=16,
                    help=f"tokens per KV-cache block: {', '.join(map(str, BLOCK_SIZES))} (default 16)")
     s.add_argument("--max-model-len", type=argtypes.positive_int, metavar="TOKENS",
