@@ -27,6 +27,7 @@ Used by scripts/device_serving.sh (GPU, and its CPU smoke mode).
 from __future__ import annotations
 
 import argparse
+import bisect
 import gzip
 import json
 import math
@@ -202,6 +203,49 @@ def iteration_summary(records: list[dict[str, Any]], t0: float, t1: float) -> di
         if weighed:
             out["split_over_trimmed_rate_median"] = _median_ratio(weighed, lambda r: r["trim_rates"][1],
                                                                   lambda r: r["trim_rates"][0])
+    return out
+
+
+LATE_MATCH_SLACK_S = 0.003  # late_gaps: a token reaches the client this long after its iteration's log line, at most
+
+
+def late_gaps(result: dict[str, Any], records: list[dict[str, Any]], slo_s: float) -> dict[str, int]:
+    """Where the gaps over the TBT SLO came from: each client gap longer than ``slo_s`` (the bench
+    result's per-request ``itls_s``, placed in time from ``start_time_unix``, ``start_s`` and
+    ``ttft_s``) is matched to the first logged iteration (``t``: its end, unix seconds) that ends
+    after the token arrived, less ``LATE_MATCH_SLACK_S``: the one that produced it.
+
+    Returns counts: ``gaps`` (all), ``late``, and of the late ones ``temporal``, ``split_first_step``
+    (within 1.5 decode steps of the split's start: the gap spans the iteration before, the host
+    work before the first step and the step), ``split_later_step`` and ``unmatched`` (after the
+    last logged iteration). The fifteenth H200 session found most of Mooncake's late tokens on
+    splits' first steps this way (docs/benchmarks.md).
+    """
+    ends = sorted((r["t"], i) for i, r in enumerate(records) if r.get("t") is not None)
+    times = [t for t, _ in ends]
+    out = {"gaps": 0, "late": 0, "temporal": 0, "split_first_step": 0, "split_later_step": 0, "unmatched": 0}
+    t0 = result.get("start_time_unix", 0.0)
+    for req in result.get("requests") or []:
+        if req.get("ttft_s") is None:
+            continue
+        t = t0 + req.get("start_s", 0.0) + req["ttft_s"]
+        for gap in req.get("itls_s") or []:
+            t += gap
+            out["gaps"] += 1
+            if gap <= slo_s:
+                continue
+            out["late"] += 1
+            k = bisect.bisect_left(times, t - LATE_MATCH_SLACK_S)
+            if k == len(times):
+                out["unmatched"] += 1
+                continue
+            r = records[ends[k][1]]
+            if not r.get("spatial"):
+                out["temporal"] += 1
+                continue
+            start = r["t"] - r.get("measured_s", 0.0)
+            step = (r.get("decode_stream_s") or 0.0) / max(1, r.get("steps") or 1)
+            out["split_first_step" if t - start <= 1.5 * step else "split_later_step"] += 1
     return out
 
 
@@ -550,7 +594,9 @@ class Bench:
             run["status"] = "ok"
             run["result"] = res
             t0 = res["start_time_unix"]
-            run["iterations"] = iteration_summary(_read_jsonl(iter_log), t0, t0 + res["duration"])
+            records = _read_jsonl(iter_log)
+            run["iterations"] = iteration_summary(records, t0, t0 + res["duration"])
+            run["late_gaps"] = late_gaps(res, records, a.tbt_slo_ms / 1e3)
             r = run_row(run)
             self.log(f"{label} {tr.name} qps {qps:g}: done {r['done']}/{n} failed {r['failed']}, "
                      f"{_f(r['req_s'], '.2f')} req/s, TBT p50/p99 {_f(r['tbt_p50_ms'], '.1f')}/"
@@ -563,6 +609,12 @@ class Bench:
                          f"{_f(it['prefill_measured_over_predicted'], '.2f')}, decode step "
                          f"{_f(it['decode_step_measured_over_predicted'], '.2f')}; split / trimmed "
                          f"token rate (median) {_f(it.get('split_over_trimmed_rate_median'), '.3f')}", lane)
+            late = run["late_gaps"]
+            if late["late"]:
+                self.log(f"  gaps over the SLO: {late['late']} of {late['gaps']}: "
+                         f"{late['split_first_step'] + late['split_later_step']} in splits "
+                         f"({late['split_first_step']} on their first step), {late['temporal']} in temporal "
+                         f"iterations, {late['unmatched']} after the log", lane)
             if it.get("decode_bias_by_sms"):
                 self.log("  decode step / the profile's prediction by decode SMs (median, count): " + ", ".join(
                     f"{s}: {_f(m, '.2f')} ({n})" for s, (m, n) in it["decode_bias_by_sms"].items()), lane)

@@ -237,6 +237,22 @@ def test_iteration_summary_stream_times():
         8: [pytest.approx(0.04 * 1.5 / 0.03), 1], 16: [pytest.approx(1.4), 3]}  # 0.03 / 0.03 x 1.2, 1.6, 1.4
 
 
+def test_late_gaps_are_matched_to_the_iteration_that_produced_them():
+    """Client gaps over the SLO, placed in time (start 100 s, TTFT 0.5 s), are counted by the
+    iteration whose log line comes next: a temporal one ending at 100.70 s; a split of 4 steps of
+    50 ms that ran 100.70-100.95 s, whose first step's token came at 100.76 s (within 1.5 steps of
+    its start) and a later one at 100.90 s; a gap after the last logged iteration is unmatched."""
+    records = [{"t": 100.70, "spatial": False, "measured_s": 0.2},
+               {"t": 100.95, "spatial": True, "measured_s": 0.25, "decode_stream_s": 0.2, "steps": 4}]
+    result = {"start_time_unix": 100.0, "requests": [
+        {"start_s": 0.0, "ttft_s": 0.5, "itls_s": [0.199, 0.06, 0.14]},  # 100.699 (temporal), 100.759, 100.899
+        {"start_s": 0.1, "ttft_s": 0.4, "itls_s": [0.259, 0.2]},  # 100.759 (split, first step), 100.959 (after)
+        {"start_s": 0.0, "ttft_s": None, "itls_s": []}]}  # failed: no tokens
+    assert sb.late_gaps(result, records, 0.1) == {"gaps": 5, "late": 4, "temporal": 1, "split_first_step": 1,
+                                                  "split_later_step": 1, "unmatched": 1}
+    assert sb.late_gaps(result, records, 0.3)["late"] == 0
+
+
 def _run(policy, trace, qps, p99, failed=0, req_s=None, status="ok", spatial=0.0):
     if status != "ok":
         return {"policy": policy, "trace": trace, "qps": qps, "status": status, "num_requests": 10}
