@@ -132,7 +132,7 @@ class DuetPolicy:
 
     def __init__(self, config: PlannerConfig) -> None:
         self.config = config
-        self.carry_s = 0.0  # predicted idle tail of the last plan's decode stream, seconds
+        self.carry_s = 0.0  # idle tail of the last plan's decode stream, seconds: predicted, then measured (observe)
         self.cost_model = copy.copy(config.cost_model)  # its decode margin and prefill scale follow the feedback
         self.decode_correction = 1.0  # measured / predicted decode step of spatial plans (observe)
         self.level_corrections: dict[int, float] = {}  # the same per decode SM count (observe)
