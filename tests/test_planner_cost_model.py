@@ -142,11 +142,13 @@ def test_model_shapes_from_config_and_presets():
     assert (smol.head_dim, smol.kv_heads, smol.tie_embeddings) == (64, 3, True)
     cfg = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "intermediate_size": 128,
            "vocab_size": 320}
-    assert ModelShape.from_hf_config(cfg) == ModelShape(64, 2, 4, 4, 16, 128, 320, False)
+    assert ModelShape.from_hf_config(cfg) == ModelShape(64, 2, 4, 4, 16, 128, 320, False)  # context unknown: None
+    assert ModelShape.from_hf_config({**cfg, "max_position_embeddings": 2048}).max_positions == 2048
+    assert (qwen.max_positions, ModelShape.preset("llama3-8b").max_positions, smol.max_positions) == (40960, 8192, 8192)
     with pytest.raises(ValueError, match="vocab_size"):
         ModelShape.from_hf_config({k: v for k, v in cfg.items() if k != "vocab_size"})
     for key, value in (("num_hidden_layers", 0), ("num_hidden_layers", 1.5), ("hidden_size", -64), ("vocab_size", 0),
-                       ("head_dim", 0), ("num_attention_heads", "4")):  # 0 layers divided by zero in simulate
+                       ("head_dim", 0), ("num_attention_heads", "4"), ("max_position_embeddings", 0)):  # 0 layers divided by zero in simulate
         with pytest.raises(ValueError, match=f"config '{key}' must be an integer >= 1, got {value!r}"):
             ModelShape.from_hf_config({**cfg, key: value})
     with pytest.raises(ValueError, match="'num_attention_heads' .4. must be a multiple of 'num_key_value_heads' .3."):

@@ -106,6 +106,29 @@ def test_clock_profile_reaches_the_simulator_and_must_match_the_sm_count(tmp_pat
                                        "108 SMs, the planner's 'h200' 132 (--gpu)\n")
 
 
+def test_context_limit_defaults_to_the_models(tmp_path, capsys):
+    """Without ``--max-model-len`` the simulated server takes the model's context, as ``serve`` does
+    (Qwen3-8B: 40960 tokens): a 41000-token prompt fails there, and runs with a larger limit; a trace
+    whose every prompt is that long is refused naming the flags."""
+    trace = tmp_path / "t.csv"
+    trace.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46.0,41000,8\n"
+                     "2023-11-16 18:15:47.0,1000,8\n")
+
+    def row(*extra):
+        out = tmp_path / f"rows{len(list(tmp_path.iterdir()))}.json"
+        assert main(["simulate", "--trace", str(trace), "--qps", "1", "--policy", "chunked", "--no-progress",
+                     "--json", str(out), *extra]) == 0
+        return json.loads(out.read_text())[0]
+    assert (row()["completed"], row()["failed"]) == (1, 1)
+    assert (row("--max-model-len", "42000")["completed"], row("--max-model-len", "42000")["failed"]) == (2, 0)
+    trace.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46.0,41000,8\n")
+    capsys.readouterr()
+    assert main(["simulate", "--trace", str(trace), "--qps", "1", "--no-progress"]) == 2
+    assert capsys.readouterr().err == (
+        "duetserve simulate: error: the model's context of 40960 tokens (--model-config; --max-model-len sets "
+        "another) leaves no room for an output token: the shortest prompt of the trace has 41000 tokens\n")
+
+
 @pytest.mark.parametrize("args, flag", [
     (["--qps", "2", "--policy", "fastest"], "--policy"),
     (["--qps", "fast"], "--qps"),

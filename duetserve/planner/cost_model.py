@@ -82,13 +82,17 @@ Request = tuple[int, int]
 
 _PRESET_CONFIGS: dict[str, dict[str, object]] = {
     "qwen3-8b": {"hidden_size": 4096, "num_hidden_layers": 36, "num_attention_heads": 32, "num_key_value_heads": 8,
-                 "head_dim": 128, "intermediate_size": 12288, "vocab_size": 151936, "tie_word_embeddings": False},
+                 "head_dim": 128, "intermediate_size": 12288, "vocab_size": 151936, "tie_word_embeddings": False,
+                 "max_position_embeddings": 40960},
     "qwen3-14b": {"hidden_size": 5120, "num_hidden_layers": 40, "num_attention_heads": 40, "num_key_value_heads": 8,
-                  "head_dim": 128, "intermediate_size": 17408, "vocab_size": 151936, "tie_word_embeddings": False},
+                  "head_dim": 128, "intermediate_size": 17408, "vocab_size": 151936, "tie_word_embeddings": False,
+                  "max_position_embeddings": 40960},
     "llama3-8b": {"hidden_size": 4096, "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
-                  "intermediate_size": 14336, "vocab_size": 128256, "tie_word_embeddings": False},
+                  "intermediate_size": 14336, "vocab_size": 128256, "tie_word_embeddings": False,
+                  "max_position_embeddings": 8192},
     "smollm2-135m": {"hidden_size": 576, "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3,
-                     "intermediate_size": 1536, "vocab_size": 49152, "tie_word_embeddings": True},
+                     "intermediate_size": 1536, "vocab_size": 49152, "tie_word_embeddings": True,
+                     "max_position_embeddings": 8192},
 }
 
 
@@ -96,7 +100,9 @@ _PRESET_CONFIGS: dict[str, dict[str, object]] = {
 class ModelShape:
     """The dimensions of a Llama/Qwen3-family decoder that the cost model needs.
 
-    ``hidden``, ``head_dim`` and ``intermediate`` are element counts, ``vocab`` tokens.
+    ``hidden``, ``head_dim`` and ``intermediate`` are element counts, ``vocab`` tokens;
+    ``max_positions`` the context the model takes (``max_position_embeddings``), tokens, None
+    when the config does not say.
     """
 
     hidden: int
@@ -107,6 +113,7 @@ class ModelShape:
     intermediate: int
     vocab: int
     tie_embeddings: bool = False
+    max_positions: int | None = None
 
     def tp_split_error(self, tp: int) -> str | None:
         """Why ``tp`` GPUs cannot split this model (as ``CostModel`` splits it), or None when they can.
@@ -131,7 +138,8 @@ class ModelShape:
         """Build from a Hugging Face ``config.json`` dict.
 
         ``num_key_value_heads`` defaults to the query heads, ``head_dim`` to
-        ``hidden_size // num_attention_heads``, ``tie_word_embeddings`` to False.
+        ``hidden_size // num_attention_heads``, ``tie_word_embeddings`` to False,
+        ``max_position_embeddings`` to None.
         Raises ValueError naming the first missing required key, a dimension that is not an
         integer >= 1 (0 layers divided by zero in the simulator; 1.5 was read as 1), or query
         heads that are not a multiple of the KV heads.
@@ -140,7 +148,7 @@ class ModelShape:
         for key in required:
             if key not in config:
                 raise ValueError(f"config has no {key!r}")
-        for key in (*required, "num_key_value_heads", "head_dim"):
+        for key in (*required, "num_key_value_heads", "head_dim", "max_position_embeddings"):
             value = config.get(key)
             if (key in required or value is not None) and (isinstance(value, bool) or not isinstance(value, int)
                                                             or value < 1):
@@ -158,6 +166,7 @@ class ModelShape:
             intermediate=int(config["intermediate_size"]),
             vocab=int(config["vocab_size"]),
             tie_embeddings=bool(config.get("tie_word_embeddings", False)),
+            max_positions=config.get("max_position_embeddings"),
         )
 
     @classmethod

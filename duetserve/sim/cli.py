@@ -127,7 +127,8 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
     s.add_argument("--block-size", type=argtypes.block_size, default=16,
                    help=f"tokens per KV-cache block: {', '.join(map(str, BLOCK_SIZES))} (default 16)")
     s.add_argument("--max-model-len", type=argtypes.positive_int, metavar="TOKENS",
-                   help="context limit (default: the trace's longest request)")
+                   help="context limit (default: the model's max_position_embeddings, as serve's; "
+                        "the trace's longest request for a config without it)")
 
     r = p.add_argument_group("results")
     r.add_argument("--json", type=argtypes.output_file, metavar="OUT.json", help="save the rows as a JSON list")
@@ -176,9 +177,12 @@ def _check_trace_fits(args: argparse.Namespace, config: SimConfig, trace: Sequen
         raise UsageError(f"--kv-cache-tokens {args.kv_cache_tokens} is less than one KV block of "
                          f"{args.block_size} tokens (--block-size)")
     shortest_prompt = min(r.input_len for r in trace)
-    if args.max_model_len is not None and shortest_prompt >= args.max_model_len:
-        raise UsageError(f"--max-model-len {args.max_model_len} leaves no room for an output token: "
-                         f"the shortest prompt of the trace has {shortest_prompt} tokens")
+    limit = args.max_model_len or args.model_config.max_positions
+    if limit is not None and shortest_prompt >= limit:
+        given = f"--max-model-len {limit}" if args.max_model_len else \
+            f"the model's context of {limit} tokens (--model-config; --max-model-len sets another)"
+        raise UsageError(f"{given} leaves no room for an output token: the shortest prompt of the trace has "
+                         f"{shortest_prompt} tokens")
     shortest = min(r.input_len + r.output_len for r in trace)
     blocks = config.kv_blocks()
     if -(-shortest // args.block_size) > blocks:

@@ -108,7 +108,8 @@ class SimConfig:
         kv_cache_tokens: KV capacity in tokens; None sizes it from the profile's HBM
             (``kv_cache_tokens``) at ``gpu_memory_utilization``.
         gpu_memory_utilization: share of HBM for weights and KV cache, (0, 1].
-        max_model_len: context limit in tokens; None fits the trace's longest request.
+        max_model_len: context limit in tokens; None takes the model's (``ModelShape.max_positions``,
+            as ``serve`` does), or where that is unknown fits the trace's longest request.
         prediction_error: sigma of the lognormal factor on every simulated time (module
             docstring); 0 runs the predictions exactly.
         seed: seed of those factors.
@@ -212,7 +213,8 @@ class _Run:
         p, clock = config.planner, config.clock_profile  # the clock: what iterations take
         self.cm = p.cost_model if clock is None else CostModel(p.shape, clock, tp=p.tp, cuda_graphs=p.cuda_graphs)
         self.total_sms = config.planner.profile.num_sms
-        max_len = config.max_model_len or max((r.input_len + r.output_len for r in trace), default=2)
+        max_len = config.max_model_len or config.planner.shape.max_positions or \
+            max((r.input_len + r.output_len for r in trace), default=2)
         self.blocks = BlockManager(config.kv_blocks(), config.block_size)
         self.scheduler = Scheduler(policy, self.blocks, config.max_num_seqs, config.max_num_batched_tokens, max_len)
         self.records = [RequestRecord(i, r.input_len, r.output_len, r.arrival_s, r.arrival_s)
