@@ -115,7 +115,7 @@ def test_planner_config_rejects_bad_settings():
 def test_engine_policy_from_the_model_config():
     """The engine (CPU: partition backend none) builds duet from the served model's config.json."""
     hf = {"hidden_size": 4096, "num_hidden_layers": 36, "num_attention_heads": 32, "num_key_value_heads": 8,
-          "head_dim": 128, "intermediate_size": 12288, "vocab_size": 151936}
+          "head_dim": 128, "intermediate_size": 12288, "vocab_size": 151936, "max_position_embeddings": 40960}
     policy = make_policy(EngineConfig(policy="duet", tbt_slo_s=0.05, partition_backend="none"), hf)
     assert isinstance(policy, DuetPolicy) and policy.config.granularity is None
     assert policy.config.shape == ModelShape.preset("qwen3-8b")
