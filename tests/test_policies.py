@@ -317,6 +317,26 @@ def test_duet_auto_plans_decode_steps_with_room_for_their_spread():
     assert policy.cost_model.decode_margin == pytest.approx(1.2 ** 0.3 * policy.decode_spread)
 
 
+def test_decode_spread_counts_what_the_level_corrections_leave():
+    """Levels with different but steady biases (8 SMs 1.0x the profile, 16 SMs 1.5x, no noise): once
+    each level's correction has converged the spread is 1, as no level varies; pooling the raw
+    ratios would have given p99 / median of {1.0, 1.5}, 1.2, and priced both levels 20% high."""
+    policy = DuetPolicy(dataclasses.replace(planner(0.05), trim_margin=TRIM_AUTO))
+    cm = policy.cost_model
+    base = dict(zip((8, 16), planner(0.05).cost_model.predict_spatial(DECODE, PREFILL, [8, 16], 132)[0]))
+    plan = Plan(True, 124, 8, 4, 0.1, 0.03, 0.1)
+    for _ in range(300):  # the last 256 of 600 ratios come long after convergence
+        for sms, bias in ((8, 1.0), (16, 1.5)):
+            (t_d,), _ = cm.predict_spatial(DECODE, PREFILL, [sms], 132)  # as plan() prices and records it
+            priced = dataclasses.replace(plan, s_decode=sms, s_prefill=132 - sms, predicted_decode_s=float(t_d),
+                                         decode_margin=cm.decode_margin * float(cm.decode_level_scale[sms]))
+            policy.observe(priced, bias * float(base[sms]), None)
+    assert policy.level_corrections == {8: pytest.approx(1.0), 16: pytest.approx(1.5)}
+    assert policy.decode_spread == pytest.approx(1.0, abs=1e-4)
+    after = cm.predict_spatial(DECODE, PREFILL, [8, 16], 132)[0]
+    assert after == pytest.approx([base[8] * 1.0, base[16] * 1.5], rel=1e-4)
+
+
 def test_duet_learns_the_prefill_scale_both_ways_within_bounds():
     """``observe``'s prefill side: ratio ** 0.3 per observation, within [0.8, 1.5], scaling the GPU
     part of spatial prefill predictions (its host time is not scaled); decode is untouched."""

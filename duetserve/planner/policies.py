@@ -239,9 +239,10 @@ class DuetPolicy:
 
         With ``TRIM_AUTO``, the decode side is also scaled by ``decode_spread``: the
         ``TRIM_QUANTILE`` over the median of measured / predicted over the last ``TRIM_WINDOW``
-        spatial plans (1 until ``TRIM_MIN_SAMPLES`` were seen; never below 1), both taken
-        against the prediction without the spread and the correction (``Plan.decode_margin``
-        divided out). The correction follows
+        spatial plans (1 until ``TRIM_MIN_SAMPLES`` were seen; never below 1), each ratio taken
+        against the prediction with the level's correction but without the spread
+        (``Plan.decode_margin`` divided out, the correction applied): the error the corrections
+        leave, so the differences between levels, which they price, do not count as spread. The correction follows
         the middle of that ratio, so without the spread about half the steps planned right at
         ``tau`` run over; it is updated against the prediction without the spread, so the
         spread adds to it rather than replacing it. Beyond the paper: on the H200 serving Mooncake at QPS 1.5 that ratio was 0.94 /
@@ -268,15 +269,15 @@ class DuetPolicy:
         # with is divided out), so a changed margin does not read as spread or as bias
         priced = plan.decode_margin if plan.decode_margin is not None else self._base_margin
         bias = decode_step_s / plan.predicted_decode_s * priced / self._base_margin
+        level = self.level_corrections.get(plan.s_decode, self.decode_correction)  # the one this plan used
         if self.config.trim_margin == TRIM_AUTO:
-            self._decode_ratios.append(bias)
+            self._decode_ratios.append(bias / level)  # what the correction left: the levels' differences are priced
             if len(self._decode_ratios) >= TRIM_MIN_SAMPLES:
                 q, median = np.quantile(self._decode_ratios, [TRIM_QUANTILE, 0.5])
                 self.decode_spread = max(1.0, float(q / median))
 
         def toward_bias(c: float) -> float:
             return min(MAX_DECODE_CORRECTION, max(1.0, c * (bias / c) ** DECODE_FEEDBACK_WEIGHT))
-        level = self.level_corrections.get(plan.s_decode, self.decode_correction)
         self.level_corrections[plan.s_decode] = toward_bias(level)
         self._set_correction(toward_bias(self.decode_correction))
 
