@@ -26,7 +26,7 @@ class ForcedSpatial:
     def plan(self, decode_reqs, prefill_reqs, max_k):
         return self.spatial if decode_reqs else Plan()
 
-    def observe(self, plan, decode_step_s, prefill_s):
+    def observe(self, plan, decode_step_s, prefill_s, idle_tail_s=None):
         self.observed.append(decode_step_s)
 
 
@@ -47,9 +47,10 @@ def test_spatial_tokens_equal_temporal(tiny_qwen3_folder, backend_name):
     engine.runner.partition = backend
     engine.scheduler.policy = ForcedSpatial(backend.levels()[0], backend.num_sms, k=4)
     assert engine.generate(prompts, params) == expected
-    assert set(engine.runner.last_stream_seconds) == {"decode", "prefill"}
-    stats = engine.last_stats  # the iteration log's per-stream busy times
-    assert stats.stream_s == engine.runner.last_stream_seconds and min(stats.stream_s.values()) > 0
+    assert set(engine.runner.last_stream_seconds) == {"decode", "prefill", "tail"}
+    stats = engine.last_stats  # the iteration log's per-stream busy times, and the decodes' wait after theirs
+    assert stats.stream_s == engine.runner.last_stream_seconds
+    assert min(stats.stream_s["decode"], stats.stream_s["prefill"]) > 0 and stats.stream_s["tail"] >= 0
     policy = engine.scheduler.policy  # fed each spatial iteration's measured decode step
     assert policy.observed and min(policy.observed) > 0
     assert policy.observed[-1] == pytest.approx(stats.stream_s["decode"] / stats.decode_steps)

@@ -71,7 +71,7 @@ class _Forced:
                         predicted_prefill_s=self.t_p, predicted_s=self.t_p)
         return Plan()
 
-    def observe(self, plan, decode_step_s, prefill_s):
+    def observe(self, plan, decode_step_s, prefill_s, idle_tail_s=None):
         pass
 
 
@@ -173,3 +173,27 @@ def test_warm_up_writes_only_the_scratch_block_and_covers_the_prefill_slice_alig
     for (k, v), (k0, v0) in zip(runner.kv_caches, before):
         assert torch.equal(k[:16], k0[:16]) and torch.equal(v[:16], v0[:16])
         assert not torch.equal(k[16], k0[16])  # the 2-token prefill's keys went to the scratch slot
+
+
+def test_stream_timers_end_gap_is_the_time_between_end_marks():
+    """``_StreamTimers.end_gap``: seconds from one stream's end mark to another's, from the events'
+    ``elapsed_time`` (ms); None unless both streams were marked. Stand-in events at fixed
+    milliseconds (CUDA events need a GPU)."""
+    from duetserve.engine.model_runner import _StreamTimers
+
+    class Event:
+        def __init__(self, ms):
+            self.ms = ms
+
+        def elapsed_time(self, other):
+            return other.ms - self.ms
+
+        def synchronize(self):
+            pass
+
+    timers = _StreamTimers(False)
+    timers.events = {"decode": [Event(1.0), Event(201.0)], "prefill": [Event(2.5), Event(236.5)]}
+    assert timers.elapsed(("decode", "prefill")) == {"decode": 0.2, "prefill": 0.234}
+    assert timers.end_gap("decode", "prefill") == pytest.approx(0.0355)  # not 0.234 - 0.2: prefill started later
+    assert timers.end_gap("prefill", "decode") == pytest.approx(-0.0355)
+    assert timers.end_gap("decode", "missing") is None

@@ -149,7 +149,7 @@ class _Spatial:
         self.max_k_seen.append(max_k)
         return Plan(spatial=True, s_prefill=100, s_decode=32, k=self.k) if decodes else Plan()
 
-    def observe(self, plan, decode_step_s, prefill_s):
+    def observe(self, plan, decode_step_s, prefill_s, idle_tail_s=None):
         raise AssertionError("no CUDA events on the CPU: nothing to observe")
 
 

@@ -376,7 +376,8 @@ def test_iteration_log_records_every_iteration(server_proc):
                all(q == 1 and c >= 1 for q, c in r["requests"][:r["num_decodes"]]) for r in rows)
     prompt = [r["requests"][0] for r in rows if r["num_decodes"] == 0 and r["num_prefills"] == 1]
     assert prompt and prompt[-1][1] == 0  # this prompt's prefill, nothing cached before it
-    assert all(r["decode_stream_s"] is None and r["prefill_stream_s"] is None for r in rows)  # no CUDA events
+    assert all(r["decode_stream_s"] is None and r["prefill_stream_s"] is None and r["decode_tail_s"] is None
+               for r in rows)  # no CUDA events
     # chunked plans without predicting: the log carries the engine cost model's (h200 profile, no graphs on the CPU)
     assert all(r["prefill_layers"] is None and r["predicted_s"] > 0 and r["cuda_graphs"] is False for r in rows)
 

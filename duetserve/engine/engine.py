@@ -317,9 +317,8 @@ class LLMEngine:
                 stream_s = self.runner.last_stream_seconds
                 duration = time.perf_counter() - start
                 if out.plan.spatial and steps and stream_s.get("decode"):  # the policy learns from it
-                    prefill_s = stream_s.get("prefill")
-                    tail = max(0.0, prefill_s - stream_s["decode"]) if prefill_s is not None else None
-                    self.scheduler.policy.observe(out.plan, stream_s["decode"] / steps, prefill_s, tail)
+                    self.scheduler.policy.observe(out.plan, stream_s["decode"] / steps, stream_s.get("prefill"),
+                                                  stream_s.get("tail"))
                 elif not out.plan.spatial and out.decodes and out.num_prefill_tokens:
                     self.scheduler.policy.observe_iteration(out.plan, duration)
                 self.last_stats = StepStats(out.plan, len(out.decodes), out.num_prefill_tokens,

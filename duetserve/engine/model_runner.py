@@ -151,6 +151,13 @@ class _StreamTimers:
             end.synchronize()
         return {name: a.elapsed_time(b) / 1e3 for name, (a, b) in marked.items()}
 
+    def end_gap(self, first: str, second: str) -> float | None:
+        """Seconds from the end mark of ``first`` to that of ``second`` (negative when ``second``
+        ended first), None unless both were marked; call after ``elapsed`` synchronized them."""
+        if first not in self.events or second not in self.events:
+            return None
+        return self.events[first][-1].elapsed_time(self.events[second][-1]) / 1e3
+
 
 def _split_key(out: SchedulerOutput) -> tuple:
     """Identity of a layer-split prefill batch: its sequences and chunks."""
@@ -213,7 +220,9 @@ class ModelRunner:
         self.sampler = sampler
         self.graphs = graphs
         self.partition = partition
-        self.last_stream_seconds: dict[str, float] = {}  # spatial plans: busy time of each joined stream
+        # spatial plans: busy time of each joined stream ("decode", "prefill") and "tail", from the
+        # decode stream's end to the prefill's (0 when decode ended last)
+        self.last_stream_seconds: dict[str, float] = {}
         self.prefill_done = True  # False after a layer-split prefill round that left layers to run
         # layer-split prefill in flight: (key, inputs, state, next layer, host copy of its tokens or None)
         self._split: tuple | None = None
@@ -305,6 +314,8 @@ class ModelRunner:
             joined = self._join(run)
             tokens = run.prefill_copy.tolist() if run.prefill_copy is not None else []
             self.last_stream_seconds = run.timers.elapsed(joined)
+            if "prefill" in self.last_stream_seconds and (tail := run.timers.end_gap("decode", "prefill")) is not None:
+                self.last_stream_seconds["tail"] = max(0.0, tail)  # the decodes' wait for the prefill's end
             yield Sampled(dict(zip(run.prefill_ids, tokens)), prefills=self.prefill_done)
         finally:
             if joined is None:  # abandoned (an error here or in the caller): nothing may outrun it
