@@ -108,21 +108,26 @@ def test_clock_profile_reaches_the_simulator_and_must_match_the_sm_count(tmp_pat
 
 def test_context_limit_defaults_to_the_models(tmp_path, capsys):
     """Without ``--max-model-len`` the simulated server takes the model's context, as ``serve`` does
-    (Qwen3-8B: 40960 tokens): a 41000-token prompt fails there, and runs with a larger limit; a trace
-    whose every prompt is that long is refused naming the flags."""
+    (Qwen3-8B: 40960 tokens), and refuses what serve refuses: a 41000-token prompt, and a 40000-token
+    prompt asking for 2000 tokens (the scheduler alone would cut its output at the limit).
+    ``--max-model-len`` above the model's limit, and a trace whose every prompt is too long, are
+    refused naming the flags."""
     trace = tmp_path / "t.csv"
     trace.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46.0,41000,8\n"
-                     "2023-11-16 18:15:47.0,1000,8\n")
+                     "2023-11-16 18:15:47.0,1000,8\n2023-11-16 18:15:48.0,40000,2000\n")
 
     def row(*extra):
         out = tmp_path / f"rows{len(list(tmp_path.iterdir()))}.json"
         assert main(["simulate", "--trace", str(trace), "--qps", "1", "--policy", "chunked", "--no-progress",
                      "--json", str(out), *extra]) == 0
         return json.loads(out.read_text())[0]
-    assert (row()["completed"], row()["failed"]) == (1, 1)
-    assert (row("--max-model-len", "42000")["completed"], row("--max-model-len", "42000")["failed"]) == (2, 0)
-    trace.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46.0,41000,8\n")
+    assert (row()["completed"], row()["failed"]) == (1, 2)
+    assert (row("--max-model-len", "2000")["completed"], row("--max-model-len", "2000")["failed"]) == (1, 2)
     capsys.readouterr()
+    assert main(["simulate", "--trace", str(trace), "--qps", "1", "--no-progress", "--max-model-len", "42000"]) == 2
+    assert capsys.readouterr().err == ("duetserve simulate: error: --max-model-len 42000 exceeds the model's limit "
+                                       "of 40960 positions (--model-config)\n")
+    trace.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46.0,41000,8\n")
     assert main(["simulate", "--trace", str(trace), "--qps", "1", "--no-progress"]) == 2
     assert capsys.readouterr().err == (
         "duetserve simulate: error: the model's context of 40960 tokens (--model-config; --max-model-len sets "

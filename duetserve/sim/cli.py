@@ -176,8 +176,12 @@ def _check_trace_fits(args: argparse.Namespace, config: SimConfig, trace: Sequen
     if args.kv_cache_tokens is not None and args.kv_cache_tokens < args.block_size:
         raise UsageError(f"--kv-cache-tokens {args.kv_cache_tokens} is less than one KV block of "
                          f"{args.block_size} tokens (--block-size)")
+    model_limit = args.model_config.max_positions
+    if args.max_model_len is not None and model_limit is not None and args.max_model_len > model_limit:
+        raise UsageError(f"--max-model-len {args.max_model_len} exceeds the model's limit of {model_limit} "
+                         "positions (--model-config)")  # as serve refuses it
     shortest_prompt = min(r.input_len for r in trace)
-    limit = args.max_model_len or args.model_config.max_positions
+    limit = args.max_model_len or model_limit
     if limit is not None and shortest_prompt >= limit:
         given = f"--max-model-len {limit}" if args.max_model_len else \
             f"the model's context of {limit} tokens (--model-config; --max-model-len sets another)"

@@ -109,7 +109,8 @@ class SimConfig:
             (``kv_cache_tokens``) at ``gpu_memory_utilization``.
         gpu_memory_utilization: share of HBM for weights and KV cache, (0, 1].
         max_model_len: context limit in tokens; None takes the model's (``ModelShape.max_positions``,
-            as ``serve`` does), or where that is unknown fits the trace's longest request.
+            as ``serve`` does), or where that is unknown fits the trace's longest request. A
+            request whose prompt and output exceed it fails, as ``serve`` refuses it.
         prediction_error: sigma of the lognormal factor on every simulated time (module
             docstring); 0 runs the predictions exactly.
         seed: seed of those factors.
@@ -236,8 +237,13 @@ class _Run:
 
     def add(self, index: int) -> bool:
         """Queue trace request ``index``; False (and the record's ``error`` set) when it can
-        never run."""
+        never run, or when ``serve`` would refuse it: prompt and output beyond the context limit
+        (``LLMEngine.check_request``; the scheduler alone would cut the output there)."""
         req, rec = self.trace[index], self.records[index]
+        if req.input_len + req.output_len > self.scheduler.max_model_len:
+            rec.error = (f"max_tokens={req.output_len} plus the prompt's {req.input_len} tokens exceeds the "
+                         f"maximum context length of {self.scheduler.max_model_len} tokens")
+            return False
         need = -(-(req.input_len + req.output_len) // self.blocks.block_size)
         if need > self.blocks.num_blocks:
             rec.error = f"needs {need} KV blocks; the cache has {self.blocks.num_blocks}"
