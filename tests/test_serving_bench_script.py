@@ -232,23 +232,26 @@ def test_iteration_summary_stream_times():
     assert "decode_bias_by_sms" not in s  # no decode_margin logged
     # priced with a margin: step x margin / prediction per level (the zero-step record is left out)
     priced = [{**recs[0], "decode_margin": 1.5}, {**recs[2], "decode_margin": 1.1}] + [
-        {**recs[1], "t": 2.0 + i / 10, "decode_margin": m, "s_decode": 16} for i, m in enumerate((1.2, 1.6, 1.4))]
+        {**recs[1], "t": 2.0 + i / 10, "decode_margin": m, "s_decode": 16} for i, m in enumerate((1.2, 1.6, 1.4))] + [
+        {**recs[1], "decode_stream_s": None, "decode_margin": 1.3, "s_decode": 16}]  # no stream time: not counted
     assert sb.iteration_summary(priced, 0.0, 4.0)["decode_bias_by_sms"] == {
         8: [pytest.approx(0.04 * 1.5 / 0.03), 1], 16: [pytest.approx(1.4), 3]}  # 0.03 / 0.03 x 1.2, 1.6, 1.4
 
 
 def test_late_gaps_are_matched_to_the_iteration_that_produced_them():
     """Client gaps over the SLO, placed in time (start 100 s, TTFT 0.5 s), are counted by the
-    iteration whose log line comes next: a temporal one ending at 100.70 s; a split of 4 steps of
-    50 ms that ran 100.70-100.95 s, whose first step's token came at 100.76 s (within 1.5 steps of
-    its start) and a later one at 100.90 s; a gap after the last logged iteration is unmatched."""
+    iteration whose log line comes next, less 10 ms: a temporal one ending at 100.70 s (its token
+    seen at 100.699 s, and one delivered late at 100.705 s); a split of 4 steps of 50 ms that ran
+    100.70-100.95 s, whose first step's token came at 100.759 s (within 1.5 steps of its start) and
+    a later one at 100.899 s; a gap more than 10 ms after the last logged iteration is unmatched."""
     records = [{"t": 100.70, "spatial": False, "measured_s": 0.2},
                {"t": 100.95, "spatial": True, "measured_s": 0.25, "decode_stream_s": 0.2, "steps": 4}]
     result = {"start_time_unix": 100.0, "requests": [
         {"start_s": 0.0, "ttft_s": 0.5, "itls_s": [0.199, 0.06, 0.14]},  # 100.699 (temporal), 100.759, 100.899
-        {"start_s": 0.1, "ttft_s": 0.4, "itls_s": [0.259, 0.2]},  # 100.759 (split, first step), 100.959 (after)
+        {"start_s": 0.1, "ttft_s": 0.4, "itls_s": [0.259, 0.211]},  # 100.759 (split, first step), 100.97 (after)
+        {"start_s": 0.0, "ttft_s": 0.405, "itls_s": [0.3]},  # 100.705: the temporal iteration's, delivered late
         {"start_s": 0.0, "ttft_s": None, "itls_s": []}]}  # failed: no tokens
-    assert sb.late_gaps(result, records, 0.1) == {"gaps": 5, "late": 4, "temporal": 1, "split_first_step": 1,
+    assert sb.late_gaps(result, records, 0.1) == {"gaps": 6, "late": 5, "temporal": 2, "split_first_step": 1,
                                                   "split_later_step": 1, "unmatched": 1}
     assert sb.late_gaps(result, records, 0.3)["late"] == 0
 
