@@ -28,7 +28,7 @@ Beyond the paper:
   the first-token budget, for ``R`` decodes and the profile's ``host_per_request_s`` ``h_r``,
   the host time a temporal iteration is priced with (``cost_model`` module docstring). On the
   H200 serving Mooncake, a split's iteration took 5 ms (median, about 30 decodes) beyond its
-  two streams, and most gaps over the SLO were a split's first decode tokens
+  two streams, and in one run 497 of 893 gaps over the SLO were a split's first decode tokens
   (docs/benchmarks.md, fifteenth session).
 """
 
