@@ -173,6 +173,28 @@ def test_spatial_iteration_emits_decode_tokens_per_step(planner):
     assert it.duration_s == pytest.approx(t_p, rel=1e-9)
 
 
+def test_spatial_iteration_starts_after_the_decodes_host_time(planner):
+    """With ``host_per_request_s`` h, a split's first decode token comes h x decodes after the
+    iteration's start plus a step, later ones a step apart, and the iteration lasts that host
+    time plus the longer stream (the decode steps here): as the planner prices the first step."""
+    profile = dataclasses.replace(planner.profile, host_per_request_s=0.002,
+                                  provenance={**planner.profile.provenance, "host_per_request_s": "measured"})
+    hosted = PlannerConfig(planner.shape, profile, 0.030)
+    trace = [TraceRequest(0.0, 200, 300), TraceRequest(0.05, 6000, 2)]
+    result = simulate(trace, policy_by_name("duet", hosted), SimConfig(hosted))
+    it = next(it for it in result.iterations if it.spatial)
+    a = result.records[0]
+    times = np.array(a.chunk_times_s) + a.arrival_s
+    before = int((times <= it.start_s + 1e-12).sum())
+    inside = times[(times > it.start_s) & (times <= it.start_s + it.duration_s + 1e-12)]
+    t_d, t_p = (float(x[0]) for x in hosted.cost_model.predict_spatial([(1, 199 + before)], [(6000, 0)],
+                                                                        [it.s_decode], 132))
+    assert inside[0] - it.start_s == pytest.approx(0.002 + t_d, rel=1e-9)  # one decode: 2 ms of host
+    np.testing.assert_allclose(np.diff(inside), t_d, rtol=1e-9)
+    assert len(inside) == executed_steps(t_d, t_p, it.k) == 9  # t_p / t_d = 8.53: the ninth step ends last
+    assert it.duration_s == pytest.approx(0.002 + 9 * t_d, rel=1e-9) and 9 * t_d > t_p
+
+
 def test_kv_capacity_from_hbm_minus_weights():
     llama = ModelShape.preset("llama3-8b")
     assert weight_bytes(llama) == 2 * 8_030_261_248  # Llama 3 8B's published parameter count

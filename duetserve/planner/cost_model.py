@@ -63,7 +63,8 @@ host_eager_s`` and ``e = 1`` for an eager iteration. On the H200 serving Azure c
 the HTTP server (docs/benchmarks.md, fourth H200 session) temporal iterations took 1.26-1.30x
 their prediction without it (median error 22.5%) and 5.3% with the fitted terms. The decode
 steps of a spatial plan leave it out: each step's host work runs while the next step is on
-the GPU (measured steps were 0.89x their prediction).
+the GPU (measured steps were 0.89x their prediction); the first step's, before both streams,
+``duetserve.planner.optimizer`` adds to that step's budget.
 """
 
 from __future__ import annotations

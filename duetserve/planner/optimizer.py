@@ -73,8 +73,9 @@ class Plan:
     is this one. None when no such comparison ran.
 
     ``decode_margin`` (for the iteration log): the factor the decode side of a spatial plan was
-    priced with beyond the interference (``CostModel.decode_margin``: duet's learned correction
-    times its spread); None where the policy sets none.
+    priced with beyond the interference (``CostModel.decode_margin`` times
+    ``decode_level_scale[s_decode]``: duet's learned correction for that level times its
+    spread); None where the policy sets none.
     """
 
     spatial: bool = False
@@ -167,7 +168,7 @@ def plan_iteration(cost_model: CostModel, decode_reqs: Sequence[Request], prefil
     if trim_margin is not None:
         trimmed = _fallback(cost_model, decode, prefill, trim_margin * first_tau, total_sms)
         steps = executed_steps(plan.predicted_decode_s, plan.predicted_prefill_s, max_k)  # what would run
-        span = max(steps * plan.predicted_decode_s, plan.predicted_prefill_s)
+        span = first_host + max(steps * plan.predicted_decode_s, plan.predicted_prefill_s)  # host: as trimmed's
         rates = ((len(decode) + trimmed.prefill_token_limit) / (trimmed.predicted_s * temporal_scale),
                  float(steps * len(decode) + prefill[:, 0].sum()) / span)
         if rates[0] > rates[1]:

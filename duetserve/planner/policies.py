@@ -184,7 +184,8 @@ class DuetPolicy:
         ``STEP_START_SHARE`` of a step of it left (``executed_steps``), so ``k`` is only the most
         steps reserved; the slack keeps decode busy when the prefill runs long. The decodes then
         wait ``t_p - steps t_d`` for the prefill; that wait is carried into the next plan's
-        first-token budget (``plan_iteration``'s ``carry_s``)."""
+        first-token budget (``plan_iteration``'s ``carry_s``), or the measured one once ``observe``
+        has it."""
         c = self.config
         plan = plan_iteration(self.cost_model, decode_reqs, prefill_reqs, c.tau_s, c.profile.num_sms,
                               c.granularity, c.min_sms, max_k, self.carry_s, self.trim_margin, self.temporal_scale)

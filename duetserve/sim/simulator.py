@@ -9,11 +9,12 @@ exactly its trace output length (``max_tokens``).
 Iteration time, by plan:
 
 * temporal: ``t_mixed(S)``, the whole batch on all SMs; every token comes at the end;
-* spatial (duet): decode runs steps of ``t_d(S_d)`` beside the prefill batch's
-  ``t_p(S_p)`` (both with the profile's interference factors, ``CostModel.predict_spatial``)
-  while the prefill runs, as the executor does: ``n = executed_steps(t_d, t_p, k)`` steps;
-  the iteration lasts ``max(n t_d, t_p)``; decode token ``i`` comes at ``i t_d``, the
-  prefill's first tokens at the end;
+* spatial (duet): after the decodes' host time ``h = R host_per_request_s`` (the inputs of
+  the first step, ``duetserve.planner.optimizer``), decode runs steps of ``t_d(S_d)`` beside
+  the prefill batch's ``t_p(S_p)`` (both with the profile's interference factors,
+  ``CostModel.predict_spatial``) while the prefill runs, as the executor does: ``n =
+  executed_steps(t_d, t_p, k)`` steps; the iteration lasts ``h + max(n t_d, t_p)``; decode
+  token ``i`` comes at ``h + i t_d``, the prefill's first tokens at the end;
 * layer-split prefill (pdmux): the prefill batch's time on its SMs is spread evenly over the
   model's layers. Each round submits ``plan.prefill_layers`` more layers to the prefill
   stream, which runs them back to back; the round itself lasts one decode step ``t_d(S_d)``
@@ -296,8 +297,10 @@ class _Run:
             t_d, t_p = self._spatial(decode, prefill, plan.s_decode)
             # The executor starts no decode step near the prefill's end (ModelRunner._execute_spatial).
             steps = executed_steps(t_d, t_p, plan.k) if prefill else plan.k
-            duration = max(steps * t_d, t_p)
-            return duration, [self.now + i * t_d for i in range(1, steps + 1)], self.now + duration, (t_d, t_p)
+            host = len(decode) * self.cm.profile.host_per_request_s  # before both streams (planner.optimizer)
+            duration = host + max(steps * t_d, t_p)
+            return (duration, [self.now + host + i * t_d for i in range(1, steps + 1)], self.now + duration,
+                    (t_d, t_p))
         duration = self._actual(float(self.cm.predict_total(decode + prefill, self.total_sms)))
         return duration, [self.now + duration], self.now + duration, None
 
