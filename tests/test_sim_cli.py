@@ -98,6 +98,10 @@ def test_clock_profile_reaches_the_simulator_and_must_match_the_sm_count(tmp_pat
         return [{k: v for k, v in r.items() if k != "sim_wall_s"} for r in json.loads(out.read_text())]
     exact = rows()
     assert rows("--clock-profile", "h200") == exact
+    # each QPS starts a fresh policy, as a fresh server: the QPS-8 row does not depend on a run before it
+    slow_path = str(tmp_path / "slow.json")
+    swept = rows("--clock-profile", slow_path, "--qps", "4,8")
+    assert swept[1] == rows("--clock-profile", slow_path)[0] and swept[0]["qps"] == 4
     (biased,) = rows("--clock-profile", str(tmp_path / "slow.json"))
     assert exact[0]["spatial_fraction"] > 0 and biased["mean_tbt_ms"] > 1.1 * exact[0]["mean_tbt_ms"]
     capsys.readouterr()

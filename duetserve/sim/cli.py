@@ -220,7 +220,8 @@ def _simulate(args: argparse.Namespace) -> int:
     planner = PlannerConfig(args.model_config, args.gpu, args.tbt_slo, args.partition_backend, tp=args.tp,
                             trim_margin=args.trim_margin)
     try:
-        policies = [policy_by_name(name, planner) for name in names]
+        for name in names:
+            policy_by_name(name, planner)
     except ValueError as exc:  # "--policy pdmux needs an SM partition backend ..."
         raise UsageError(str(exc)) from exc
     try:
@@ -234,8 +235,8 @@ def _simulate(args: argparse.Namespace) -> int:
     for qps in args.qps:
         trace = argtypes.read_trace(args.trace, _trace_spec(args, qps))
         _check_trace_fits(args, config, trace)
-        for policy in policies:
-            result = simulate(trace, policy, config, not args.no_progress, f"{policy.name} qps {qps:g}")
+        for name in names:  # a fresh policy each run, as a fresh server: duet's learned state starts over
+            result = simulate(trace, policy_by_name(name, planner), config, not args.no_progress, f"{name} qps {qps:g}")
             rows.append(summarize(result, qps, args.tbt_slo))
     rows.sort(key=lambda r: (names.index(r["policy"]), r["qps"]))
     print(format_table(rows))
