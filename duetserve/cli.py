@@ -217,6 +217,9 @@ def _serve_on(sock: socket.socket, args: argparse.Namespace, parser: argparse.Ar
     metrics.watch_engine(engine)
     async_engine = AsyncEngine(engine, metrics)
     app = create_app(async_engine, metrics, name, api_key=args.api_key)
+    async_engine.start()
+    logging.getLogger(__name__).info("serving %s on http://%s:%d (policy %s, TBT SLO %.0f ms)", name, args.host,
+                                     sock.getsockname()[1], args.policy, args.tbt_slo * 1e3)
     # Everything alive now (model, tokenizer, libraries: about 310k objects with the default
     # model) leaves the collector's view, as vLLM does after start-up: a full collection, which
     # holds the GIL and so the engine thread, then scans only what serving allocates. On this
@@ -225,9 +228,6 @@ def _serve_on(sock: socket.socket, args: argparse.Namespace, parser: argparse.Ar
     # a collection; docs/benchmarks.md, fifteenth session).
     gc.collect()
     gc.freeze()
-    async_engine.start()
-    logging.getLogger(__name__).info("serving %s on http://%s:%d (policy %s, TBT SLO %.0f ms)", name, args.host,
-                                     sock.getsockname()[1], args.policy, args.tbt_slo * 1e3)
     try:
         uvicorn.Server(uvicorn.Config(app, log_level=args.log_level)).run(sockets=[sock])
     finally:
