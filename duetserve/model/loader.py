@@ -162,13 +162,15 @@ def load_model(model: str | None, backend: AttentionBackend, dtype: torch.dtype,
             whose model type or sizes ``ModelDims.from_config`` refuses.
         KeyError: a checkpoint lacks a parameter the model needs.
     """
+    from huggingface_hub.errors import StrictDataclassError
     from transformers import AutoConfig, AutoTokenizer
 
     folder, name = resolve_model(model)
     try:
         config = AutoConfig.from_pretrained(folder)
         ModelDims.from_config(config)  # checked here to name --model; CausalLM reads it again
-    except Exception as exc:  # not JSON, no model_type, transformers' own checks (OSError, ValueError, ...)
+    except (OSError, ValueError, TypeError, KeyError, StrictDataclassError) as exc:  # not JSON, no model_type,
+        # transformers' own checks (its config classes validate as strict dataclasses)
         raise ValueError(f"--model {model or name}: {exc}") from exc
     positions = max_positions or config.max_position_embeddings
     with torch.device(device), _default_dtype(dtype):
