@@ -71,13 +71,18 @@ def test_overload_prefill_first_stalls_decode_chunked_and_duet_do_not(planner):
     assert np.percentile(runs["duet"], 99) <= TAU and runs["duet"].max() < runs["chunked"].max()
 
 
-def test_duet_iterations_last_what_the_policy_predicted(planner):
+@pytest.mark.parametrize("hosted", [False, True])
+def test_duet_iterations_last_what_the_policy_predicted(planner, hosted):
+    """The policy and the clock share one cost model, host terms included (a split's decodes'
+    host time before its streams too)."""
+    if hosted:
+        planner = dataclasses.replace(planner, profile=load_profile("h200"))
     trace = load_trace(None, TraceSpec(qps=20, num_requests=150, input_len=UniformLength(1000, 7000),
                                        output_len=UniformLength(10, 100), seed=2))
     result = simulate(trace, policy_by_name("duet", planner), SimConfig(planner))
     spatial = [it for it in result.iterations if it.spatial]
     assert spatial and any(it.k > 1 for it in spatial)
-    for it in result.iterations:  # the policy and the clock share one cost model
+    for it in result.iterations:
         assert it.duration_s == pytest.approx(it.predicted_s, rel=1e-9)
 
 

@@ -182,7 +182,9 @@ class DuetPolicy:
         A spatial plan's ``k`` is ``LOOKAHEAD_SLACK`` times the optimizer's (within ``max_k``):
         the executor starts no decode step after the prefill has finished, nor one with less than
         ``STEP_START_SHARE`` of a step of it left (``executed_steps``), so ``k`` is only the most
-        steps reserved; the slack keeps decode busy when the prefill runs long. The decodes then
+        steps reserved; the slack keeps decode busy when the prefill runs long. Its
+        ``predicted_s`` is the decodes' host time before both streams plus the longer stream,
+        at those steps. The decodes then
         wait ``t_p - steps t_d`` for the prefill; that wait is carried into the next plan's
         first-token budget (``plan_iteration``'s ``carry_s``), or the measured one once ``observe``
         has it."""
@@ -195,7 +197,8 @@ class DuetPolicy:
             t_d, t_p = plan.predicted_decode_s, plan.predicted_prefill_s
             steps = executed_steps(t_d, t_p, k)  # what the executor runs if the prediction holds
             margin = self.cost_model.decode_margin * float(self.cost_model.decode_level_scale[plan.s_decode])
-            plan = dataclasses.replace(plan, k=k, predicted_s=max(steps * t_d, t_p), decode_margin=margin)
+            host = len(decode_reqs) * c.profile.host_per_request_s  # before both streams (plan_iteration)
+            plan = dataclasses.replace(plan, k=k, predicted_s=host + max(steps * t_d, t_p), decode_margin=margin)
             self.carry_s = max(0.0, t_p - steps * t_d)
         if decode_reqs and prefill_reqs and not plan.spatial and \
                 max(self.decode_correction, *self.level_corrections.values(), 1.0) > 1.0:
