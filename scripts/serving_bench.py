@@ -224,8 +224,8 @@ def late_gaps(result: dict[str, Any], records: list[dict[str, Any]], slo_s: floa
     Returns counts: ``gaps`` (all), ``late``, and of the late ones ``temporal``, ``split_first_step``
     (within 1.5 decode steps of the split's start: the gap spans the iteration before, the host
     work before the first step and the step), ``split_later_step`` and ``unmatched`` (after the
-    last logged iteration). The fifteenth H200 session found most of Mooncake's late tokens on
-    splits' first steps this way (docs/benchmarks.md).
+    last logged iteration). The fifteenth H200 session's runs, counted this way, are in
+    docs/benchmarks.md (Mooncake: mostly temporal iterations in one run, first steps in another).
     """
     ends = sorted((r["t"], i) for i, r in enumerate(records) if r.get("t") is not None)
     times = [t for t, _ in ends]

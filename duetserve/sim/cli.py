@@ -153,6 +153,14 @@ def _check_trace_flags(args: argparse.Namespace) -> None:
     args.cv = argtypes.arrival_cv(args.cv, fmt, args.arrival)
 
 
+def _check_max_model_len(args: argparse.Namespace) -> None:
+    """Raise UsageError naming ``--max-model-len`` when it exceeds the model's context, as serve refuses it."""
+    limit = args.model_config.max_positions
+    if args.max_model_len is not None and limit is not None and args.max_model_len > limit:
+        raise UsageError(f"--max-model-len {args.max_model_len} exceeds the model's limit of {limit} "
+                         "positions (--model-config)")
+
+
 def _check_tp(args: argparse.Namespace) -> None:
     """Raise UsageError naming ``--tp`` when the model's heads or intermediate size do not split that many ways."""
     if (why := args.model_config.tp_split_error(args.tp)) is not None:
@@ -176,12 +184,8 @@ def _check_trace_fits(args: argparse.Namespace, config: SimConfig, trace: Sequen
     if args.kv_cache_tokens is not None and args.kv_cache_tokens < args.block_size:
         raise UsageError(f"--kv-cache-tokens {args.kv_cache_tokens} is less than one KV block of "
                          f"{args.block_size} tokens (--block-size)")
-    model_limit = args.model_config.max_positions
-    if args.max_model_len is not None and model_limit is not None and args.max_model_len > model_limit:
-        raise UsageError(f"--max-model-len {args.max_model_len} exceeds the model's limit of {model_limit} "
-                         "positions (--model-config)")  # as serve refuses it
     shortest_prompt = min(r.input_len for r in trace)
-    limit = args.max_model_len or model_limit
+    limit = args.max_model_len or args.model_config.max_positions
     if limit is not None and shortest_prompt >= limit:
         given = f"--max-model-len {limit}" if args.max_model_len else \
             f"the model's context of {limit} tokens (--model-config; --max-model-len sets another)"
@@ -213,6 +217,7 @@ def _policies(text: str) -> str:
 def _simulate(args: argparse.Namespace) -> int:
     _check_trace_flags(args)
     _check_tp(args)
+    _check_max_model_len(args)
     names = args.policy.split(",") if args.policy != "all" else list(POLICIES)
     if args.policy == "all" and args.partition_backend == "none":
         names.remove("pdmux")
