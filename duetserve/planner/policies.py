@@ -222,7 +222,7 @@ class DuetPolicy:
         measured wait exceeded the predicted one by up to 35 ms (p99; the executor runs the
         steps that fit, not the predicted count); with it and the first step's host time
         (``plan_iteration``) late gaps on first steps and in temporal iterations fell from 751 to
-        135 of 64k (docs/benchmarks.md, fifteenth session).
+        135 of 64k (two runs minutes apart, not side by side; docs/benchmarks.md, fifteenth session).
 
         The decode side of later spatial predictions is scaled by ``decode_correction``, which
         moves geometrically toward measured / predicted (weight ``DECODE_FEEDBACK_WEIGHT`` per
