@@ -151,6 +151,14 @@ def assign_lanes(configs: list[Config], n: int) -> list[list[Config]]:
 
 # ---------------------------------------------------------------- summarising (CPU-tested)
 
+def _add_ms_quantiles(out: dict[str, Any], key: str, seconds: list[float]) -> None:
+    """Set ``out[key + "_median"]`` and ``out[key + "_p99"]`` (milliseconds) from ``seconds``, if any."""
+    if seconds:
+        seconds = sorted(seconds)
+        out[key + "_median"] = seconds[len(seconds) // 2] * 1e3
+        out[key + "_p99"] = seconds[min(len(seconds) - 1, int(0.99 * len(seconds)))] * 1e3
+
+
 def iteration_summary(records: list[dict[str, Any]], t0: float, t1: float) -> dict[str, Any]:
     """Iterations logged in ``[t0, t1]``: count, spatial share, plan shapes, prediction error.
 
@@ -161,7 +169,10 @@ def iteration_summary(records: list[dict[str, Any]], t0: float, t1: float) -> di
     predicted prefill time, and ``decode_step_measured_over_predicted`` the median of the decode
     stream's busy time per step over the predicted step time (None where not logged).
     Where the log has the scheduler's time (``schedule_s``, the policy's planning included),
-    ``schedule_ms_median`` and ``schedule_ms_p99`` give it. Where spatial iterations carry the
+    ``schedule_ms_median`` and ``schedule_ms_p99`` give it; where splits beside a prefill carry the
+    host's timing (``launch_s``, ``handout_s``), ``launch_ms_*`` give when the prefill had been
+    launched and ``first_handout_ms_*`` when the first decode step's tokens were handed out
+    (milliseconds from the iteration's start, median and p99). Where spatial iterations carry the
     rates duet weighed (``trim_rates``: trimmed temporal, split), ``split_over_trimmed_rate_median``
     is the median of split / trimmed: how clearly the splits won. Where they carry the factor the
     decode side was priced with (``decode_margin``), ``decode_bias_by_sms`` maps each decode SM
@@ -175,10 +186,10 @@ def iteration_summary(records: list[dict[str, Any]], t0: float, t1: float) -> di
     out: dict[str, Any] = {"iterations": len(its), "spatial_iterations": len(spatial),
                            "spatial_share": len(spatial) / len(its) if its else None,
                            "pred_err_median": errs[len(errs) // 2] if errs else None}
-    sched = sorted(r["schedule_s"] for r in its if r.get("schedule_s") is not None)
-    if sched:
-        out["schedule_ms_median"] = sched[len(sched) // 2] * 1e3
-        out["schedule_ms_p99"] = sched[min(len(sched) - 1, int(0.99 * len(sched)))] * 1e3
+    _add_ms_quantiles(out, "schedule_ms", [r["schedule_s"] for r in its if r.get("schedule_s") is not None])
+    splits = [r for r in spatial if r.get("num_prefill_tokens")]
+    _add_ms_quantiles(out, "launch_ms", [r["launch_s"] for r in splits if r.get("launch_s") is not None])
+    _add_ms_quantiles(out, "first_handout_ms", [r["handout_s"][0] for r in splits if r.get("handout_s")])
     if spatial:
         sd = sorted(r["s_decode"] for r in spatial if r.get("s_decode") is not None)
         # decode steps run ("steps", at most the reserved "k"; older logs have only "k")
@@ -627,6 +638,10 @@ class Bench:
             if it.get("schedule_ms_median") is not None:
                 self.log(f"  scheduling a step (planning included), ms p50/p99: {it['schedule_ms_median']:.2f}/"
                          f"{it['schedule_ms_p99']:.2f}", lane)
+            if it.get("launch_ms_median") is not None:
+                self.log(f"  splits, ms from the start, p50/p99: prefill launched {it['launch_ms_median']:.1f}/"
+                         f"{it['launch_ms_p99']:.1f}, first step handed out {_f(it.get('first_handout_ms_median'), '.1f')}"
+                         f"/{_f(it.get('first_handout_ms_p99'), '.1f')}", lane)
             if res.get("failure_reasons"):
                 self.log(f"  failures: {json.dumps(res['failure_reasons'])[:600]}", lane)
         self.add_runs(run)

@@ -160,8 +160,10 @@ def test_lookahead_tokens_come_out_one_step_at_a_time(tiny_qwen3_folder):
 
 def test_decode_stops_starting_steps_once_the_prefill_is_done(tiny_qwen3_folder, monkeypatch):
     """On partitioned streams the executor starts no decode step after the prefill's end event
-    has fired (the scheduler reserved k, fewer run); the tokens stay those of plain iterations.
-    The event is faked here: after 2 queries it reports the prefill done."""
+    has fired (the scheduler reserved k, fewer run), and hands out a step done while it still
+    launches the prefill (between its layers); the tokens stay those of plain iterations.
+    The partition and the event are faked here: after 2 queries the event reports the prefill
+    done; on the CPU each step is done when it is launched."""
     from duetserve.engine import model_runner
     from duetserve.engine.policy import Plan
 
@@ -175,13 +177,13 @@ def test_decode_stops_starting_steps_once_the_prefill_is_done(tiny_qwen3_folder,
 
     launch = model_runner.ModelRunner._launch_spatial
 
-    def launch_with_event(self, out):
+    def launch_partitioned(self, out):
         run = launch(self, out)
-        if out.prefills:
-            run.prefill_end = FakeEvent()
+        run.partitioned = bool(out.prefills)
         return run
 
-    monkeypatch.setattr(model_runner.ModelRunner, "_launch_spatial", launch_with_event)
+    monkeypatch.setattr(model_runner.ModelRunner, "_launch_spatial", launch_partitioned)
+    monkeypatch.setattr(model_runner.ModelRunner, "_prefill_end_event", staticmethod(FakeEvent))
     gen = torch.Generator().manual_seed(9)
     prompts = [torch.randint(3, 320, (n,), generator=gen).tolist() for n in (12, 25)]
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
@@ -193,10 +195,14 @@ def test_decode_stops_starting_steps_once_the_prefill_is_done(tiny_qwen3_folder,
     got = {"a": [t for o in engine.step() for t in o.new_token_ids]}   # prefill of "a"
     engine.add_request("b", prompts[1], params)
     parts = list(engine.step_parts())              # "a" decodes beside b's prefill
-    # step 0 is queued with the prefill, steps 1 and 2 after queries 1 and 2, none once the
-    # event has fired: 3 of the 8 steps reserved.
-    assert [[o.request_id for o in part] for part in parts] == [["a"], ["a"], ["a"], ["b"]]
-    assert engine.last_stats.plan.k == 8 and engine.last_stats.decode_steps == 3
+    # step 0 is queued before the prefill; after each of the prefill's 2 layers the step done is
+    # handed out and the next one queued (steps 1 and 2); after the launch steps 3 and 4 start
+    # after queries 1 and 2, none once the event has fired: 5 of the 8 steps reserved.
+    assert [[o.request_id for o in part] for part in parts] == [["a"]] * 5 + [["b"]]
+    assert engine.last_stats.plan.k == 8 and engine.last_stats.decode_steps == 5
+    stats = engine.last_stats
+    assert len(stats.handout_s) == 5 and stats.handout_s == sorted(stats.handout_s)
+    assert 0 < stats.handout_s[1] < stats.launch_s < stats.handout_s[2] < stats.duration_s  # 0, 1 came before it
     for part in parts:
         for o in part:
             got.setdefault(o.request_id, []).extend(o.new_token_ids)

@@ -378,6 +378,7 @@ def test_iteration_log_records_every_iteration(server_proc):
     assert prompt and prompt[-1][1] == 0  # this prompt's prefill, nothing cached before it
     assert all(r["decode_stream_s"] is None and r["prefill_stream_s"] is None and r["decode_tail_s"] is None
                for r in rows)  # no CUDA events
+    assert all(r["handout_s"] == [] and r["launch_s"] is None for r in rows)  # temporal plans: one part each
     # chunked plans without predicting: the log carries the engine cost model's (h200 profile, no graphs on the CPU)
     assert all(r["prefill_layers"] is None and r["predicted_s"] > 0 and r["cuda_graphs"] is False for r in rows)
 

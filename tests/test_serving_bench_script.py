@@ -236,6 +236,14 @@ def test_iteration_summary_stream_times():
         {**recs[1], "decode_stream_s": None, "decode_margin": 1.3, "s_decode": 16}]  # no stream time: not counted
     assert sb.iteration_summary(priced, 0.0, 4.0)["decode_bias_by_sms"] == {
         8: [pytest.approx(0.04 * 1.5 / 0.03), 1], 16: [pytest.approx(1.4), 3]}  # 0.03 / 0.03 x 1.2, 1.6, 1.4
+    assert "launch_ms_median" not in s and "first_handout_ms_median" not in s  # not logged
+    # the host's timing of splits beside a prefill; the decode-only record (no prefill tokens) is left out
+    host = [{**r, "num_prefill_tokens": 512, "launch_s": launch, "handout_s": handouts}
+            for r, launch, handouts in zip(recs, (0.018, 0.016, 0.050), ([0.031, 0.06], [0.027], []), strict=True)]
+    host.append({**recs[0], "num_prefill_tokens": 0, "launch_s": 0.001, "handout_s": [0.002]})
+    s = sb.iteration_summary(host, 0.0, 4.0)
+    assert (s["launch_ms_median"], s["launch_ms_p99"]) == pytest.approx((18.0, 50.0))
+    assert (s["first_handout_ms_median"], s["first_handout_ms_p99"]) == pytest.approx((31.0, 31.0))
 
 
 def test_late_gaps_are_matched_to_the_iteration_that_produced_them():

@@ -66,7 +66,10 @@ class StepStats:
     "prefill": s}``; empty on the CPU and for temporal plans), the ``scheduled``
     sequences (decodes first), whose ``num_new_tokens`` / ``num_cached_tokens`` are the
     ``(q, c)`` they were scheduled with, and ``schedule_s``, the wall seconds of
-    ``Scheduler.schedule`` (the policy's plan included; part of ``duration_s``)."""
+    ``Scheduler.schedule`` (the policy's plan included; part of ``duration_s``). For plans with
+    look-ahead decode steps, ``handout_s`` holds the wall seconds from the iteration's start at
+    which each step's tokens were handed out, and ``launch_s`` those at which the prefill had
+    been launched (None for temporal plans)."""
 
     plan: Plan
     num_decodes: int
@@ -78,6 +81,8 @@ class StepStats:
     num_prefills: int = 0
     scheduled: list[ScheduledSeq] = field(default_factory=list)
     schedule_s: float = 0.0
+    handout_s: list[float] = field(default_factory=list)
+    launch_s: float | None = None
 
 
 @dataclass
@@ -300,9 +305,10 @@ class LLMEngine:
             return
         emitted = {s.seq.seq_id: s.seq.num_tokens for s in out.scheduled}
         requests = [r for r in self._requests.values() if r.seq.seq_id in emitted]
-        steps = 0  # look-ahead decode steps delivered (a temporal plan's decodes come in its one part)
+        handout_s: list[float] = []  # each look-ahead decode step handed out (a temporal plan has none)
         for part in self.runner.execute(out):
-            steps += not part.final
+            if not part.final:
+                handout_s.append(time.perf_counter() - start)
             self.scheduler.advance(out, part.tokens, part.prefills)
             outputs = []
             for req in requests:
@@ -314,7 +320,7 @@ class LLMEngine:
                 if new_ids or seq.is_finished:
                     outputs.append(self._emit(req, new_ids))
             if part.final:
-                stream_s = self.runner.last_stream_seconds
+                stream_s, steps = self.runner.last_stream_seconds, len(handout_s)
                 duration = time.perf_counter() - start
                 if out.plan.spatial and steps and stream_s.get("decode"):  # the policy learns from it
                     self.scheduler.policy.observe(out.plan, stream_s["decode"] / steps, stream_s.get("prefill"),
@@ -324,7 +330,8 @@ class LLMEngine:
                 self.last_stats = StepStats(out.plan, len(out.decodes), out.num_prefill_tokens,
                                             duration, len(out.preempted),
                                             steps or int(bool(out.decodes)),
-                                            dict(stream_s), len(out.prefills), out.scheduled, schedule_s)
+                                            dict(stream_s), len(out.prefills), out.scheduled, schedule_s,
+                                            handout_s, self.runner.last_launch_s)
             if outputs or part.final:
                 yield outputs
 

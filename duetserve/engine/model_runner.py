@@ -5,7 +5,8 @@ decode steps on the decode stream and the prefill batch on the prefill stream at
 time (docs/design.md section 5; DuetServe's look-ahead decode): each step's sampled tokens feed the
 next step on the device. Each step also copies its tokens into pinned host memory and records
 an event, so the host hands a step's tokens out as soon as that step is done (clients see one
-token per decode step, not a burst of ``k`` at the join). Beyond the paper, decode starts no
+token per decode step, not a burst of ``k`` at the join), also while it is still launching the
+prefill, which it does a layer at a time. Beyond the paper, decode starts no
 step once the prefill is done, and a decode-only plan (multi-step decode) keeps the next step
 queued behind the running one (``_execute_spatial``).
 """
@@ -190,6 +191,13 @@ class _SpatialRun:
     prefill_end: torch.cuda.Event | None = None  # recorded after the prefill on its own stream
     prefill_due: float | None = None  # host clock (perf_counter) at which the prefill is predicted to end
     hold_until: float | None = None  # host clock until which decode steps hold for the prefill's end
+    partitioned: bool = False  # a prefill runs beside the decodes on its own (SM-partitioned) stream
+    prefill_begun: bool = False  # the prefill's launch has begun (``_launch_prefill``)
+
+    @property
+    def beside_prefill(self) -> bool:
+        """Decode steps run beside a prefill on its own stream, whose launch has begun."""
+        return self.partitioned and self.prefill_begun
 
 
 class ModelRunner:
@@ -223,6 +231,7 @@ class ModelRunner:
         # spatial plans: busy time of each joined stream ("decode", "prefill") and "tail", from the
         # decode stream's end to the prefill's (0 when decode ended last)
         self.last_stream_seconds: dict[str, float] = {}
+        self.last_launch_s: float | None = None  # spatial plans: host seconds until the prefill was launched
         self.prefill_done = True  # False after a layer-split prefill round that left layers to run
         # layer-split prefill in flight: (key, inputs, state, next layer, host copy of its tokens or None)
         self._split: tuple | None = None
@@ -264,6 +273,7 @@ class ModelRunner:
         is exhausted (``last_stream_seconds`` stays empty for a temporal plan)."""
         self.prefill_done = True
         self.last_stream_seconds = {}
+        self.last_launch_s = None
         if out.plan.prefill_layers is None:
             self._split = None  # no layer-split batch is pinned any more (finished, aborted or preempted)
         if self._unjoined is not None and (self._split is None or self._split[0] != _split_key(out)):
@@ -286,8 +296,11 @@ class ModelRunner:
     def _execute_spatial(self, out: SchedulerOutput) -> Iterator[Sampled]:
         """Decode steps on the decode stream beside the prefill on the prefill stream.
 
-        Step 0 (and step 1, when the prefill is predicted to outlast a step) and the prefill
-        are launched first; each later step takes the previous step's
+        Step 0 (and step 1, when the prefill is predicted to outlast a step) are launched first,
+        then the prefill, a layer at a time: between layers, each step already complete is handed
+        out (the launch of an eager prefill takes the host 16 ms or more, longer than a step
+        when the HTTP server holds the GIL; handed out after it, a split's first token came with
+        its second, a gap of two steps). Each later step takes the previous step's
         tokens on the device, and each step's tokens are handed out when it completes. Beside a
         prefill on SM-partitioned streams the next step is launched as soon as the previous one
         has completed (before its tokens are handed out) and only while the prefill is still
@@ -302,15 +315,19 @@ class ModelRunner:
         says new work waits; otherwise all ``plan.k`` steps run.
         """
         run, joined = None, None
+        start = time.perf_counter()
         try:
             run = self._launch_spatial(out)
+            for _ in self._launch_prefill(run):  # between layers: a step done meanwhile
+                if run.inflight and run.inflight[0].ready():
+                    yield self._hand_out(run)
+            if out.prefills:
+                self.last_launch_s = time.perf_counter() - start
             while True:
                 self._launch_next_step(run)
                 if not run.inflight:
                     break
-                tokens = run.inflight.popleft().tolist()  # waits for that step
-                self._launch_next_step(run, wait=False)  # queued before the caller handles this step
-                yield Sampled(dict(zip(run.decode_ids, tokens)), prefills=False, final=False)
+                yield self._hand_out(run)  # waits for that step
             joined = self._join(run)
             tokens = run.prefill_copy.tolist() if run.prefill_copy is not None else []
             self.last_stream_seconds = run.timers.elapsed(joined)
@@ -327,16 +344,25 @@ class ModelRunner:
                 except RuntimeError:  # a sticky CUDA error: the original exception says more
                     log.exception("could not join the streams of an abandoned iteration")
 
+    def _hand_out(self, run: _SpatialRun) -> Sampled:
+        """The oldest step in flight's tokens (waits for them); the next step is queued first,
+        if due, before the caller handles these."""
+        tokens = run.inflight.popleft().tolist()
+        self._launch_next_step(run, wait=False)
+        return Sampled(dict(zip(run.decode_ids, tokens)), prefills=False, final=False)
+
     @torch.inference_mode()
     def _launch_spatial(self, out: SchedulerOutput) -> _SpatialRun:
-        """Queue decode step 0, step 1 too when the prefill is predicted to outlast a step (the
-        host launches an eager prefill for ~16 ms on the H200, and step 1 must not wait for
-        that), then the prefill; returns the run's state."""
+        """Queue decode step 0, and step 1 too when the prefill is predicted to outlast a step
+        (the host launches an eager prefill for 16 ms or more on the H200, and step 1 must not
+        wait for that); returns the run's state, the prefill not yet launched
+        (``_launch_prefill``)."""
         decode_stream, prefill_stream = self._streams(out.plan)
         main = torch.cuda.current_stream() if self.device.type == "cuda" else None
         run = _SpatialRun(out, decode_stream, prefill_stream, main, _StreamTimers(main is not None),
                           self.split_graphs.get(out.plan.s_decode) if decode_stream is not None else self.graphs,
-                          tables=[s.seq.block_ids.copy() for s in out.decodes])
+                          tables=[s.seq.block_ids.copy() for s in out.decodes],
+                          partitioned=prefill_stream is not None and bool(out.prefills))
         for stream in (decode_stream, prefill_stream):
             if stream is not None:
                 stream.wait_stream(main)
@@ -347,22 +373,45 @@ class ModelRunner:
             t_d, t_p = out.plan.predicted_decode_s, out.plan.predicted_prefill_s
             if out.prefills and t_d is not None and t_p is not None and executed_steps(t_d, t_p) > 1:
                 self._launch_next_step(run)  # step 1 queued too: the prefill's launch takes the host a while
+        return run
+
+    @torch.inference_mode()
+    def _launch_prefill(self, run: _SpatialRun) -> Iterator[None]:
+        """Queue the prefill on its stream, pausing (``yield``, outside the stream's context)
+        after each decoder layer of an eager prefill; sets ``prefill_copy``, ``prefill_ids`` and,
+        on a partitioned stream, ``prefill_end``. A layer-split round (``plan.prefill_layers``)
+        is queued whole."""
+        out = run.out
         if out.plan.predicted_prefill_s is not None:
             run.prefill_due = time.perf_counter() + out.plan.predicted_prefill_s  # it includes the launch
-        with _on(prefill_stream):
+        run.prefill_begun = True
+        with _on(run.prefill_stream):
             run.timers.mark("prefill")
             if out.plan.prefill_layers is not None and out.prefills:
                 prefill, run.prefill_copy = self._prefill_layers(out)
             else:
                 prefill = self._prepare(out.prefills, 0, [None] * len(out.prefills)) if out.prefills else None
-                prefill_tokens = self._sample(prefill, None) if prefill else None
-                run.prefill_copy = _HostCopy(prefill_tokens) if prefill_tokens is not None else None
-            run.prefill_ids = prefill.sample_seq_ids if prefill else []
+        if prefill is not None and out.plan.prefill_layers is None:
+            state = None
+            for layer in range(self.model.dims.num_layers):
+                with _on(run.prefill_stream):
+                    state = self.model.run_layers(state, prefill.input_ids, prefill.positions, self.kv_caches,
+                                                  prefill.meta, layer, layer + 1)
+                yield
+            with _on(run.prefill_stream):
+                run.prefill_copy = _HostCopy(self._head(self.model.final_norm(state), prefill))
+        run.prefill_ids = prefill.sample_seq_ids if prefill else []
+        with _on(run.prefill_stream):
             run.timers.mark("prefill")
-            if prefill_stream is not None and out.prefills:
-                run.prefill_end = torch.cuda.Event()
-                run.prefill_end.record()
-        return run
+            if run.partitioned:
+                run.prefill_end = self._prefill_end_event()
+
+    @staticmethod
+    def _prefill_end_event() -> torch.cuda.Event:
+        """An event recorded on the current stream after the prefill's last kernel."""
+        event = torch.cuda.Event()
+        event.record()
+        return event
 
     @torch.inference_mode()
     def _launch_next_step(self, run: _SpatialRun, wait: bool = True) -> None:
@@ -370,12 +419,13 @@ class ModelRunner:
         the prefill still running beside it on a partitioned stream (then only after the
         previous step completed, and see ``_prefill_leaves_a_step``), or, for a decode-only plan
         (multi-step decode), no ``interrupt`` and fewer than two in flight. ``wait=False``: leave
-        a step that would have to wait for the prefill unlaunched (decided at the next call)."""
+        a step that would have to wait for the prefill unlaunched (decided at the next call). Before
+        the prefill's launch begins (``_launch_spatial``), two steps may be queued."""
         out = run.out
-        in_flight = 1 if run.prefill_end is not None else 2
+        in_flight = 1 if run.beside_prefill else 2
         if len(run.inflight) >= in_flight or run.launched >= out.plan.k or not out.decodes:
             return
-        if run.launched > 0 and (not self._prefill_leaves_a_step(run, wait) if run.prefill_end is not None else
+        if run.launched > 0 and (not self._prefill_leaves_a_step(run, wait) if run.beside_prefill else
                                  not out.prefills and self.interrupt is not None and self.interrupt()):
             return
         with _on(run.decode_stream):  # inputs uploaded on the stream that reads them
@@ -398,9 +448,10 @@ class ModelRunner:
         less left the decodes hold (polling) for the prefill to end, and no step starts; if it
         has not ended ``STEP_START_SHARE t_d`` after the hold began (it outran its prediction),
         a step starts then. ``wait=False`` answers False instead of holding. Without
-        predictions: a step starts while the prefill runs."""
+        predictions: a step starts while the prefill runs. A prefill still being launched
+        (``prefill_end`` not yet recorded) is running."""
         t_d = run.out.plan.predicted_decode_s
-        while not run.prefill_end.query():
+        while run.prefill_end is None or not run.prefill_end.query():
             if run.prefill_due is None or not t_d:
                 return True
             now = time.perf_counter()
@@ -448,10 +499,7 @@ class ModelRunner:
             state = self.model.run_layers(state, inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta,
                                           start, end)
             if end == layers:
-                hidden = self.model.final_norm(state)
-                if inputs.sample_rows is not None:
-                    hidden = hidden.index_select(0, inputs.sample_rows)
-                sampled, state = _HostCopy(self.sampler.sample(self.model.compute_logits(hidden), inputs.sampling)), None
+                sampled, state = _HostCopy(self._head(self.model.final_norm(state), inputs)), None
             self._split = (key, inputs, state, end, sampled)
         if sampled is None or (out.decodes and not sampled.ready()):  # alone, a round may wait for it
             self.prefill_done = False
@@ -519,10 +567,12 @@ class ModelRunner:
         n = inputs.input_ids.shape[0]
         decode_only = inputs.meta.num_decodes == n
         if decode_only and graphs is not None and graphs.bucket(n):
-            logits = graphs.run(inputs.input_ids, inputs.positions, inputs.meta)
-        else:
-            hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
-            if inputs.sample_rows is not None:
-                hidden = hidden.index_select(0, inputs.sample_rows)
-            logits = self.model.compute_logits(hidden)
-        return self.sampler.sample(logits, inputs.sampling)
+            return self.sampler.sample(graphs.run(inputs.input_ids, inputs.positions, inputs.meta), inputs.sampling)
+        return self._head(self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta), inputs)
+
+    def _head(self, hidden: torch.Tensor, inputs: StepInputs) -> torch.Tensor:
+        """Sampled tokens ``[n]`` (int64, on the device) from the final-normed hidden states
+        ``[tokens, hidden]`` of the whole batch: its sampled rows, the LM head, the sampler."""
+        if inputs.sample_rows is not None:
+            hidden = hidden.index_select(0, inputs.sample_rows)
+        return self.sampler.sample(self.model.compute_logits(hidden), inputs.sampling)
