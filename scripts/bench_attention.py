@@ -11,6 +11,12 @@ Every shape is first checked against ``TorchAttention`` run in float32 on the sa
   K/V bytes read (plus q and out) over the time, against the H200's measured copy rate
   4.19 TB/s (docs/design.md section 5). Batches 1/8/32 also sweep the split count (1, 2, 4, ...,
   ``MAX_SPLITS``) to show the best one.
+- decode contexts from a served run (``--decode-log``, the server's iteration log, JSONL or
+  gzipped): decode-only iterations at the quartiles and maximum of their summed context (those
+  of at least ``LOG_MIN_CONTEXT`` tokens), each with its own uneven contexts and beside a
+  uniform batch of the same size and summed context, timed as above. Served long-context
+  decode steps ran about 1.3x their predicted time on Mooncake (docs/benchmarks.md, sixteenth
+  session); this tells whether the kernel does at those contexts.
 - prefill: 8192 tokens as 1 x 8192 and 8 x 1024, and a 2048-token chunk after 6144 cached
   ones, timed with ``triton.testing.do_bench`` (median; it flushes the L2 cache between runs);
   TFLOP/s over useful causal FLOPs ``4 Hq D sum(q c + q (q + 1) / 2)`` (``c`` cached
@@ -45,6 +51,7 @@ TOL = 1e-2
 CHECK_SEQS = 8  # sequences compared with the float32 reference (each is computed independently)
 SWEEP_BATCHES = (1, 8, 32)  # decode batches whose every split count is timed
 GRAPH_CALLS = 32  # at least this many decode calls per timed graph replay
+LOG_MIN_CONTEXT = 100_000  # --decode-log: decode-only iterations with at least this many context tokens in all
 
 
 def make_inputs(qlens: list[int], ctxs: list[int], width: int = 0):
@@ -117,10 +124,12 @@ def graph_us(fns: list, replays: int = 5) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def run_decode(batch: int, ctx: int, ta) -> dict:
-    """One decode shape: the default split count (and with ``SWEEP_BATCHES`` every power of two up to
-    ``MAX_SPLITS``) checked and timed from CUDA-graph replays."""
-    qlens, ctxs = [1] * batch, [ctx] * batch
+def run_decode(ctxs: list[int], ta) -> dict:
+    """One decode batch (a context per sequence): the default split count (and with a batch size in
+    ``SWEEP_BATCHES`` every power of two up to ``MAX_SPLITS``) checked and timed from CUDA-graph
+    replays. ``context`` in the result is the mean context, ``max_context`` the longest."""
+    batch = len(ctxs)
+    qlens = [1] * batch
     q, k_cache, v_cache, meta = make_inputs(qlens, ctxs, width=GRAPH_CONTEXT // BLOCK_SIZE)
     kv_bytes = 2 * k_cache.numel() * k_cache.element_size()
     caches = [(k_cache, v_cache)] + [(torch.randn_like(k_cache), torch.randn_like(v_cache))
@@ -140,12 +149,37 @@ def run_decode(batch: int, ctx: int, ta) -> dict:
         fns[0]()
         err = max(err, check(out, q, k_cache, v_cache, meta, scale, decode=True))
         times[splits] = graph_us(fns)
-    nbytes = 2 * batch * ctx * HKV * HEAD_DIM * 2 + 2 * q.numel() * 2
+    nbytes = 2 * sum(ctxs) * HKV * HEAD_DIM * 2 + 2 * q.numel() * 2
     best = min(times, key=times.get)
-    return {"batch": batch, "context": ctx, "splits": auto, "us": times[auto], "bytes": nbytes,
+    return {"batch": batch, "context": round(sum(ctxs) / batch), "max_context": max(ctxs), "splits": auto, "us": times[auto], "bytes": nbytes,
             "gb_s": nbytes / times[auto] / 1e3, "floor_us": nbytes / COPY_BW * 1e6, "best_splits": best,
             "best_us": times[best], "us_by_splits": {str(s): t for s, t in times.items()}, "kv_copies": len(caches),
             "rel_err": err}
+
+
+def log_batches(path: str, count: int = 4) -> list[list[int]]:
+    """Decode contexts (cached tokens + the new one) of ``count`` decode-only iterations of an
+    iteration log (``duetserve serve --iteration-log``; ``.gz`` read gzipped): those at the
+    quartiles and the maximum of the summed context among those with at least
+    ``LOG_MIN_CONTEXT``, fewer if fewer qualify.
+
+    Raises:
+        OSError: the file cannot be read. ValueError: a line is not JSON.
+    """
+    import gzip
+
+    opener = gzip.open if path.endswith(".gz") else open
+    batches = []
+    with opener(path, "rt") as f:
+        for line in f:
+            r = json.loads(line)
+            if r.get("num_prefill_tokens") == 0 and r.get("num_decodes") and r.get("requests"):
+                ctxs = [c + q for q, c in r["requests"][:r["num_decodes"]]]
+                if sum(ctxs) >= LOG_MIN_CONTEXT:
+                    batches.append(ctxs)
+    batches.sort(key=sum)
+    picks = sorted({round(f * (len(batches) - 1)) for f in (0.25, 0.5, 0.75, 1.0)}) if batches else []
+    return [batches[i] for i in picks][:count]
 
 
 def run_prefill(name: str, qlens: list[int], ctxs: list[int], ta) -> dict:
@@ -182,7 +216,13 @@ def sdpa_time(qlens: list[int]) -> float | None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="attention.json", help="JSON results path")
+    parser.add_argument("--decode-log", metavar="PATH",
+                        help="also time the decode batches of a served run's iteration log (JSONL, or .gz)")
     args = parser.parse_args(argv)
+    try:
+        logged = log_batches(args.decode_log) if args.decode_log else []
+    except (OSError, ValueError) as exc:
+        parser.error(f"--decode-log: {exc}")
     if not torch.cuda.is_available():
         print("needs a CUDA GPU", file=sys.stderr)
         return 2
@@ -193,9 +233,14 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.time()
     torch.manual_seed(0)
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-              "heads": [HQ, HKV, HEAD_DIM], "block_size": BLOCK_SIZE, "decode": [], "prefill": [], "errors": []}
-    jobs = [("decode", f"decode b={b} ctx={c}", lambda b=b, c=c: run_decode(b, c, ta))
+              "heads": [HQ, HKV, HEAD_DIM], "block_size": BLOCK_SIZE, "decode": [], "logged": [], "prefill": [],
+              "errors": []}
+    jobs = [("decode", f"decode b={b} ctx={c}", lambda b=b, c=c: run_decode([c] * b, ta))
             for b in (1, 8, 32, 64, 128) for c in (512, 2048, 8192)]
+    for ctxs in logged:  # as served, then uniform with the same batch and summed context
+        b, mean = len(ctxs), round(sum(ctxs) / len(ctxs))
+        jobs += [("logged", f"logged b={b} sum={sum(ctxs)} max={max(ctxs)}", lambda ctxs=ctxs: run_decode(ctxs, ta)),
+                 ("logged", f"uniform b={b} ctx={mean}", lambda b=b, mean=mean: run_decode([mean] * b, ta))]
     jobs += [("prefill", name, lambda name=name, q=q, c=c: run_prefill(name, q, c, ta)) for name, q, c in
              (("1x8192", [8192], [8192]), ("8x1024", [1024] * 8, [1024] * 8), ("2048 after 6144", [2048], [8192]))]
     for kind, name, job in jobs:
@@ -218,6 +263,12 @@ def main(argv: list[str] | None = None) -> int:
     for r in result["decode"]:
         print(f"b={r['batch']:>3} c={r['context']:>5} {r['splits']:>6} {r['us']:>8.1f} {r['gb_s']:>6.0f} "
               f"{r['floor_us']:>8.1f} {r['us'] / r['floor_us']:>7.2f} {r['best_splits']:>4} {r['best_us']:>5.1f}")
+    if result["logged"]:
+        print(f"{'decode, from the log':>22} {'max ctx':>7} {'splits':>6} {'us':>8} {'floor us':>8} {'x floor':>7}")
+        for r in result["logged"]:
+            kind = "uniform" if r["max_context"] == r["context"] else "served"
+            print(f"{kind:>7} b={r['batch']:>3} c={r['context']:>6} {r['max_context']:>7} {r['splits']:>6} "
+                  f"{r['us']:>8.1f} {r['floor_us']:>8.1f} {r['us'] / r['floor_us']:>7.2f}")
     sweep = [r for r in result["decode"] if r["batch"] in SWEEP_BATCHES]
     if sweep:
         splits = list(sweep[0]["us_by_splits"])

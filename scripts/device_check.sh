@@ -27,7 +27,7 @@ step tests 420 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu_en
   tests/test_partition.py tests/test_triton_attention.py tests/test_fused_ops.py tests/test_triton_gemm.py tests/test_calibrate.py tests/test_decode_stream.py
 step core-tests 300 python3 -m pytest -q -rP -m gpu -p no:cacheprovider tests/test_gpu_engine.py tests/test_gpu_spatial.py \
   tests/test_partition.py tests/test_fused_ops.py tests/test_triton_gemm.py
-step attention 240 python3 scripts/bench_attention.py --out "$OUT/attention.json"
+step attention 300 python3 scripts/bench_attention.py --out "$OUT/attention.json" ${ATTENTION_ARGS:-}
 step gemm 300 python3 scripts/bench_decode_gemm.py --out "$OUT/gemm.json"
 step weight-stream 240 python3 scripts/bench_weight_stream.py --out "$OUT/weight_stream.json"
 step bulk-copy 120 python3 scripts/bench_bulk_copy.py --out "$OUT/bulk_copy.json"
