@@ -195,14 +195,14 @@ def test_decode_stops_starting_steps_once_the_prefill_is_done(tiny_qwen3_folder,
     got = {"a": [t for o in engine.step() for t in o.new_token_ids]}   # prefill of "a"
     engine.add_request("b", prompts[1], params)
     parts = list(engine.step_parts())              # "a" decodes beside b's prefill
-    # step 0 is queued before the prefill; after each of the prefill's 2 layers the step done is
-    # handed out and the next one queued (steps 1 and 2); after the launch steps 3 and 4 start
-    # after queries 1 and 2, none once the event has fired: 5 of the 8 steps reserved.
-    assert [[o.request_id for o in part] for part in parts] == [["a"]] * 5 + [["b"]]
-    assert engine.last_stats.plan.k == 8 and engine.last_stats.decode_steps == 5
+    # step 0 is queued before the prefill; between the prefill's 2 layers it is handed out and
+    # step 1 queued; after the launch steps 2 and 3 start after queries 1 and 2, none once the
+    # event has fired: 4 of the 8 steps reserved.
+    assert [[o.request_id for o in part] for part in parts] == [["a"]] * 4 + [["b"]]
+    assert engine.last_stats.plan.k == 8 and engine.last_stats.decode_steps == 4
     stats = engine.last_stats
-    assert len(stats.handout_s) == 5 and stats.handout_s == sorted(stats.handout_s)
-    assert 0 < stats.handout_s[1] < stats.launch_s < stats.handout_s[2] < stats.duration_s  # 0, 1 came before it
+    assert len(stats.handout_s) == 4 and stats.handout_s == sorted(stats.handout_s)
+    assert 0 < stats.handout_s[0] < stats.launch_s < stats.handout_s[1] < stats.duration_s  # step 0 came before it
     for part in parts:
         for o in part:
             got.setdefault(o.request_id, []).extend(o.new_token_ids)
@@ -210,6 +210,87 @@ def test_decode_stops_starting_steps_once_the_prefill_is_done(tiny_qwen3_folder,
         for o in engine.step():
             got[o.request_id].extend(o.new_token_ids)
     assert [got["a"], got["b"]] == expected
+
+
+def _partitioned_run(monkeypatch, tmp_path, predicted: tuple[float, float] | None, schedule_delay_s: float = 0.0,
+                     layers: int = 2):
+    """Run "a"'s decodes beside b's prefill (a model of ``layers`` layers) as on partitioned
+    streams (faked: the prefill's end event fires after 1 query); ``predicted``: the plan's
+    (decode step, prefill) seconds. Returns (parts' request ids, stats, the runs' in-flight
+    counts seen between the prefill's layers)."""
+    import json
+    import time
+
+    from conftest import TINY_QWEN3
+    from duetserve.engine import model_runner
+    from duetserve.engine.policy import Plan
+
+    class FakeEvent:
+        def __init__(self):
+            self.queries = 0
+
+        def query(self) -> bool:
+            self.queries += 1
+            return self.queries > 1
+
+    seen = []
+    launch, launch_prefill = model_runner.ModelRunner._launch_spatial, model_runner.ModelRunner._launch_prefill
+
+    def launch_partitioned(self, out):
+        run = launch(self, out)
+        run.partitioned = bool(out.prefills)
+        return run
+
+    def watched(self, run):
+        for _ in launch_prefill(self, run):
+            seen.append((len(run.inflight), run.launched, run.hold_until))
+            yield
+
+    monkeypatch.setattr(model_runner.ModelRunner, "_launch_spatial", launch_partitioned)
+    monkeypatch.setattr(model_runner.ModelRunner, "_launch_prefill", watched)
+    monkeypatch.setattr(model_runner.ModelRunner, "_prefill_end_event", staticmethod(FakeEvent))
+    (tmp_path / "config.json").write_text(json.dumps({**TINY_QWEN3, "num_hidden_layers": layers}))
+    config = EngineConfig(model=str(tmp_path), max_num_batched_tokens=64, num_kv_blocks=64, block_size=8,
+                          load_format="dummy")
+    engine = LLMEngine(config)
+    t_d, t_p = predicted if predicted else (None, None)
+    force_plan(engine, Plan(spatial=True, s_prefill=8, s_decode=8, k=8, predicted_decode_s=t_d,
+                            predicted_prefill_s=t_p))
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    engine.add_request("a", list(range(3, 15)), params)
+    engine.step()  # a's prefill
+    engine.add_request("b", list(range(3, 28)), params)
+    schedule = engine.scheduler.schedule
+    engine.scheduler.schedule = lambda: time.sleep(schedule_delay_s) or schedule()
+    parts = [[o.request_id for o in part] for part in engine.step_parts()]
+    return parts, engine.last_stats, seen
+
+
+def test_steps_are_handed_out_and_queued_between_the_prefill_layers(monkeypatch, tmp_path):
+    """Without predictions, between each two of the prefill's 4 layers the step done is handed
+    out and the next queued, one in flight at a time (steps 1-3), none after the last layer;
+    after the launch one query finds the prefill running (step 4 starts), the next finds it done."""
+    parts, stats, seen = _partitioned_run(monkeypatch, tmp_path, None, layers=4)
+    assert seen == [(1, 1, None), (1, 2, None), (1, 3, None)]  # before each pause: step j in flight
+    assert parts == [["a"]] * 5 + [["b"]] and stats.decode_steps == 5
+    assert stats.handout_s[2] < stats.launch_s < stats.handout_s[3]  # steps 0-2 during the launch
+
+
+def test_no_hold_begins_while_the_prefill_is_launched(monkeypatch, tmp_path):
+    """With the prefill predicted to end within half a step (0.1 ms left of 1 s steps), no step
+    starts beside it during its launch, and the hold (``hold_until``) begins only after the
+    launch: then the faked event's second query says the prefill is done, so only step 0 ran."""
+    parts, stats, seen = _partitioned_run(monkeypatch, tmp_path, (1.0, 1e-4), layers=3)
+    assert seen == [(1, 1, None), (0, 1, None)]  # step 0 handed out, nothing started, no hold
+    assert parts == [["a"], ["b"]] and stats.decode_steps == 1
+
+
+def test_launch_s_counts_from_the_iteration_start(monkeypatch, tmp_path):
+    """``launch_s`` and ``handout_s`` share a base, the iteration's start (scheduling included):
+    with 0.2 s of scheduling, step 0 (handed out during the launch) still comes before it."""
+    parts, stats, _ = _partitioned_run(monkeypatch, tmp_path, None, schedule_delay_s=0.2)
+    assert stats.schedule_s >= 0.2
+    assert stats.schedule_s < stats.handout_s[0] < stats.launch_s < stats.handout_s[1] < stats.duration_s
 
 
 def test_the_policy_sees_the_wall_time_of_temporal_iterations_with_decodes_and_prefill(tiny_qwen3_folder):

@@ -69,7 +69,8 @@ class StepStats:
     ``Scheduler.schedule`` (the policy's plan included; part of ``duration_s``). For plans with
     look-ahead decode steps, ``handout_s`` holds the wall seconds from the iteration's start at
     which each step's tokens were handed out, and ``launch_s`` those at which the prefill had
-    been launched (None for temporal plans)."""
+    been launched (None without a prefill launched beside decode steps: temporal plans, decode-only
+    multi-step plans)."""
 
     plan: Plan
     num_decodes: int
@@ -331,7 +332,8 @@ class LLMEngine:
                                             duration, len(out.preempted),
                                             steps or int(bool(out.decodes)),
                                             dict(stream_s), len(out.prefills), out.scheduled, schedule_s,
-                                            handout_s, self.runner.last_launch_s)
+                                            handout_s, None if self.runner.last_launch_at is None
+                                            else self.runner.last_launch_at - start)
             if outputs or part.final:
                 yield outputs
 

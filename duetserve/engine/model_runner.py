@@ -231,7 +231,7 @@ class ModelRunner:
         # spatial plans: busy time of each joined stream ("decode", "prefill") and "tail", from the
         # decode stream's end to the prefill's (0 when decode ended last)
         self.last_stream_seconds: dict[str, float] = {}
-        self.last_launch_s: float | None = None  # spatial plans: host seconds until the prefill was launched
+        self.last_launch_at: float | None = None  # spatial plans with a prefill: perf_counter() once it was launched
         self.prefill_done = True  # False after a layer-split prefill round that left layers to run
         # layer-split prefill in flight: (key, inputs, state, next layer, host copy of its tokens or None)
         self._split: tuple | None = None
@@ -273,7 +273,7 @@ class ModelRunner:
         is exhausted (``last_stream_seconds`` stays empty for a temporal plan)."""
         self.prefill_done = True
         self.last_stream_seconds = {}
-        self.last_launch_s = None
+        self.last_launch_at = None
         if out.plan.prefill_layers is None:
             self._split = None  # no layer-split batch is pinned any more (finished, aborted or preempted)
         if self._unjoined is not None and (self._split is None or self._split[0] != _split_key(out)):
@@ -315,14 +315,15 @@ class ModelRunner:
         says new work waits; otherwise all ``plan.k`` steps run.
         """
         run, joined = None, None
-        start = time.perf_counter()
         try:
             run = self._launch_spatial(out)
-            for _ in self._launch_prefill(run):  # between layers: a step done meanwhile
+            for _ in self._launch_prefill(run):  # between layers: a step done meanwhile, or the next one
                 if run.inflight and run.inflight[0].ready():
                     yield self._hand_out(run)
+                elif not run.inflight:
+                    self._launch_next_step(run, wait=False)
             if out.prefills:
-                self.last_launch_s = time.perf_counter() - start
+                self.last_launch_at = time.perf_counter()
             while True:
                 self._launch_next_step(run)
                 if not run.inflight:
@@ -354,9 +355,8 @@ class ModelRunner:
     @torch.inference_mode()
     def _launch_spatial(self, out: SchedulerOutput) -> _SpatialRun:
         """Queue decode step 0, and step 1 too when the prefill is predicted to outlast a step
-        (the host launches an eager prefill for 16 ms or more on the H200, and step 1 must not
-        wait for that); returns the run's state, the prefill not yet launched
-        (``_launch_prefill``)."""
+        (so the decode stream does not wait for the host between them); returns the run's
+        state, the prefill not yet launched (``_launch_prefill``)."""
         decode_stream, prefill_stream = self._streams(out.plan)
         main = torch.cuda.current_stream() if self.device.type == "cuda" else None
         run = _SpatialRun(out, decode_stream, prefill_stream, main, _StreamTimers(main is not None),
@@ -377,10 +377,10 @@ class ModelRunner:
 
     @torch.inference_mode()
     def _launch_prefill(self, run: _SpatialRun) -> Iterator[None]:
-        """Queue the prefill on its stream, pausing (``yield``, outside the stream's context)
-        after each decoder layer of an eager prefill; sets ``prefill_copy``, ``prefill_ids`` and,
-        on a partitioned stream, ``prefill_end``. A layer-split round (``plan.prefill_layers``)
-        is queued whole."""
+        """Queue the prefill on its stream; beside decodes on a partitioned stream, pause
+        (``yield``, outside the stream's context) between the decoder layers of an eager
+        prefill. Sets ``prefill_copy``, ``prefill_ids`` and, on a partitioned stream,
+        ``prefill_end``. A layer-split round (``plan.prefill_layers``) is queued whole."""
         out = run.out
         if out.plan.predicted_prefill_s is not None:
             run.prefill_due = time.perf_counter() + out.plan.predicted_prefill_s  # it includes the launch
@@ -394,10 +394,11 @@ class ModelRunner:
         if prefill is not None and out.plan.prefill_layers is None:
             state = None
             for layer in range(self.model.dims.num_layers):
+                if layer and run.partitioned and out.decodes:
+                    yield
                 with _on(run.prefill_stream):
                     state = self.model.run_layers(state, prefill.input_ids, prefill.positions, self.kv_caches,
                                                   prefill.meta, layer, layer + 1)
-                yield
             with _on(run.prefill_stream):
                 run.prefill_copy = _HostCopy(self._head(self.model.final_norm(state), prefill))
         run.prefill_ids = prefill.sample_seq_ids if prefill else []
@@ -449,7 +450,8 @@ class ModelRunner:
         has not ended ``STEP_START_SHARE t_d`` after the hold began (it outran its prediction),
         a step starts then. ``wait=False`` answers False instead of holding. Without
         predictions: a step starts while the prefill runs. A prefill still being launched
-        (``prefill_end`` not yet recorded) is running."""
+        (``prefill_end`` not yet recorded) is running, and no hold begins before its launch
+        has ended."""
         t_d = run.out.plan.predicted_decode_s
         while run.prefill_end is None or not run.prefill_end.query():
             if run.prefill_due is None or not t_d:
@@ -457,6 +459,8 @@ class ModelRunner:
             now = time.perf_counter()
             if run.prefill_due - now >= STEP_START_SHARE * t_d:
                 return True
+            if run.prefill_end is None:
+                return False
             if run.hold_until is None:
                 run.hold_until = now + STEP_START_SHARE * t_d
             if now >= run.hold_until:

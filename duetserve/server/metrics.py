@@ -33,7 +33,7 @@ class ServerMetrics:
         # stream's end to the prefill stream's: the decodes' wait, 0 when decode ended last; the
         # same events), "handout_s" (wall seconds from the iteration's start at which each decode
         # step's tokens were handed out) and "launch_s" (those at which the prefill had been
-        # launched; null for temporal plans), "num_decodes", "num_prefills"
+        # launched; null without a prefill beside decode steps), "num_decodes", "num_prefills"
         # (prefill chunks), "num_prefill_tokens", "prefill_layers" (pdmux rounds), "schedule_s"
         # (the scheduler's wall seconds, planning included, within "measured_s"), "trim_rates"
         # (Plan.trim_rates: trimmed temporal and split tokens/s that duet weighed), "decode_margin"
