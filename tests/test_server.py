@@ -294,7 +294,9 @@ def test_bad_inputs_get_400_while_a_stream_completes(server):
             r = await client.post(f"{server}/v1/completions", content=b'{"prompt": "hi",', headers=AUTH)
             answers.append((r, None))
             for raw, message in ((b'{"prompt": "\xff\xfe"}', "not UTF-8 text (invalid start byte at byte 12)"),
-                                 (b"[" * 5000 + b"]" * 5000, "nested too deeply")):
+                                 (b"[" * 5000 + b"]" * 5000, "nested too deeply"),
+                                 (b'{"prompt": "hi", "max_tokens": 1' + b"0" * 5000 + b"}",
+                                  "an integer of more than 4300 digits")):
                 r = await client.post(f"{server}/v1/completions", content=raw,
                                       headers={**AUTH, "Content-Type": "application/json"})
                 assert message in r.json()["error"]["message"], r.text

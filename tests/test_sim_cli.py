@@ -135,7 +135,7 @@ def test_context_limit_defaults_to_the_models(tmp_path, capsys):
     assert main(["simulate", "--trace", str(trace), "--qps", "1", "--no-progress"]) == 2
     assert capsys.readouterr().err == (
         "duetserve simulate: error: the model's context of 40960 tokens (--model-config; --max-model-len sets "
-        "another) leaves no room for an output token: the shortest prompt of the trace has 41000 tokens\n")
+        "another) holds no request of the trace: the shortest needs 41008 tokens of prompt and output\n")
 
 
 @pytest.mark.parametrize("args, flag", [
@@ -199,7 +199,9 @@ def test_missing_qps_is_a_usage_error(capsys):
     ([*SMALL, "--qps", "2", "--tp", "3"],  # printed a ModelShape(...) repr
      "--tp 3: the model's 32 query heads and 8 KV heads are not divisible by 3"),
     ([*SMALL, "--qps", "2", "--max-model-len", "10"],
-     "--max-model-len 10 leaves no room for an output token: the shortest prompt of the trace has 506 tokens"),
+     "--max-model-len 10 holds no request of the trace: the shortest needs 521 tokens of prompt and output"),
+    ([*SMALL, "--qps", "2", "--max-model-len", "510"],  # room for the shortest prompt, not its output: exited 1
+     "--max-model-len 510 holds no request of the trace: the shortest needs 521 tokens of prompt and output"),
     ([*SMALL, "--qps", "2", "--window", "1000:2000"],
      "the trace selection holds no requests (see --window and --num-requests)"),
 ])

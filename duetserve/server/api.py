@@ -4,6 +4,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import sys
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -109,6 +110,9 @@ def create_app(engine: AsyncEngine, metrics: ServerMetrics, model_name: str, api
                                        f"byte {cause.start})")
         if isinstance(cause, RecursionError):
             return error_response(400, "request body is not valid JSON: nested too deeply")
+        if isinstance(cause, ValueError) and "integer string conversion" in str(cause):  # CPython's digit limit
+            return error_response(400, f"request body holds an integer of more than {sys.get_int_max_str_digits()} "
+                                       "digits")
         return error_response(exc.status_code, str(exc.detail))
 
     @app.exception_handler(ParamError)

@@ -184,14 +184,13 @@ def _check_trace_fits(args: argparse.Namespace, config: SimConfig, trace: Sequen
     if args.kv_cache_tokens is not None and args.kv_cache_tokens < args.block_size:
         raise UsageError(f"--kv-cache-tokens {args.kv_cache_tokens} is less than one KV block of "
                          f"{args.block_size} tokens (--block-size)")
-    shortest_prompt = min(r.input_len for r in trace)
+    shortest = min(r.input_len + r.output_len for r in trace)
     limit = args.max_model_len or args.model_config.max_positions
-    if limit is not None and shortest_prompt >= limit:
+    if limit is not None and shortest > limit:  # the simulator fails each such request, as serve refuses it
         given = f"--max-model-len {limit}" if args.max_model_len else \
             f"the model's context of {limit} tokens (--model-config; --max-model-len sets another)"
-        raise UsageError(f"{given} leaves no room for an output token: the shortest prompt of the trace has "
-                         f"{shortest_prompt} tokens")
-    shortest = min(r.input_len + r.output_len for r in trace)
+        raise UsageError(f"{given} holds no request of the trace: the shortest needs {shortest} tokens of prompt "
+                         "and output")
     blocks = config.kv_blocks()
     if -(-shortest // args.block_size) > blocks:
         source = "--kv-cache-tokens" if args.kv_cache_tokens else "--gpu and --gpu-memory-utilization"
