@@ -75,6 +75,18 @@ def test_tiny_qwen3_equal_hf(tiny_qwen3_folder):
     assert engine.generate(prompts, params) == hf_greedy(tiny_qwen3_folder, prompts, 20)
 
 
+class FakeEndEvent:
+    """Stands in for a prefill's end event on a partitioned stream: ``query()`` reports the
+    prefill running ``running`` times, then done."""
+
+    def __init__(self, running: int = 2):
+        self.running, self.queries = running, 0
+
+    def query(self) -> bool:
+        self.queries += 1
+        return self.queries > self.running
+
+
 def force_plan(engine: LLMEngine, plan) -> None:
     """Make ``engine`` run ``plan`` for every iteration with decodes (prefill-only ones as before)."""
     chunked = engine.scheduler.policy
@@ -167,14 +179,6 @@ def test_decode_stops_starting_steps_once_the_prefill_is_done(tiny_qwen3_folder,
     from duetserve.engine import model_runner
     from duetserve.engine.policy import Plan
 
-    class FakeEvent:
-        def __init__(self):
-            self.queries = 0
-
-        def query(self) -> bool:
-            self.queries += 1
-            return self.queries > 2
-
     launch = model_runner.ModelRunner._launch_spatial
 
     def launch_partitioned(self, out):
@@ -183,7 +187,7 @@ def test_decode_stops_starting_steps_once_the_prefill_is_done(tiny_qwen3_folder,
         return run
 
     monkeypatch.setattr(model_runner.ModelRunner, "_launch_spatial", launch_partitioned)
-    monkeypatch.setattr(model_runner.ModelRunner, "_prefill_end_event", staticmethod(FakeEvent))
+    monkeypatch.setattr(model_runner.ModelRunner, "_prefill_end_event", staticmethod(FakeEndEvent))
     gen = torch.Generator().manual_seed(9)
     prompts = [torch.randint(3, 320, (n,), generator=gen).tolist() for n in (12, 25)]
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
@@ -222,16 +226,9 @@ def _partitioned_run(monkeypatch, tmp_path, predicted: tuple[float, float] | Non
     import time
 
     from conftest import TINY_QWEN3
+
     from duetserve.engine import model_runner
     from duetserve.engine.policy import Plan
-
-    class FakeEvent:
-        def __init__(self):
-            self.queries = 0
-
-        def query(self) -> bool:
-            self.queries += 1
-            return self.queries > 1
 
     seen = []
     launch, launch_prefill = model_runner.ModelRunner._launch_spatial, model_runner.ModelRunner._launch_prefill
@@ -248,7 +245,7 @@ def _partitioned_run(monkeypatch, tmp_path, predicted: tuple[float, float] | Non
 
     monkeypatch.setattr(model_runner.ModelRunner, "_launch_spatial", launch_partitioned)
     monkeypatch.setattr(model_runner.ModelRunner, "_launch_prefill", watched)
-    monkeypatch.setattr(model_runner.ModelRunner, "_prefill_end_event", staticmethod(FakeEvent))
+    monkeypatch.setattr(model_runner.ModelRunner, "_prefill_end_event", staticmethod(lambda: FakeEndEvent(running=1)))
     (tmp_path / "config.json").write_text(json.dumps({**TINY_QWEN3, "num_hidden_layers": layers}))
     config = EngineConfig(model=str(tmp_path), max_num_batched_tokens=64, num_kv_blocks=64, block_size=8,
                           load_format="dummy")
@@ -288,7 +285,7 @@ def test_no_hold_begins_while_the_prefill_is_launched(monkeypatch, tmp_path):
 def test_launch_s_counts_from_the_iteration_start(monkeypatch, tmp_path):
     """``launch_s`` and ``handout_s`` share a base, the iteration's start (scheduling included):
     with 0.2 s of scheduling, step 0 (handed out during the launch) still comes before it."""
-    parts, stats, _ = _partitioned_run(monkeypatch, tmp_path, None, schedule_delay_s=0.2)
+    _, stats, _ = _partitioned_run(monkeypatch, tmp_path, None, schedule_delay_s=0.2)
     assert stats.schedule_s >= 0.2
     assert stats.schedule_s < stats.handout_s[0] < stats.launch_s < stats.handout_s[1] < stats.duration_s
 
