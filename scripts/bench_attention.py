@@ -54,12 +54,15 @@ GRAPH_CALLS = 32  # at least this many decode calls per timed graph replay
 LOG_MIN_CONTEXT = 100_000  # --decode-log: decode-only iterations with at least this many context tokens in all
 
 
-def make_inputs(qlens: list[int], ctxs: list[int], width: int = 0):
-    """q ``[T, HQ, D]``, a paged cache holding exactly these contexts (blocks shuffled) and metadata;
-    block tables ``max(width, blocks needed)`` wide (padded with block 0)."""
+def make_inputs(qlens: list[int], ctxs: list[int], width: int = 0, cache_tokens: int = 0):
+    """q ``[T, HQ, D]``, a paged cache holding these contexts (blocks shuffled) and metadata;
+    block tables ``max(width, blocks needed)`` wide (padded with block 0). The cache holds
+    exactly the blocks needed, or ``cache_tokens`` worth of blocks (one layer of a server's
+    cache) with the needed ones scattered over all of it, as a long-running server's are."""
     dev = torch.device(DEVICE)
     counts = [-(-c // BLOCK_SIZE) for c in ctxs]
-    perm = torch.randperm(sum(counts), device=dev, dtype=torch.int32)
+    total = max(sum(counts), -(-cache_tokens // BLOCK_SIZE))
+    perm = torch.randperm(total, device=dev, dtype=torch.int32)[:sum(counts)]
     width = max(width, *counts)
     tables = torch.zeros(len(ctxs), width, dtype=torch.int32, device=dev)
     slots, start = [], 0
@@ -68,7 +71,7 @@ def make_inputs(qlens: list[int], ctxs: list[int], width: int = 0):
         start += n
         pos = torch.arange(c - ql, c, device=dev)
         slots.append(tables[i, pos // BLOCK_SIZE].long() * BLOCK_SIZE + pos % BLOCK_SIZE)
-    k_cache, v_cache = (torch.randn(sum(counts), BLOCK_SIZE, HKV, HEAD_DIM, device=dev, dtype=DTYPE) for _ in "kv")
+    k_cache, v_cache = (torch.randn(total, BLOCK_SIZE, HKV, HEAD_DIM, device=dev, dtype=DTYPE) for _ in "kv")
     starts = torch.tensor([0] + qlens, device=dev).cumsum(0).int()
     meta = AttentionMetadata(slot_mapping=torch.cat(slots), query_start_loc=starts,
                              context_lens=torch.tensor(ctxs, dtype=torch.int32, device=dev), block_tables=tables,
@@ -124,14 +127,16 @@ def graph_us(fns: list, replays: int = 5) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def run_decode(ctxs: list[int], ta) -> dict:
+def run_decode(ctxs: list[int], ta, cache_tokens: int = 0) -> dict:
     """One decode batch (a context per sequence): the default split count (and with a batch size in
     ``SWEEP_BATCHES`` every power of two up to ``MAX_SPLITS``) checked and timed from CUDA-graph
-    replays. ``context`` in the result is the mean context, ``max_context`` the longest."""
+    replays; ``cache_tokens``: see ``make_inputs``. ``context`` in the result is the mean
+    context, ``max_context`` the longest."""
     batch = len(ctxs)
     qlens = [1] * batch
-    q, k_cache, v_cache, meta = make_inputs(qlens, ctxs, width=GRAPH_CONTEXT // BLOCK_SIZE)
-    kv_bytes = 2 * k_cache.numel() * k_cache.element_size()
+    q, k_cache, v_cache, meta = make_inputs(qlens, ctxs, width=GRAPH_CONTEXT // BLOCK_SIZE,
+                                            cache_tokens=cache_tokens)
+    kv_bytes = 2 * sum(-(-c // BLOCK_SIZE) for c in ctxs) * BLOCK_SIZE * HKV * HEAD_DIM * k_cache.element_size()
     caches = [(k_cache, v_cache)] + [(torch.randn_like(k_cache), torch.randn_like(v_cache))
                                      for _ in range(rotation_sets(kv_bytes) - 1)]
     scale = HEAD_DIM ** -0.5
@@ -151,7 +156,8 @@ def run_decode(ctxs: list[int], ta) -> dict:
         times[splits] = graph_us(fns)
     nbytes = 2 * sum(ctxs) * HKV * HEAD_DIM * 2 + 2 * q.numel() * 2
     best = min(times, key=times.get)
-    return {"batch": batch, "context": round(sum(ctxs) / batch), "max_context": max(ctxs), "splits": auto, "us": times[auto], "bytes": nbytes,
+    return {"batch": batch, "context": round(sum(ctxs) / batch), "max_context": max(ctxs),
+            "cache_tokens": k_cache.shape[0] * BLOCK_SIZE, "splits": auto, "us": times[auto], "bytes": nbytes,
             "gb_s": nbytes / times[auto] / 1e3, "floor_us": nbytes / COPY_BW * 1e6, "best_splits": best,
             "best_us": times[best], "us_by_splits": {str(s): t for s, t in times.items()}, "kv_copies": len(caches),
             "rel_err": err}
@@ -218,6 +224,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default="attention.json", help="JSON results path")
     parser.add_argument("--decode-log", metavar="PATH",
                         help="also time the decode batches of a served run's iteration log (JSONL, or .gz)")
+    parser.add_argument("--cache-tokens", type=int, default=811_728, metavar="N",
+                        help="--decode-log batches: also time each in a one-layer cache of N tokens, its blocks "
+                             "scattered over all of it, as a server's (default: 811728, the H200 server's cache "
+                             "for Qwen3-8B; 0: not)")
     args = parser.parse_args(argv)
     try:
         logged = log_batches(args.decode_log) if args.decode_log else []
@@ -241,6 +251,9 @@ def main(argv: list[str] | None = None) -> int:
         b, mean = len(ctxs), round(sum(ctxs) / len(ctxs))
         jobs += [("logged", f"logged b={b} sum={sum(ctxs)} max={max(ctxs)}", lambda ctxs=ctxs: run_decode(ctxs, ta)),
                  ("logged", f"uniform b={b} ctx={mean}", lambda b=b, mean=mean: run_decode([mean] * b, ta))]
+        if args.cache_tokens:
+            jobs.append(("logged", f"logged b={b} in a {args.cache_tokens}-token cache",
+                         lambda ctxs=ctxs: run_decode(ctxs, ta, args.cache_tokens)))
     jobs += [("prefill", name, lambda name=name, q=q, c=c: run_prefill(name, q, c, ta)) for name, q, c in
              (("1x8192", [8192], [8192]), ("8x1024", [1024] * 8, [1024] * 8), ("2048 after 6144", [2048], [8192]))]
     for kind, name, job in jobs:
@@ -264,11 +277,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"b={r['batch']:>3} c={r['context']:>5} {r['splits']:>6} {r['us']:>8.1f} {r['gb_s']:>6.0f} "
               f"{r['floor_us']:>8.1f} {r['us'] / r['floor_us']:>7.2f} {r['best_splits']:>4} {r['best_us']:>5.1f}")
     if result["logged"]:
-        print(f"{'decode, from the log':>22} {'max ctx':>7} {'splits':>6} {'us':>8} {'floor us':>8} {'x floor':>7}")
+        print(f"{'decode, from the log':>22} {'max ctx':>7} {'cache':>7} {'splits':>6} {'us':>8} {'floor us':>8} "
+              f"{'x floor':>7}")
         for r in result["logged"]:
             kind = "uniform" if r["max_context"] == r["context"] else "served"
-            print(f"{kind:>7} b={r['batch']:>3} c={r['context']:>6} {r['max_context']:>7} {r['splits']:>6} "
-                  f"{r['us']:>8.1f} {r['floor_us']:>8.1f} {r['us'] / r['floor_us']:>7.2f}")
+            print(f"{kind:>7} b={r['batch']:>3} c={r['context']:>6} {r['max_context']:>7} {r['cache_tokens']:>7} "
+                  f"{r['splits']:>6} {r['us']:>8.1f} {r['floor_us']:>8.1f} {r['us'] / r['floor_us']:>7.2f}")
     sweep = [r for r in result["decode"] if r["batch"] in SWEEP_BATCHES]
     if sweep:
         splits = list(sweep[0]["us_by_splits"])
