@@ -143,11 +143,48 @@ def _serve(args, parser: argparse.ArgumentParser) -> int:
         parser.error(f"--device {device}: use cpu, cuda or cuda:N")
     if device.startswith("cuda") and not torch.cuda.is_available():
         parser.error(f"--device {device}: CUDA is not available on this machine")
+    config = _engine_config(args, parser, device)
+    with _bind(args.host, args.port, parser) as sock:  # fail now, not after loading the model for seconds
+        return _serve_on(sock, args, parser, config)
+
+
+def _engine_config(args: argparse.Namespace, parser: argparse.ArgumentParser, device: str) -> EngineConfig:
+    """The engine's configuration from the flags, each checked (``parser.error`` naming the flag)
+    before the port is bound and the model loaded."""
+    from duetserve.planner.hardware import load_profile
+
+    if args.policy == "pdmux" and device == "cpu":
+        parser.error("--policy pdmux needs an SM partition backend (a CUDA GPU); use duet, chunked or prefill-first")
+    try:
+        load_profile(args.profile)
+    except (ValueError, FileNotFoundError) as exc:
+        parser.error(f"--profile {args.profile}: {exc}")
+    if args.iteration_log:  # fail now, not after loading the model
+        try:
+            open(args.iteration_log, "a").close()
+        except OSError as exc:
+            parser.error(f"--iteration-log {args.iteration_log}: {exc.strerror}")
+    if args.libsmctrl:
+        if not Path(args.libsmctrl).is_file():
+            parser.error(f"--libsmctrl {args.libsmctrl}: no such file")
+        os.environ["DUETSERVE_LIBSMCTRL"] = args.libsmctrl
     budget = args.max_num_batched_tokens
     if budget is None:
         budget = 8192 if device.startswith("cuda") else 512
-    with _bind(args.host, args.port, parser) as sock:  # fail now, not after loading the model for seconds
-        return _serve_on(sock, args, parser, device, budget)
+    try:
+        return EngineConfig(model=args.model, load_format=args.load_format, device=device, dtype=args.dtype,
+                            max_num_seqs=args.max_num_seqs, max_num_batched_tokens=budget,
+                            block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
+                            kv_cache_memory_fraction=args.kv_cache_memory_fraction,
+                            cpu_kv_cache_bytes=int(args.cpu_kv_cache_gb * (1 << 30)),
+                            max_model_len=args.max_model_len, policy=args.policy, tbt_slo_s=args.tbt_slo,
+                            hardware_profile=args.profile, partition_backend=args.partition_backend,
+                            seed=args.seed, enforce_eager=args.enforce_eager,
+                            num_decode_steps=args.num_decode_steps, trim_margin=args.trim_margin,
+                            decode_stream=args.decode_stream,
+                            attention_backend=args.attention_backend)
+    except ValueError as exc:
+        parser.error(str(exc))
 
 
 def _bind(host: str, port: int, parser: argparse.ArgumentParser) -> socket.socket:
@@ -168,44 +205,17 @@ def _bind(host: str, port: int, parser: argparse.ArgumentParser) -> socket.socke
     return sock
 
 
-def _serve_on(sock: socket.socket, args: argparse.Namespace, parser: argparse.ArgumentParser, device: str,
-              budget: int) -> int:
+def _serve_on(sock: socket.socket, args: argparse.Namespace, parser: argparse.ArgumentParser,
+              config: EngineConfig) -> int:
     """Load the model and serve it on ``sock`` (bound by ``_bind``) until stopped; 0 when it stops."""
     import uvicorn
 
     from duetserve.engine.async_engine import AsyncEngine
     from duetserve.engine.engine import LLMEngine
-    from duetserve.planner.hardware import load_profile
     from duetserve.server.api import create_app
     from duetserve.server.metrics import ServerMetrics
 
-    if args.policy == "pdmux" and device == "cpu":
-        parser.error("--policy pdmux needs an SM partition backend (a CUDA GPU); use duet, chunked or prefill-first")
     try:
-        load_profile(args.profile)
-    except (ValueError, FileNotFoundError) as exc:
-        parser.error(f"--profile {args.profile}: {exc}")
-    if args.iteration_log:  # fail now, not after loading the model
-        try:
-            open(args.iteration_log, "a").close()
-        except OSError as exc:
-            parser.error(f"--iteration-log {args.iteration_log}: {exc.strerror}")
-    if args.libsmctrl:
-        if not Path(args.libsmctrl).is_file():
-            parser.error(f"--libsmctrl {args.libsmctrl}: no such file")
-        os.environ["DUETSERVE_LIBSMCTRL"] = args.libsmctrl
-    try:
-        config = EngineConfig(model=args.model, load_format=args.load_format, device=device, dtype=args.dtype,
-                              max_num_seqs=args.max_num_seqs, max_num_batched_tokens=budget,
-                              block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
-                              kv_cache_memory_fraction=args.kv_cache_memory_fraction,
-                              cpu_kv_cache_bytes=int(args.cpu_kv_cache_gb * (1 << 30)),
-                              max_model_len=args.max_model_len, policy=args.policy, tbt_slo_s=args.tbt_slo,
-                              hardware_profile=args.profile, partition_backend=args.partition_backend,
-                              seed=args.seed, enforce_eager=args.enforce_eager,
-                              num_decode_steps=args.num_decode_steps, trim_margin=args.trim_margin,
-                              decode_stream=args.decode_stream,
-                              attention_backend=args.attention_backend)
         engine = LLMEngine(config)
     except (ValueError, FileNotFoundError, KeyError) as exc:
         parser.error(str(exc))

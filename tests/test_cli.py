@@ -159,6 +159,8 @@ def test_an_infinite_tbt_slo_is_refused(command, value, monkeypatch, capsys):
 
 
 def test_serve_refuses_a_busy_port_before_loading(capsys):
+    """A busy port is refused before the model loads; a wrong flag is named before the port,
+    as it would be on a free one."""
     import socket
 
     with socket.socket() as busy:
@@ -167,7 +169,14 @@ def test_serve_refuses_a_busy_port_before_loading(capsys):
         port = busy.getsockname()[1]
         with pytest.raises(SystemExit) as exc:
             main(["serve", "--device", "cpu", "--host", "127.0.0.1", "--port", str(port)])
-    assert exc.value.code == 2 and f"--port {port}: cannot listen on 127.0.0.1" in capsys.readouterr().err
+        assert exc.value.code == 2 and f"--port {port}: cannot listen on 127.0.0.1" in capsys.readouterr().err
+        for flags, message in ((["--policy", "pdmux"], "--policy pdmux needs an SM partition backend"),
+                               (["--profile", "nowhere.json"], "--profile nowhere.json:"),
+                               (["--max-num-seqs", "0"], "--max-num-seqs must be >= 1")):
+            with pytest.raises(SystemExit) as exc:
+                main(["serve", "--device", "cpu", "--host", "127.0.0.1", "--port", str(port), *flags])
+            err = capsys.readouterr().err
+            assert exc.value.code == 2 and message in err and "cannot listen" not in err, err
 
 
 @pytest.mark.parametrize("argv, message", [
