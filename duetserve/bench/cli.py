@@ -41,6 +41,7 @@ from duetserve.argtypes import (
     existing_file,
     exit_status,
     finite_non_negative,
+    non_empty,
     non_negative_int,
     number,
     output_file,
@@ -225,7 +226,7 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
     s.add_argument("--endpoint", default="/v1/completions", type=argtype(_endpoint),
                    help="/v1/completions (token-id prompts) or /v1/chat/completions (text)")
     s.add_argument("--model", help="model name (default: first id of /v1/models)")
-    s.add_argument("--api-key", help="sent as 'Authorization: Bearer KEY'")
+    s.add_argument("--api-key", type=non_empty, help="sent as 'Authorization: Bearer KEY'")
     s.add_argument("--max-concurrency", type=positive_int, help="most requests in flight")
     s.add_argument("--request-timeout", type=positive_duration("s"), default=600.0,
                    metavar="DURATION", help="limit per request (default 600s)")
