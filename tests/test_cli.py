@@ -188,7 +188,7 @@ def test_serve_refuses_a_busy_port_before_loading(capsys):
     (["--cv", "-1"], "argument --cv: must be a finite number >= 0, got '-1'"),
     (["--endpoint", "v1/completions"],  # an httpx.InvalidURL traceback
      "argument --endpoint: must be a path starting with '/', e.g. /v1/completions, got 'v1/completions'"),
-    (["--api-key", " "], "argument --api-key: must not be empty"),  # sent a bare "Bearer "
+    (["--api-key", " "], "argument --api-key: must not be empty"),  # sent "Bearer  " (blank), "" no header
     (["--max-concurrency", "0"], "argument --max-concurrency: must be a positive integer, got '0'"),  # hung
     (["--max-concurrency", "-1"], "argument --max-concurrency: must be a positive integer, got '-1'"),
     (["--num-requests", "0"], "argument --num-requests: must be a positive integer, got '0'"),
