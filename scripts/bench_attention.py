@@ -14,7 +14,8 @@ Every shape is first checked against ``TorchAttention`` run in float32 on the sa
 - decode contexts from a served run (``--decode-log``, the server's iteration log, JSONL or
   gzipped): decode-only iterations at the quartiles and maximum of their summed context (those
   of at least ``LOG_MIN_CONTEXT`` tokens), each with its own uneven contexts and beside a
-  uniform batch of the same size and summed context, timed as above. Served long-context
+  uniform batch of the same size and summed context, and (``--cache-tokens``) once more in a
+  server-sized one-layer cache with its blocks scattered over it, timed as above. Served long-context
   decode steps ran about 1.3x their predicted time on Mooncake (docs/benchmarks.md, sixteenth
   session); this tells whether the kernel does at those contexts.
 - prefill: 8192 tokens as 1 x 8192 and 8 x 1024, and a 2048-token chunk after 6144 cached
@@ -40,6 +41,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
+from duetserve.argtypes import non_negative_int
 from duetserve.calibrate.workload import rotation_sets
 from duetserve.model.attention import AttentionMetadata, TorchAttention
 
@@ -56,9 +58,10 @@ LOG_MIN_CONTEXT = 100_000  # --decode-log: decode-only iterations with at least 
 
 def make_inputs(qlens: list[int], ctxs: list[int], width: int = 0, cache_tokens: int = 0):
     """q ``[T, HQ, D]``, a paged cache holding these contexts (blocks shuffled) and metadata;
-    block tables ``max(width, blocks needed)`` wide (padded with block 0). The cache holds
-    exactly the blocks needed, or ``cache_tokens`` worth of blocks (one layer of a server's
-    cache) with the needed ones scattered over all of it, as a long-running server's are."""
+    block tables ``max(width, blocks needed)`` wide (padded with block 0). The cache holds the
+    larger of the blocks needed and ``cache_tokens`` worth of blocks (one layer of a server's
+    cache, rounded up to whole blocks), the needed ones scattered over all of it, as a
+    long-running server's are."""
     dev = torch.device(DEVICE)
     counts = [-(-c // BLOCK_SIZE) for c in ctxs]
     total = max(sum(counts), -(-cache_tokens // BLOCK_SIZE))
@@ -137,8 +140,11 @@ def run_decode(ctxs: list[int], ta, cache_tokens: int = 0) -> dict:
     q, k_cache, v_cache, meta = make_inputs(qlens, ctxs, width=GRAPH_CONTEXT // BLOCK_SIZE,
                                             cache_tokens=cache_tokens)
     kv_bytes = 2 * sum(-(-c // BLOCK_SIZE) for c in ctxs) * BLOCK_SIZE * HKV * HEAD_DIM * k_cache.element_size()
-    caches = [(k_cache, v_cache)] + [(torch.randn_like(k_cache), torch.randn_like(v_cache))
-                                     for _ in range(rotation_sets(kv_bytes) - 1)]
+    copies = rotation_sets(kv_bytes) - 1  # each a copy of the whole cache
+    if copies and cache_tokens:
+        raise ValueError(f"{sum(ctxs)} context tokens fit the L2 cache: a {cache_tokens}-token cache would be "
+                         f"copied {copies} times")
+    caches = [(k_cache, v_cache)] + [(torch.randn_like(k_cache), torch.randn_like(v_cache)) for _ in range(copies)]
     scale = HEAD_DIM ** -0.5
     out = torch.full_like(q, float("nan"))
     counters = torch.zeros(batch * HKV, dtype=torch.int32, device=q.device)  # one buffer, as the engine's graphs
@@ -224,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default="attention.json", help="JSON results path")
     parser.add_argument("--decode-log", metavar="PATH",
                         help="also time the decode batches of a served run's iteration log (JSONL, or .gz)")
-    parser.add_argument("--cache-tokens", type=int, default=811_728, metavar="N",
+    parser.add_argument("--cache-tokens", type=non_negative_int, default=811_728, metavar="N",
                         help="--decode-log batches: also time each in a one-layer cache of N tokens, its blocks "
                              "scattered over all of it, as a server's (default: 811728, the H200 server's cache "
                              "for Qwen3-8B; 0: not)")
@@ -247,13 +253,15 @@ def main(argv: list[str] | None = None) -> int:
               "errors": []}
     jobs = [("decode", f"decode b={b} ctx={c}", lambda b=b, c=c: run_decode([c] * b, ta))
             for b in (1, 8, 32, 64, 128) for c in (512, 2048, 8192)]
-    for ctxs in logged:  # as served, then uniform with the same batch and summed context
+    for ctxs in logged:  # as served, uniform with the same batch and summed context, scattered in a big cache
         b, mean = len(ctxs), round(sum(ctxs) / len(ctxs))
-        jobs += [("logged", f"logged b={b} sum={sum(ctxs)} max={max(ctxs)}", lambda ctxs=ctxs: run_decode(ctxs, ta)),
-                 ("logged", f"uniform b={b} ctx={mean}", lambda b=b, mean=mean: run_decode([mean] * b, ta))]
-        if args.cache_tokens:
+        jobs += [("logged", f"logged b={b} sum={sum(ctxs)} max={max(ctxs)}",
+                  lambda ctxs=ctxs: {**run_decode(ctxs, ta), "variant": "served"}),
+                 ("logged", f"uniform b={b} ctx={mean}",
+                  lambda b=b, mean=mean: {**run_decode([mean] * b, ta), "variant": "uniform"})]
+        if -(-args.cache_tokens // BLOCK_SIZE) > sum(-(-c // BLOCK_SIZE) for c in ctxs):
             jobs.append(("logged", f"logged b={b} in a {args.cache_tokens}-token cache",
-                         lambda ctxs=ctxs: run_decode(ctxs, ta, args.cache_tokens)))
+                         lambda ctxs=ctxs: {**run_decode(ctxs, ta, args.cache_tokens), "variant": "scattered"}))
     jobs += [("prefill", name, lambda name=name, q=q, c=c: run_prefill(name, q, c, ta)) for name, q, c in
              (("1x8192", [8192], [8192]), ("8x1024", [1024] * 8, [1024] * 8), ("2048 after 6144", [2048], [8192]))]
     for kind, name, job in jobs:
@@ -277,11 +285,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"b={r['batch']:>3} c={r['context']:>5} {r['splits']:>6} {r['us']:>8.1f} {r['gb_s']:>6.0f} "
               f"{r['floor_us']:>8.1f} {r['us'] / r['floor_us']:>7.2f} {r['best_splits']:>4} {r['best_us']:>5.1f}")
     if result["logged"]:
-        print(f"{'decode, from the log':>22} {'max ctx':>7} {'cache':>7} {'splits':>6} {'us':>8} {'floor us':>8} "
+        print(f"{'decode, from the log':>24} {'max ctx':>7} {'cache':>7} {'splits':>6} {'us':>8} {'floor us':>8} "
               f"{'x floor':>7}")
         for r in result["logged"]:
-            kind = "uniform" if r["max_context"] == r["context"] else "served"
-            print(f"{kind:>7} b={r['batch']:>3} c={r['context']:>6} {r['max_context']:>7} {r['cache_tokens']:>7} "
+            print(f"{r['variant']:>9} b={r['batch']:>3} c={r['context']:>6} {r['max_context']:>7} {r['cache_tokens']:>7} "
                   f"{r['splits']:>6} {r['us']:>8.1f} {r['floor_us']:>8.1f} {r['us'] / r['floor_us']:>7.2f}")
     sweep = [r for r in result["decode"] if r["batch"] in SWEEP_BATCHES]
     if sweep:

@@ -46,13 +46,14 @@ def test_log_batches_errors_and_empty(tmp_path):
 def test_make_inputs_scatters_the_blocks_over_a_server_sized_cache(monkeypatch):
     """``cache_tokens``: the cache holds that many tokens' blocks and the contexts' blocks are
     distinct ones spread over all of it; without it, exactly the blocks needed."""
+    import torch
+
     monkeypatch.setattr(ba, "DEVICE", "cpu")
-    torch = pytest.importorskip("torch")
     torch.manual_seed(0)
     _, k_cache, v_cache, meta = ba.make_inputs([1, 1], [20, 40], cache_tokens=1600)
     assert k_cache.shape == v_cache.shape == (100, ba.BLOCK_SIZE, ba.HKV, ba.HEAD_DIM)
     used = torch.cat([meta.block_tables[0, :2], meta.block_tables[1, :3]])  # 20 and 40 tokens: 2 and 3 blocks
-    assert len(set(used.tolist())) == 5 and int(used.max()) < 100
+    assert len(set(used.tolist())) == 5
     assert int(used.max()) >= 5  # spread beyond the first 5 blocks (all 5 among them: 1 in 75 million)
     last = meta.block_tables[1, 2] * ba.BLOCK_SIZE + 39 % ba.BLOCK_SIZE  # the new token of context 40
     assert int(meta.slot_mapping[1]) == int(last)

@@ -172,7 +172,8 @@ def test_serve_refuses_a_busy_port_before_loading(capsys):
         assert exc.value.code == 2 and f"--port {port}: cannot listen on 127.0.0.1" in capsys.readouterr().err
         for flags, message in ((["--policy", "pdmux"], "--policy pdmux needs an SM partition backend"),
                                (["--profile", "nowhere.json"], "--profile nowhere.json:"),
-                               (["--max-num-seqs", "0"], "--max-num-seqs must be >= 1")):
+                               (["--max-num-seqs", "0"], "--max-num-seqs must be >= 1"),
+                               (["--iteration-log", "/nonexistent/it.jsonl"], "--iteration-log /nonexistent/it.jsonl:")):
             with pytest.raises(SystemExit) as exc:
                 main(["serve", "--device", "cpu", "--host", "127.0.0.1", "--port", str(port), *flags])
             err = capsys.readouterr().err
