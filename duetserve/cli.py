@@ -243,7 +243,21 @@ def _serve_on(sock: socket.socket, args: argparse.Namespace, parser: argparse.Ar
     finally:
         async_engine.shutdown()
         gc.unfreeze()
+        _log_allocator(config.device)
     return 0
+
+
+def _log_allocator(device: str) -> None:
+    """Log the CUDA caching allocator's counts since start-up: a retry frees cached blocks
+    (``cudaFree`` synchronizes the device) and so can stall the host launching an iteration."""
+    import torch
+
+    if device.startswith("cuda"):
+        stats = torch.cuda.memory_stats(device)
+        logging.getLogger(__name__).info(
+            "CUDA allocator: %d retries, %d OOMs, %d cudaMalloc and %d cudaFree calls, peak %.1f GiB",
+            stats.get("num_alloc_retries", 0), stats.get("num_ooms", 0), stats.get("num_device_alloc", 0),
+            stats.get("num_device_free", 0), stats.get("allocated_bytes.all.peak", 0) / 2**30)
 
 
 def main(argv: list[str] | None = None) -> int:

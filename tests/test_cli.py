@@ -565,3 +565,22 @@ def test_serve_port_0_logs_the_port_it_serves_on(monkeypatch, caplog):
     assert frozen[0] > 100_000 and gc.get_freeze_count() == 0
     assert (f"serving SmolLM2-135M-Instruct on http://127.0.0.1:{port} (policy duet, TBT SLO 100 ms)"
             in [r.getMessage() for r in caplog.records])
+
+
+def test_serve_logs_the_cuda_allocators_counts_at_exit(monkeypatch, caplog):
+    """At exit a CUDA server logs its caching allocator's retries (each frees cached blocks, and
+    cudaFree synchronizes); a CPU server logs nothing of it."""
+    import logging
+
+    import torch
+
+    from duetserve import cli
+
+    stats = {"num_alloc_retries": 3, "num_ooms": 0, "num_device_alloc": 41, "num_device_free": 7,
+             "allocated_bytes.all.peak": 3 * 2**30}
+    monkeypatch.setattr(torch.cuda, "memory_stats", lambda device: stats if device == "cuda:1" else {})
+    with caplog.at_level(logging.INFO, logger="duetserve.cli"):
+        cli._log_allocator("cpu")
+        assert caplog.messages == []
+        cli._log_allocator("cuda:1")
+    assert caplog.messages == ["CUDA allocator: 3 retries, 0 OOMs, 41 cudaMalloc and 7 cudaFree calls, peak 3.0 GiB"]
