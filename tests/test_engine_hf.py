@@ -220,8 +220,9 @@ def _partitioned_run(monkeypatch, tmp_path, predicted: tuple[float, float] | Non
                      layers: int = 2):
     """Run "a"'s decodes beside b's prefill (a model of ``layers`` layers) as on partitioned
     streams (faked: the prefill's end event fires after 1 query); ``predicted``: the plan's
-    (decode step, prefill) seconds. Returns (parts' request ids, stats, the runs' in-flight
-    counts seen between the prefill's layers)."""
+    (decode step, prefill) seconds. Returns (parts' request ids, stats, (steps in flight, steps
+    launched, ``hold_until``) at each pause between the prefill's layers, and ``marks``: the host
+    clock when the launch ended, ``"launched"``, and ``hold_until`` at the join, ``"hold_until"``)."""
     import json
     import time
 
@@ -230,8 +231,9 @@ def _partitioned_run(monkeypatch, tmp_path, predicted: tuple[float, float] | Non
     from duetserve.engine import model_runner
     from duetserve.engine.policy import Plan
 
-    seen = []
+    seen, marks = [], {}
     launch, launch_prefill = model_runner.ModelRunner._launch_spatial, model_runner.ModelRunner._launch_prefill
+    join = model_runner.ModelRunner._join
 
     def launch_partitioned(self, out):
         run = launch(self, out)
@@ -242,9 +244,15 @@ def _partitioned_run(monkeypatch, tmp_path, predicted: tuple[float, float] | Non
         for _ in launch_prefill(self, run):
             seen.append((len(run.inflight), run.launched, run.hold_until))
             yield
+        marks["launched"] = time.perf_counter()
+
+    def watched_join(self, run):
+        marks["hold_until"] = run.hold_until
+        return join(self, run)
 
     monkeypatch.setattr(model_runner.ModelRunner, "_launch_spatial", launch_partitioned)
     monkeypatch.setattr(model_runner.ModelRunner, "_launch_prefill", watched)
+    monkeypatch.setattr(model_runner.ModelRunner, "_join", watched_join)
     monkeypatch.setattr(model_runner.ModelRunner, "_prefill_end_event", staticmethod(lambda: FakeEndEvent(running=1)))
     (tmp_path / "config.json").write_text(json.dumps({**TINY_QWEN3, "num_hidden_layers": layers}))
     config = EngineConfig(model=str(tmp_path), max_num_batched_tokens=64, num_kv_blocks=64, block_size=8,
@@ -260,32 +268,34 @@ def _partitioned_run(monkeypatch, tmp_path, predicted: tuple[float, float] | Non
     schedule = engine.scheduler.schedule
     engine.scheduler.schedule = lambda: time.sleep(schedule_delay_s) or schedule()
     parts = [[o.request_id for o in part] for part in engine.step_parts()]
-    return parts, engine.last_stats, seen
+    return parts, engine.last_stats, seen, marks
 
 
 def test_steps_are_handed_out_and_queued_between_the_prefill_layers(monkeypatch, tmp_path):
     """Without predictions, between each two of the prefill's 4 layers the step done is handed
     out and the next queued, one in flight at a time (steps 1-3), none after the last layer;
     after the launch one query finds the prefill running (step 4 starts), the next finds it done."""
-    parts, stats, seen = _partitioned_run(monkeypatch, tmp_path, None, layers=4)
+    parts, stats, seen, marks = _partitioned_run(monkeypatch, tmp_path, None, layers=4)
     assert seen == [(1, 1, None), (1, 2, None), (1, 3, None)]  # before each pause: step j in flight
     assert parts == [["a"]] * 5 + [["b"]] and stats.decode_steps == 5
     assert stats.handout_s[2] < stats.launch_s < stats.handout_s[3]  # steps 0-2 during the launch
+    assert marks["hold_until"] is None  # without predictions the decodes never hold
 
 
 def test_no_hold_begins_while_the_prefill_is_launched(monkeypatch, tmp_path):
     """With the prefill predicted to end within half a step (0.1 ms left of 1 s steps), no step
     starts beside it during its launch, and the hold (``hold_until``) begins only after the
     launch: then the faked event's second query says the prefill is done, so only step 0 ran."""
-    parts, stats, seen = _partitioned_run(monkeypatch, tmp_path, (1.0, 1e-4), layers=3)
+    parts, stats, seen, marks = _partitioned_run(monkeypatch, tmp_path, (1.0, 1e-4), layers=3)
     assert seen == [(1, 1, None), (0, 1, None)]  # step 0 handed out, nothing started, no hold
+    assert marks["hold_until"] > marks["launched"]  # the hold began after the launch
     assert parts == [["a"], ["b"]] and stats.decode_steps == 1
 
 
 def test_launch_s_counts_from_the_iteration_start(monkeypatch, tmp_path):
     """``launch_s`` and ``handout_s`` share a base, the iteration's start (scheduling included):
     with 0.2 s of scheduling, step 0 (handed out during the launch) still comes before it."""
-    _, stats, _ = _partitioned_run(monkeypatch, tmp_path, None, schedule_delay_s=0.2)
+    _, stats, _, _ = _partitioned_run(monkeypatch, tmp_path, None, schedule_delay_s=0.2)
     assert stats.schedule_s >= 0.2
     assert stats.schedule_s < stats.handout_s[0] < stats.launch_s < stats.handout_s[1] < stats.duration_s
 
