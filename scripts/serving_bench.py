@@ -233,9 +233,12 @@ def late_gaps(result: dict[str, Any], records: list[dict[str, Any]], slo_s: floa
     a split step shorter than the slack could be blamed on the iteration before).
 
     Returns counts: ``gaps`` (all), ``late``, and of the late ones ``temporal``, ``split_first_step``
-    (within 1.5 decode steps of the split's start: the gap spans the iteration before, the host
-    work before the first step and the step), ``split_later_step`` and ``unmatched`` (after the
-    last logged iteration). The fifteenth H200 session's runs, counted this way, are in
+    (the gap spans the iteration before, the host work before the first step and the step),
+    ``split_later_step`` and ``unmatched`` (after the last logged iteration). A split's token is
+    its first step's when it came before the second step's hand-out (the log's ``handout_s``);
+    in older logs without it, when it came within 1.5 mean decode steps of the split's start
+    (which counted a first step handed out late, as in the sixteenth session's call 2, as a
+    later one). The fifteenth H200 session's runs, counted that older way, are in
     docs/benchmarks.md (Mooncake: mostly temporal iterations in one run, first steps in another).
     """
     ends = sorted((r["t"], i) for i, r in enumerate(records) if r.get("t") is not None)
@@ -261,8 +264,11 @@ def late_gaps(result: dict[str, Any], records: list[dict[str, Any]], slo_s: floa
                 out["temporal"] += 1
                 continue
             start = r["t"] - r.get("measured_s", 0.0)
-            step = (r.get("decode_stream_s") or 0.0) / max(1, r.get("steps") or 1)
-            out["split_first_step" if t - start <= 1.5 * step else "split_later_step"] += 1
+            if r.get("handout_s"):
+                first = len(r["handout_s"]) < 2 or t < start + r["handout_s"][1]
+            else:
+                first = t - start <= 1.5 * (r.get("decode_stream_s") or 0.0) / max(1, r.get("steps") or 1)
+            out["split_first_step" if first else "split_later_step"] += 1
     return out
 
 

@@ -262,6 +262,14 @@ def test_late_gaps_are_matched_to_the_iteration_that_produced_them():
     assert sb.late_gaps(result, records, 0.1) == {"gaps": 6, "late": 5, "temporal": 2, "split_first_step": 1,
                                                   "split_later_step": 1, "unmatched": 1}
     assert sb.late_gaps(result, records, 0.3)["late"] == 0
+    # with the hand-out times logged, a split's first-step tokens are those that came before the
+    # second hand-out: at 100.78 s here, so as above 100.759 is a first step's and 100.899 a later
+    # one's; with step 0 held back until 100.90 s and step 1 handed out at 100.92 s, both are
+    # the first step's (the 1.5-step rule counted 100.899 as a later step's)
+    records[1]["handout_s"] = [0.05, 0.08, 0.15, 0.2]
+    assert [sb.late_gaps(result, records, 0.1)[k] for k in ("split_first_step", "split_later_step")] == [1, 1]
+    records[1]["handout_s"] = [0.2, 0.22, 0.23, 0.24]
+    assert [sb.late_gaps(result, records, 0.1)[k] for k in ("split_first_step", "split_later_step")] == [2, 0]
 
 
 def _run(policy, trace, qps, p99, failed=0, req_s=None, status="ok", spatial=0.0):
