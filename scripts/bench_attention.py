@@ -23,6 +23,11 @@ Every shape is first checked against ``TorchAttention`` run in float32 on the sa
   TFLOP/s over useful causal FLOPs ``4 Hq D sum(q c + q (q + 1) / 2)`` (``c`` cached
   tokens), against 797 TFLOP/s (bf16 GEMM); torch's SDPA on contiguous K/V beside it.
 
+- ``--baseline PATH``: another version of ``duetserve/model/triton_attention.py`` (e.g. written
+  by ``git show REV:duetserve/model/triton_attention.py``), whose decode kernel is timed on the
+  same inputs right after ours, at its own default split count; the tables give its time and
+  ours over it.
+
 A failing shape prints its error and the run goes on. Writes JSON to ``--out`` and prints a
 table last. Usage: ``python scripts/bench_attention.py --out attention.json``.
 """
@@ -42,7 +47,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
 from duetserve.argtypes import non_negative_int
-from duetserve.calibrate.workload import rotation_sets
+from duetserve.calibrate.workload import L2_BYTES, rotation_sets
 from duetserve.model.attention import AttentionMetadata, TorchAttention
 
 HQ, HKV, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
@@ -130,17 +135,18 @@ def graph_us(fns: list, replays: int = 5) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def run_decode(ctxs: list[int], ta, cache_tokens: int = 0) -> dict:
+def run_decode(ctxs: list[int], ta, cache_tokens: int = 0, base=None) -> dict:
     """One decode batch (a context per sequence): the default split count (and with a batch size in
     ``SWEEP_BATCHES`` every power of two up to ``MAX_SPLITS``) checked and timed from CUDA-graph
-    replays; ``cache_tokens``: see ``make_inputs``. ``context`` in the result is the mean
-    context, ``max_context`` the longest."""
+    replays; ``cache_tokens``: see ``make_inputs``; ``base``: a baseline kernel module, checked
+    and timed the same way at its default split count (``base_us``). ``context`` in the result is
+    the mean context, ``max_context`` the longest."""
     batch = len(ctxs)
     qlens = [1] * batch
     q, k_cache, v_cache, meta = make_inputs(qlens, ctxs, width=GRAPH_CONTEXT // BLOCK_SIZE,
                                             cache_tokens=cache_tokens)
     kv_bytes = 2 * sum(-(-c // BLOCK_SIZE) for c in ctxs) * BLOCK_SIZE * HKV * HEAD_DIM * k_cache.element_size()
-    copies = rotation_sets(kv_bytes) - 1  # each a copy of the whole cache
+    copies = 0 if kv_bytes >= 2 * L2_BYTES else rotation_sets(kv_bytes) - 1  # each a copy of the whole cache
     if copies and cache_tokens:
         raise ValueError(f"{sum(ctxs)} context tokens fit the L2 cache: a {cache_tokens}-token cache would be "
                          f"copied {copies} times")
@@ -152,21 +158,22 @@ def run_decode(ctxs: list[int], ta, cache_tokens: int = 0) -> dict:
     auto = ta.default_num_splits(batch, HKV, meta.block_tables.shape[1] * BLOCK_SIZE, sms)
     sweep = [2 ** i for i in range(ta.MAX_SPLITS.bit_length())] if batch in SWEEP_BATCHES else []
     times, err = {}, 0.0
-    for splits in sorted({auto, *sweep}):
-        fns = [lambda kc=kc, vc=vc, s=splits: ta.paged_decode_attention(
+    for mod, splits in [(ta, s) for s in sorted({auto, *sweep})] + ([(base, None)] if base else []):
+        fns = [lambda kc=kc, vc=vc, m=mod, s=splits: m.paged_decode_attention(
             q, kc, vc, meta.block_tables, meta.context_lens, scale, out=out, num_splits=s, counters=counters)
                for kc, vc in caches]
         out.fill_(float("nan"))
         fns[0]()
         err = max(err, check(out, q, k_cache, v_cache, meta, scale, decode=True))
-        times[splits] = graph_us(fns)
+        times[splits if mod is ta else "base"] = graph_us(fns)
+    base_us = times.pop("base", None)
     nbytes = 2 * sum(ctxs) * HKV * HEAD_DIM * 2 + 2 * q.numel() * 2
     best = min(times, key=times.get)
     return {"batch": batch, "context": round(sum(ctxs) / batch), "max_context": max(ctxs),
             "cache_tokens": k_cache.shape[0] * BLOCK_SIZE, "splits": auto, "us": times[auto], "bytes": nbytes,
             "gb_s": nbytes / times[auto] / 1e3, "floor_us": nbytes / COPY_BW * 1e6, "best_splits": best,
             "best_us": times[best], "us_by_splits": {str(s): t for s, t in times.items()}, "kv_copies": len(caches),
-            "rel_err": err}
+            "base_us": base_us, "rel_err": err}
 
 
 def log_batches(path: str, count: int = 4) -> list[list[int]]:
@@ -225,6 +232,31 @@ def sdpa_time(qlens: list[int]) -> float | None:
         return None
 
 
+def load_baseline(path: str):
+    """The module in file ``path`` (a version of ``duetserve/model/triton_attention.py``).
+
+    Raises:
+        OSError: the file cannot be read. Whatever importing it raises.
+    """
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("baseline_triton_attention", path)
+    if spec is None:
+        raise OSError(f"cannot load {path} as a module")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def base_header(rows: list[dict]) -> str:
+    """The baseline's table columns, if any row has a baseline time."""
+    return f" {'base us':>8} {'x base':>6}" if any(r["base_us"] for r in rows) else ""
+
+
+def base_cells(row: dict) -> str:
+    return f" {row['base_us']:>8.1f} {row['us'] / row['base_us']:>6.2f}" if row["base_us"] else ""
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="attention.json", help="JSON results path")
@@ -234,7 +266,11 @@ def main(argv: list[str] | None = None) -> int:
                         help="--decode-log batches: also time each in a one-layer cache of N tokens, its blocks "
                              "scattered over all of it, as a server's (default: 811728, the H200 server's cache "
                              "for Qwen3-8B; 0: not)")
+    parser.add_argument("--baseline", metavar="PATH",
+                        help="another triton_attention.py whose decode kernel is timed beside ours on the same inputs")
     args = parser.parse_args(argv)
+    if args.baseline and not Path(args.baseline).is_file():
+        parser.error(f"--baseline: no file {args.baseline}")
     try:
         logged = log_batches(args.decode_log) if args.decode_log else []
     except (OSError, ValueError) as exc:
@@ -246,22 +282,24 @@ def main(argv: list[str] | None = None) -> int:
 
     import duetserve.model.triton_attention as ta
 
+    base = load_baseline(args.baseline) if args.baseline else None
+
     t0 = time.time()
     torch.manual_seed(0)
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
               "heads": [HQ, HKV, HEAD_DIM], "block_size": BLOCK_SIZE, "decode": [], "logged": [], "prefill": [],
               "errors": []}
-    jobs = [("decode", f"decode b={b} ctx={c}", lambda b=b, c=c: run_decode([c] * b, ta))
+    jobs = [("decode", f"decode b={b} ctx={c}", lambda b=b, c=c: run_decode([c] * b, ta, base=base))
             for b in (1, 8, 32, 64, 128) for c in (512, 2048, 8192)]
     for ctxs in logged:  # as served, uniform with the same batch and summed context, scattered in a big cache
         b, mean = len(ctxs), round(sum(ctxs) / len(ctxs))
         jobs += [("logged", f"logged b={b} sum={sum(ctxs)} max={max(ctxs)}",
-                  lambda ctxs=ctxs: {**run_decode(ctxs, ta), "variant": "served"}),
+                  lambda ctxs=ctxs: {**run_decode(ctxs, ta, base=base), "variant": "served"}),
                  ("logged", f"uniform b={b} ctx={mean}",
-                  lambda b=b, mean=mean: {**run_decode([mean] * b, ta), "variant": "uniform"})]
+                  lambda b=b, mean=mean: {**run_decode([mean] * b, ta, base=base), "variant": "uniform"})]
         if -(-args.cache_tokens // BLOCK_SIZE) > sum(-(-c // BLOCK_SIZE) for c in ctxs):
             jobs.append(("logged", f"logged b={b} in a {args.cache_tokens}-token cache",
-                         lambda ctxs=ctxs: {**run_decode(ctxs, ta, args.cache_tokens), "variant": "scattered"}))
+                         lambda ctxs=ctxs: {**run_decode(ctxs, ta, args.cache_tokens, base), "variant": "scattered"}))
     jobs += [("prefill", name, lambda name=name, q=q, c=c: run_prefill(name, q, c, ta)) for name, q, c in
              (("1x8192", [8192], [8192]), ("8x1024", [1024] * 8, [1024] * 8), ("2048 after 6144", [2048], [8192]))]
     for kind, name, job in jobs:
@@ -280,16 +318,19 @@ def main(argv: list[str] | None = None) -> int:
 
     print(f"\n{result['device']}, torch {result['torch']}, triton {result['triton']}; heads {HQ}/{HKV}x{HEAD_DIM} "
           f"{str(DTYPE).removeprefix('torch.')}, block {BLOCK_SIZE}; {result['seconds']:.0f} s")
-    print(f"{'decode':>14} {'splits':>6} {'us':>8} {'GB/s':>6} {'floor us':>8} {'x floor':>7} {'best split':>10}")
+    print(f"{'decode':>14} {'splits':>6} {'us':>8} {'GB/s':>6} {'floor us':>8} {'x floor':>7} {'best split':>10}"
+          + base_header(result["decode"]))
     for r in result["decode"]:
         print(f"b={r['batch']:>3} c={r['context']:>5} {r['splits']:>6} {r['us']:>8.1f} {r['gb_s']:>6.0f} "
-              f"{r['floor_us']:>8.1f} {r['us'] / r['floor_us']:>7.2f} {r['best_splits']:>4} {r['best_us']:>5.1f}")
+              f"{r['floor_us']:>8.1f} {r['us'] / r['floor_us']:>7.2f} {r['best_splits']:>4} {r['best_us']:>5.1f}"
+              + base_cells(r))
     if result["logged"]:
         print(f"{'decode, from the log':>24} {'max ctx':>7} {'cache':>7} {'splits':>6} {'us':>8} {'floor us':>8} "
-              f"{'x floor':>7}")
+              f"{'x floor':>7}" + base_header(result["logged"]))
         for r in result["logged"]:
             print(f"{r['variant']:>9} b={r['batch']:>3} c={r['context']:>6} {r['max_context']:>7} {r['cache_tokens']:>7} "
-                  f"{r['splits']:>6} {r['us']:>8.1f} {r['floor_us']:>8.1f} {r['us'] / r['floor_us']:>7.2f}")
+                  f"{r['splits']:>6} {r['us']:>8.1f} {r['floor_us']:>8.1f} {r['us'] / r['floor_us']:>7.2f}"
+                  + base_cells(r))
     sweep = [r for r in result["decode"] if r["batch"] in SWEEP_BATCHES]
     if sweep:
         splits = list(sweep[0]["us_by_splits"])

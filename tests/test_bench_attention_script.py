@@ -60,3 +60,18 @@ def test_make_inputs_scatters_the_blocks_over_a_server_sized_cache(monkeypatch):
     _, k_cache, _, meta = ba.make_inputs([1, 1], [20, 40])
     assert k_cache.shape[0] == 5
     assert sorted(meta.block_tables[0, :2].tolist() + meta.block_tables[1, :3].tolist()) == [0, 1, 2, 3, 4]
+
+
+def test_baseline_module_and_its_columns(tmp_path, capsys):
+    """``--baseline``: the file is imported as a module; its time and ours over it fill two
+    columns, left out when no row has one; a missing file is a usage error naming the flag."""
+    path = tmp_path / "old_attention.py"
+    path.write_text("SPLITS = 3\n")
+    assert ba.load_baseline(str(path)).SPLITS == 3
+    rows = [{"base_us": 40.0, "us": 30.0}, {"base_us": None, "us": 10.0}]
+    assert ba.base_header(rows).split() == ["base", "us", "x", "base"]
+    assert ba.base_cells(rows[0]).split() == ["40.0", "0.75"]
+    assert ba.base_header(rows[1:]) == ba.base_cells(rows[1]) == ""
+    with pytest.raises(SystemExit) as exc:
+        ba.main(["--baseline", str(tmp_path / "missing.py")])
+    assert exc.value.code == 2 and "--baseline" in capsys.readouterr().err

@@ -161,6 +161,29 @@ def test_decode_skips_empty_splits(monkeypatch):
     assert_close(out, b, FP32_TOL)
 
 
+@pytest.mark.parametrize("num_splits,partial_slots", [
+    (1, [2, 3, 4, 5]),  # 38 tiles / (4 * 1) -> 10 a split: the 32-tile context gets 4 splits, the others 1
+    (2, [2, 3, 4, 5, 6, 7, 8]),  # 38 / 8 -> 5 a split: 7 splits
+])
+def test_decode_balances_splits_over_uneven_contexts(monkeypatch, num_splits, partial_slots):
+    """Contexts of 1, 2, 32 and 3 key tiles (fp32 tiles hold 32 keys): every split holds
+    ``cdiv(38, 4 * num_splits)`` tiles, so the long context gets more splits than ``num_splits``
+    and the others one, which writes the output itself. The partial records (NaN until written)
+    show which split slots, of ``4 * (num_splits + 1)``, ran beside others of their sequence."""
+    b = make_batch([1] * 4, [3, 40, 1000, 70], 8, 2, 64, 16, num_decodes=4)
+    m = b.meta
+    out = torch.full_like(b.q, math.nan)
+    buffers, empty = [], torch.empty
+    monkeypatch.setattr(torch, "empty", lambda *a, **kw: buffers.append(empty(*a, **kw).fill_(math.nan)) or buffers[-1])
+    ta.paged_decode_attention(b.q, b.k_cache, b.v_cache, m.block_tables, m.context_lens, b.scale, out=out,
+                              num_splits=num_splits)
+    monkeypatch.undo()
+    assert_close(out, b, FP32_TOL)
+    part = buffers[0]
+    assert part.shape == (4 * (num_splits + 1), 8, 64)
+    assert part.isfinite().all(2).all(1).nonzero().flatten().tolist() == partial_slots
+
+
 @pytest.mark.parametrize("merge_elements", [None, 256])
 def test_decode_counters_reset_and_reused(monkeypatch, merge_elements):
     """The last split of each (sequence, KV head) merges and sets its counter back to 0: two calls
@@ -348,6 +371,8 @@ def test_decode_gpu(hq, hkv, head_dim, block_size):
         run_decode(ctxs, hq, hkv, head_dim, block_size, torch.bfloat16, splits, BF16_TOL, counters)
     run_decode(list(range(1, 130)), hq, hkv, head_dim, block_size, torch.bfloat16, 2, BF16_TOL,  # every tile edge
                counters)
+    # one long context among short ones: split in more than MAX_SPLITS programs, merged in several chunks
+    run_decode([20000] + [50] * 40, hq, hkv, head_dim, block_size, torch.bfloat16, None, BF16_TOL, counters)
     assert not counters.any()
 
 

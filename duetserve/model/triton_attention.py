@@ -8,20 +8,29 @@ FlashAttention-2 (Dao 2023, arXiv:2307.08691): running row maximum and sum, resc
 accumulator, ``exp2`` with the scale folded into ``log2(e)``. Tiles entirely below the causal
 diagonal skip the mask.
 
-Decode programs may split the keys of one sequence across ``num_splits`` programs
-(flash-decoding, Dao et al. 2023, "Flash-Decoding for long-context inference"). Every loop
-bound is read from ``context_lens`` inside the kernel and every grid depends only on tensor
-shapes, so both entry points can be captured in a CUDA graph. The split count therefore cannot
-follow the actual context: a sequence's key tiles are dealt to its first ``active =
-cdiv(tiles, cdiv(tiles, num_splits))`` splits, and the others (most, for a short context in a
-graph sized for the longest) exit at once. A lone active split writes the output itself. Else
-each writes a float32 partial output and its log-sum-exp, then counts itself on an int32
-counter of its (sequence, KV head) (an acquire-release atomic after a block barrier, the
-split-K "last block reduces" pattern); the one that counts last merges the active splits'
-partials for the group's query heads, always in the same order (the result does not depend on
-which split finished last), and sets the counter back to 0. No merge kernel is launched, and the
-counters, zero before and after every call, need no memset (in a CUDA graph: no memset node
-per layer).
+Decode programs split the keys of each sequence across programs (flash-decoding, Dao et al.
+2023, "Flash-Decoding for long-context inference"), balanced over the batch: ``num_splits`` is
+the mean number of splits a sequence gets, and every split holds ``per_split = cdiv(tiles,
+num_seqs * num_splits)`` key tiles (``tiles`` summed over the batch), so a sequence of ``t``
+tiles gets ``cdiv(t, per_split)`` splits. With equal contexts that is ``num_splits`` splits each;
+with uneven ones a long context gets more and a short one fewer, so no program walks a long
+context alone while the others have finished. (With the same split count for every sequence,
+served Mooncake decode batches of 13-31 sequences, one of 33k tokens, took 1.7-2.3x the time of
+the bytes at the copy rate; balanced, 1.03-1.22x: docs/benchmarks.md, seventeenth session.) The
+splits of all sequences, in order, fill the grid's second axis: ``num_seqs * (num_splits + 1)``
+slots hold them, since ``sum(cdiv(t_i, per_split)) < sum(t_i) / per_split + num_seqs``; each
+program finds its (sequence, split) from a prefix sum of the split counts, and the slots past
+the last split exit at once. The KV head is the first axis, so programs dispatched together
+read the same tokens' heads, which are adjacent in the cache (with the slot first, batches of
+8-64 equal contexts ran 1.3-1.45x slower). Every loop bound is read from
+``context_lens`` inside the kernel and every grid depends only on tensor shapes, so both entry
+points can be captured in a CUDA graph. A lone split writes the output itself. Else each writes
+a float32 partial output and its log-sum-exp, then counts itself on an int32 counter of its
+(sequence, KV head) (an acquire-release atomic after a block barrier, the split-K "last block
+reduces" pattern); the one that counts last merges the splits' partials for the group's query
+heads, always in the same order (the result does not depend on which split finished last), and
+sets the counter back to 0. No merge kernel is launched, and the counters, zero before and
+after every call, need no memset (in a CUDA graph: no memset node per layer).
 
 On a machine without a GPU the kernels run under Triton's interpreter (``TRITON_INTERPRET=1``
 set before this module is imported).
@@ -94,35 +103,38 @@ def _find_seq(query_start_loc, first, num_seqs, slot, BLOCK_Q: tl.constexpr):
 
 
 @triton.jit
-def _merge_if_last(out, lse, part_ptr, lse_ptr, out_ptr, counter, tok, head0, hq, first, split, active, row_ok,
-                   offs_d, d_ok, stride_ot, stride_oh, GROUP: tl.constexpr, GROUP_P2: tl.constexpr,
-                   HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, MERGE_CHUNK: tl.constexpr):
-    """Store a decode split's partial ``out`` and ``lse`` (row r at record ``first[r] + split``);
-    the last of the ``active`` splits of the (token, KV head) to count itself on ``counter``
-    merges the partials of the group's heads ``head0 ..`` into ``out_ptr``: weights ``exp2(lse_s -
-    max lse)`` over splits ``0 .. active - 1``, ``MERGE_CHUNK`` splits of all heads a step. It
-    then resets ``counter`` to 0."""
-    tl.store(part_ptr + (first + split)[:, None] * HEAD_DIM + offs_d[None, :], out,
-             mask=row_ok[:, None] & d_ok[None, :])
-    tl.store(lse_ptr + first + split, lse, mask=row_ok)
+def _merge_if_last(out, lse, part_ptr, lse_ptr, out_ptr, counter, tok, head0, hq, start, split, active, row_ok,
+                   head, offs_d, d_ok, stride_ot, stride_oh, GROUP: tl.constexpr, GROUP_P2: tl.constexpr,
+                   HEAD_DIM: tl.constexpr, MERGE_CHUNK: tl.constexpr):
+    """Store a decode split's partial ``out`` and ``lse`` (row r, of query head ``head[r]``, at
+    record ``(start + split) * hq + head[r]``); the last of the ``active`` splits of the (token, KV
+    head) to count itself on ``counter`` merges the partials of the group's heads ``head0 ..``,
+    records ``start .. start + active - 1``, into ``out_ptr``: weights ``exp2(lse_s - max lse)``,
+    ``MERGE_CHUNK`` splits of all heads a step. It then resets ``counter`` to 0."""
+    rec = (start + split) * hq + head
+    tl.store(part_ptr + rec[:, None] * HEAD_DIM + offs_d[None, :], out, mask=row_ok[:, None] & d_ok[None, :])
+    tl.store(lse_ptr + rec, lse, mask=row_ok)
     tl.debug_barrier()  # every thread's stores precede the release below (one thread does the atomic)
     if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == active - 1:
         tl.debug_barrier()  # the acquire (one thread) precedes every thread's loads
         heads = tl.arange(0, GROUP_P2)
         h_ok = heads < GROUP
-        rec0 = (tok * hq + head0 + heads) * NUM_SPLITS  # [GROUP_P2] record of split 0
-        splits = tl.arange(0, NUM_SPLITS)
-        top = tl.max(tl.load(lse_ptr + rec0[:, None] + splits[None, :], mask=h_ok[:, None] & (splits < active)[None, :],
-                             other=float("-inf")), 1)
+        chunk = tl.arange(0, MERGE_CHUNK)
+        top = tl.full([GROUP_P2], float("-inf"), tl.float32)
+        for c in range(0, active, MERGE_CHUNK):
+            s = c + chunk
+            recs = (start + s)[None, :] * hq + (head0 + heads)[:, None]
+            ok = h_ok[:, None] & (s < active)[None, :]
+            top = tl.maximum(top, tl.max(tl.load(lse_ptr + recs, mask=ok, other=float("-inf")), 1))
         top = tl.where(h_ok, top, 0.0)  # padding heads: no NaN
         num = tl.zeros([GROUP_P2, offs_d.shape[0]], tl.float32)
         den = tl.zeros([GROUP_P2], tl.float32)
         for c in range(0, active, MERGE_CHUNK):
-            s = c + tl.arange(0, MERGE_CHUNK)
-            rec = rec0[:, None] + s[None, :]
+            s = c + chunk
+            recs = (start + s)[None, :] * hq + (head0 + heads)[:, None]
             ok = h_ok[:, None] & (s < active)[None, :]
-            w = tl.exp2(tl.load(lse_ptr + rec, mask=ok, other=float("-inf")) - top[:, None])
-            part = tl.load(part_ptr + rec[:, :, None] * HEAD_DIM + offs_d[None, None, :],
+            w = tl.exp2(tl.load(lse_ptr + recs, mask=ok, other=float("-inf")) - top[:, None])
+            part = tl.load(part_ptr + recs[:, :, None] * HEAD_DIM + offs_d[None, None, :],
                            mask=ok[:, :, None] & d_ok[None, None, :], other=0.0)
             num += tl.sum(part * w[:, :, None], 1)
             den += tl.sum(w, 1)
@@ -130,6 +142,24 @@ def _merge_if_last(out, lse, part_ptr, lse_ptr, out_ptr, counter, tok, head0, hq
         tl.store(out_ptr + tok * stride_ot + (head0 + heads)[:, None] * stride_oh + offs_d[None, :],
                  merged.to(out_ptr.dtype.element_ty), mask=h_ok[:, None] & d_ok[None, :])
         tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")  # the next launch sees it (kernel boundary)
+
+
+@triton.jit
+def _find_split(context_lens, num_seqs, slot, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr,
+                BLOCK_SEQS: tl.constexpr):
+    """Decode slot ``slot``'s ``(sequence, its context, its first split's slot, split, the
+    sequence's split count, key tiles a split)``; sequence ``num_seqs`` past the last split. See
+    the module docstring."""
+    offs = tl.arange(0, BLOCK_SEQS)
+    ctxs = tl.load(context_lens + offs, mask=offs < num_seqs, other=0)
+    tiles = tl.cdiv(ctxs, BLOCK_N)
+    per_split = tl.maximum(tl.cdiv(tl.sum(tiles), num_seqs * NUM_SPLITS), 1)
+    counts = tl.cdiv(tiles, per_split)
+    ends = tl.cumsum(counts, 0)
+    seq = tl.sum((ends <= slot).to(tl.int32))
+    mine = offs == seq
+    start = tl.sum(tl.where(mine, ends - counts, 0))
+    return seq, tl.sum(tl.where(mine, ctxs, 0)), start, slot - start, tl.sum(tl.where(mine, counts, 0)), per_split
 
 
 # num_seqs and the block-table width change with every batch: no value specialisation (a
@@ -140,13 +170,20 @@ def _paged_attention_kernel(
         num_seqs, qk_scale, stride_qt, stride_qh, stride_ot, stride_oh, stride_kb, stride_ks, stride_kh, stride_bt,
         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr, PAGE: tl.constexpr, NUM_SPLITS: tl.constexpr, DECODE: tl.constexpr,
-        DOT_PRECISION: tl.constexpr, GROUP_P2: tl.constexpr, MERGE_CHUNK: tl.constexpr):
-    """Grid ``(sequence (DECODE) or query-tile slot, KV head, key split)``; see the module docstring."""
-    kv_head = tl.program_id(1)
-    split = tl.program_id(2)
+        DOT_PRECISION: tl.constexpr, GROUP_P2: tl.constexpr, MERGE_CHUNK: tl.constexpr, BLOCK_SEQS: tl.constexpr):
+    """Grid ``(KV head, decode split slot)`` (DECODE) or ``(query-tile slot, KV head)``; see the
+    module docstring."""
+    kv_head = tl.program_id(0 if DECODE else 1)
     BLOCK_Q: tl.constexpr = BLOCK_M // GROUP
+    split = 0
+    start = 0
+    active = 1
+    per_split = 0
     if DECODE:
-        seq = tl.program_id(0)
+        seq, ctx, start, split, active, per_split = _find_split(context_lens, num_seqs, tl.program_id(1),
+                                                                NUM_SPLITS, BLOCK_N, BLOCK_SEQS)
+        if seq >= num_seqs:
+            return
         q_start = seq
         q_len = 1
         j0 = 0
@@ -160,7 +197,7 @@ def _paged_attention_kernel(
         j0 = (slot_id - (q_start // BLOCK_Q + seq)) * BLOCK_Q
         if j0 >= q_len:
             return
-    ctx = tl.load(context_lens + seq)
+        ctx = tl.load(context_lens + seq)
 
     rows = tl.arange(0, BLOCK_M)
     tok = j0 + rows // GROUP
@@ -170,11 +207,10 @@ def _paged_attention_kernel(
     first_pos = ctx - q_len + j0
     n_tiles = tl.cdiv(tl.minimum(first_pos + BLOCK_Q, ctx), BLOCK_N)
     n_full = (first_pos + 1) // BLOCK_N
-    per_split = tl.cdiv(n_tiles, NUM_SPLITS)
+    if not DECODE:
+        per_split = n_tiles
     lo = split * per_split
     hi = tl.minimum(lo + per_split, n_tiles)
-    if lo >= hi:  # an empty split: not counted, the merge skips it
-        return
 
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < HEAD_DIM
@@ -194,14 +230,13 @@ def _paged_attention_kernel(
                                   PAGE, BLOCK_N, True, DOT_PRECISION)
 
     out = acc / l_i[:, None]
-    if NUM_SPLITS > 1:
-        active = tl.cdiv(n_tiles, per_split)  # splits with key tiles: from context_lens, so all programs agree
+    if DECODE:
         if active > 1:
-            hq = tl.num_programs(1) * GROUP
-            counter = counters + seq * tl.num_programs(1) + kv_head
+            hq = tl.num_programs(0) * GROUP
+            counter = counters + seq * tl.num_programs(0) + kv_head
             _merge_if_last(out, m_i + tl.log2(l_i), part_ptr, lse_ptr, out_ptr, counter, seq, kv_head * GROUP, hq,
-                           (q_rows * hq + head) * NUM_SPLITS, split, active, row_ok, offs_d, d_ok, stride_ot,
-                           stride_oh, GROUP, GROUP_P2, HEAD_DIM, NUM_SPLITS, MERGE_CHUNK)
+                           start, split, active, row_ok, head, offs_d, d_ok, stride_ot, stride_oh, GROUP, GROUP_P2,
+                           HEAD_DIM, MERGE_CHUNK)
             return
     o_rows = q_rows.to(tl.int64) * stride_ot + head * stride_oh
     tl.store(out_ptr + o_rows[:, None] + offs_d[None, :], out.to(out_ptr.dtype.element_ty),
@@ -231,20 +266,21 @@ def _launch(q, k_cache, v_cache, out, block_tables, context_lens, query_start_lo
             counters: torch.Tensor | None = None) -> torch.Tensor:
     hq, head_dim = q.shape[1:]
     hkv = k_cache.shape[2]
-    part, lse = out, out  # unused with one split, as the counters (context_lens stands in: the same int32 type)
-    if num_splits > 1:
-        part = torch.empty(q.shape[0], hq, num_splits, head_dim, dtype=torch.float32, device=q.device)
-        lse = torch.empty(q.shape[0], hq, num_splits, dtype=torch.float32, device=q.device)
+    part, lse = out, out  # unused in prefill, as the counters (context_lens stands in: the same int32 type)
+    if decode:  # a record per (split slot, query head)
+        part = torch.empty(grid0, hq, head_dim, dtype=torch.float32, device=q.device)
+        lse = torch.empty(grid0, hq, dtype=torch.float32, device=q.device)
     block_d = max(16, triton.next_power_of_2(head_dim))  # tl.dot needs K >= 16
     group_p2 = triton.next_power_of_2(hq // hkv)
-    _paged_attention_kernel[(grid0, hkv, num_splits)](
+    _paged_attention_kernel[(hkv, grid0) if decode else (grid0, hkv)](
         q, k_cache, v_cache, out, part, lse, context_lens if counters is None else counters, block_tables,
         context_lens, query_start_loc, context_lens.shape[0], scale * _LOG2E, q.stride(0), q.stride(1),
         out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0), GROUP=hq // hkv, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=block_m,
         BLOCK_N=block_n, PAGE=k_cache.shape[1], NUM_SPLITS=num_splits, DECODE=decode,
         DOT_PRECISION="tf32x3" if q.dtype == torch.float32 else "tf32", GROUP_P2=group_p2,
-        MERGE_CHUNK=max(1, min(num_splits, _MERGE_ELEMENTS // (group_p2 * block_d))), num_warps=num_warps)
+        MERGE_CHUNK=max(1, min(num_splits, _MERGE_ELEMENTS // (group_p2 * block_d))),
+        BLOCK_SEQS=triton.next_power_of_2(max(16, context_lens.shape[0])) if decode else 16, num_warps=num_warps)
     return out
 
 
@@ -254,14 +290,14 @@ def _num_sms(device: torch.device) -> int:
 
 
 def default_num_splits(num_seqs: int, num_kv_heads: int, max_context: int, num_sms: int) -> int:
-    """Key splits per decode sequence: the power of two at or above ``2 * num_sms / (num_seqs *
-    num_kv_heads)`` (at least two programs per SM when every split has keys), at most ``MAX_SPLITS``
-    and at most ``next_power_of_2(cdiv(max_context, 64))`` (64 keys a split of ``max_context``,
-    the block table's capacity in tokens).
+    """Mean key splits per decode sequence (``paged_decode_attention``'s ``num_splits``): the
+    power of two at or above ``2 * num_sms / (num_seqs * num_kv_heads)`` (at least two programs
+    per SM), at most ``MAX_SPLITS`` and at most ``next_power_of_2(cdiv(max_context, 64))`` (64
+    keys a split of ``max_context``, the block table's capacity in tokens).
 
-    Depends only on shapes, never on tensor values, so a captured CUDA graph stays valid. In a
-    graph the capacity is the model's longest context, so short contexts get many splits; only
-    ``cdiv(tiles, cdiv(tiles, splits))`` of them run (see the module docstring), the rest exit.
+    Depends only on shapes, never on tensor values, so a captured CUDA graph stays valid. The
+    kernel deals the batch's key tiles to ``num_seqs * splits`` splits of equal size (see the
+    module docstring), so short contexts get fewer splits than this and long ones more.
     """
     want = triton.cdiv(2 * num_sms, max(1, num_seqs * num_kv_heads))
     return max(1, min(MAX_SPLITS, triton.next_power_of_2(want), triton.next_power_of_2(triton.cdiv(max_context, 64))))
@@ -273,8 +309,10 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            counters: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of one new query token per sequence over its paged keys (flash-decoding).
 
-    With more than one split, the last split of each (sequence, KV head) to finish merges the
-    splits' partial outputs (module docstring); ``counters`` tells it which one is last.
+    A sequence's keys are split in ``cdiv(its tiles, per_split)`` programs, ``per_split`` the
+    batch's key tiles over ``nd * num_splits`` (module docstring). With more than one split, the
+    last split of each (sequence, KV head) to finish merges the splits' partial outputs;
+    ``counters`` tells it which one is last.
 
     Args:
         q: ``[nd, Hq, D]`` query of each sequence's last token (float32, float16 or bfloat16,
@@ -285,7 +323,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         context_lens: ``[nd]`` int32, keys of each sequence (>= 1); only read on the device.
         scale: softmax scale (usually ``D ** -0.5``).
         out: optional ``[nd, Hq, D]`` output (a view is fine); written and returned.
-        num_splits: key splits per sequence, a power of two <= ``MAX_SPLITS``; None picks
+        num_splits: mean key splits per sequence, a power of two <= ``MAX_SPLITS``; None picks
             ``default_num_splits`` (shapes only) on CUDA, 1 elsewhere.
         counters: optional contiguous ``[>= nd * Hkv]`` int32 on q's device, one arrival counter
             per (sequence, KV head) at ``seq * Hkv + kv_head``. They must be zero before the call
@@ -309,7 +347,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         raise ValueError(f"num_splits must be a power of two in [1, {MAX_SPLITS}], got {num_splits}")
     need = q.shape[0] * k_cache.shape[2]
     if counters is None:
-        counters = torch.zeros(need, dtype=torch.int32, device=q.device) if num_splits > 1 else None
+        counters = torch.zeros(need, dtype=torch.int32, device=q.device)
     elif counters.dtype != torch.int32 or counters.device != q.device or counters.dim() != 1 \
             or counters.stride(0) != 1 or counters.numel() < need:
         raise ValueError(f"counters must be a contiguous 1-D int32 tensor on {q.device} with at least nd * Hkv = "
@@ -320,8 +358,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     block_n, num_warps = _DECODE_TILES[q.element_size()]
     if num_splits > _NARROW_SPLITS:
         num_warps = 4
-    return _launch(q, k_cache, v_cache, out, block_tables, context_lens, context_lens, scale, q.shape[0],
-                   block_m, block_n, num_splits, True, num_warps, counters)
+    return _launch(q, k_cache, v_cache, out, block_tables, context_lens, context_lens, scale,
+                   q.shape[0] * (num_splits + 1), block_m, block_n, num_splits, True, num_warps, counters)
 
 
 def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
