@@ -226,7 +226,13 @@ def _serve_on(sock: socket.socket, args: argparse.Namespace, parser: argparse.Ar
         parser.error(f"--iteration-log {args.iteration_log}: {exc.strerror}")
     metrics.watch_engine(engine)
     async_engine = AsyncEngine(engine, metrics)
-    app = create_app(async_engine, metrics, name, api_key=args.api_key)
+
+    def stop() -> None:
+        async_engine.shutdown()
+        logging.getLogger(__name__).info("engine stopped")
+        _log_allocator(config.device)
+
+    app = create_app(async_engine, metrics, name, api_key=args.api_key, on_shutdown=stop)
     async_engine.start()
     logging.getLogger(__name__).info("serving %s on http://%s:%d (policy %s, TBT SLO %.0f ms)", name, args.host,
                                      sock.getsockname()[1], args.policy, args.tbt_slo * 1e3)
@@ -240,10 +246,10 @@ def _serve_on(sock: socket.socket, args: argparse.Namespace, parser: argparse.Ar
     gc.freeze()
     try:
         uvicorn.Server(uvicorn.Config(app, log_level=args.log_level)).run(sockets=[sock])
-    finally:
-        async_engine.shutdown()
+    finally:  # not reached on SIGTERM (see create_app): the app's shutdown runs stop()
         gc.unfreeze()
-        _log_allocator(config.device)
+        if async_engine.is_alive:  # returned without the app's shutdown (a failed start-up)
+            stop()
     return 0
 
 

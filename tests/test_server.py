@@ -24,14 +24,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def server_proc(smollm_folder, tmp_path_factory):
-    """A running server: (base URL, path of its iteration log)."""
+def start_server(*args: str) -> tuple[subprocess.Popen, str]:
+    """``duetserve serve`` on the embedded model on a free port, with ``args``, once healthy:
+    (the process, its output merged in one text pipe; its base URL)."""
     port = free_port()
-    log = tmp_path_factory.mktemp("log") / "iterations.jsonl"
-    cmd = [sys.executable, "-m", "duetserve.cli", "serve", "--port", str(port), "--api-key", KEY,
-           "--iteration-log", str(log),
-           "--max-num-batched-tokens", "256", "--num-kv-blocks", "1024", "--policy", "chunked"]
+    cmd = [sys.executable, "-m", "duetserve.cli", "serve", "--port", str(port), *args]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     base = f"http://127.0.0.1:{port}"
     deadline = time.time() + 300
@@ -40,18 +37,37 @@ def server_proc(smollm_folder, tmp_path_factory):
             pytest.fail(f"server exited: {proc.stdout.read()[-3000:]}")
         try:
             if httpx.get(f"{base}/health", timeout=1).status_code == 200:
-                break
+                return proc, base
         except httpx.HTTPError:
             time.sleep(0.5)
-    else:
-        proc.kill()
-        pytest.fail("server did not become healthy")
+    proc.kill()
+    pytest.fail("server did not become healthy")
+
+
+@pytest.fixture(scope="module")
+def server_proc(smollm_folder, tmp_path_factory):
+    """A running server: (base URL, path of its iteration log)."""
+    log = tmp_path_factory.mktemp("log") / "iterations.jsonl"
+    proc, base = start_server("--api-key", KEY, "--iteration-log", str(log), "--max-num-batched-tokens", "256",
+                              "--num-kv-blocks", "1024", "--policy", "chunked")
     yield base, log
     proc.terminate()
     try:
         proc.wait(timeout=20)
     except subprocess.TimeoutExpired:
         proc.kill()
+
+
+def test_sigterm_stops_the_engine_before_the_process_ends(smollm_folder):
+    """uvicorn answers SIGTERM with a graceful shutdown and then raises the signal again, which
+    ends the process at once: the engine is stopped (and, on CUDA, the allocator's counts
+    logged) in the app's shutdown, not after the server returns."""
+    proc, base = start_server("--num-kv-blocks", "64")
+    assert httpx.post(f"{base}/v1/completions", json={"prompt": "Hi", "max_tokens": 2}, timeout=60).status_code == 200
+    proc.terminate()
+    out, _ = proc.communicate(timeout=30)
+    assert "Application shutdown complete" in out
+    assert "engine stopped" in out, out[-2000:]
 
 
 @pytest.fixture(scope="module")

@@ -2,12 +2,13 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import sys
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -75,13 +76,21 @@ def _sse(payload: dict | str) -> str:
 
 
 def create_app(engine: AsyncEngine, metrics: ServerMetrics, model_name: str, api_key: str | None = None,
-               default_max_tokens: int = 16) -> FastAPI:
+               default_max_tokens: int = 16, on_shutdown: Callable[[], None] | None = None) -> FastAPI:
     """Build the FastAPI app around a started ``AsyncEngine``.
 
     Every bad request gets HTTP 400 with an OpenAI error body; a missing or wrong Bearer key
-    (when ``api_key`` is set) gets 401 on ``/v1/*``.
+    (when ``api_key`` is set) gets 401 on ``/v1/*``. ``on_shutdown`` runs at the app's (ASGI
+    lifespan) shutdown: uvicorn runs that on SIGINT or SIGTERM and then raises the signal again,
+    which ends the process before code after ``uvicorn.Server.run`` could run.
     """
-    app = FastAPI(title="duetserve")
+    @contextlib.asynccontextmanager
+    async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
+        yield
+        if on_shutdown is not None:
+            on_shutdown()
+
+    app = FastAPI(title="duetserve", lifespan=lifespan)
     tokenizer = engine.engine.tokenizer
 
     @app.exception_handler(RequestValidationError)
