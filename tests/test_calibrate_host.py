@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import gzip
 import json
 import os
 
@@ -142,3 +143,21 @@ def test_one_stray_slow_iteration_does_not_move_the_fit():
     recs[0] = {**recs[0], "measured_s": 1.4}
     fit = fit_host_overheads(recs, dataclasses.replace(H200, host_per_request_s=0.0, host_eager_s=0.0))
     assert fit.host_per_request_s == pytest.approx(3e-4, rel=1e-3) and fit.host_eager_s == pytest.approx(0.012, rel=1e-3)
+
+
+def test_calibrate_pools_several_logs_gzipped_or_not(tmp_path, capsys):
+    """Two halves of one log, one of them gzipped (as scripts/device_serving.sh keeps logs), fit
+    the terms the whole log fits; the summary names both files."""
+    lines = [json.dumps(r) for r in log_records(3e-4, 0.012, H200.host_per_request_s, H200.host_eager_s)]
+    first, second = tmp_path / "a.jsonl", tmp_path / "b.jsonl.gz"
+    first.write_text("\n".join(lines[:100]) + "\n")
+    second.write_bytes(gzip.compress(("\n".join(lines[100:]) + "\n").encode()))
+    assert read_iteration_log(second) == [json.loads(line) for line in lines[100:]]
+    out = tmp_path / "p.json"
+    assert main(["calibrate", "--gpu-name", "lab", "--out", str(out), "--iteration-log", str(first), str(second)]) == 0
+    printed = capsys.readouterr().out
+    assert f"temporal iterations of {first} {second}: host_per_request_s 0.300 ms, host_eager_s 12.00 ms" in printed
+    assert load_profile(out).host_eager_s == pytest.approx(0.012)
+    second.write_bytes(b"not gzip")
+    assert main(["calibrate", "--gpu-name", "lab", "--out", str(out), "--iteration-log", str(first), str(second)]) == 1
+    assert "Not a gzipped file" in capsys.readouterr().err

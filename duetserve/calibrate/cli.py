@@ -10,9 +10,10 @@ median and p90 relative error ``|pred - meas| / meas`` for prefill and decode: t
 before the fit, the calibrated profile after it, the held-out shapes before and after a fit
 on the other shapes, and the base profile; ``--plot`` draws predicted against measured.
 
-``--iteration-log LOG`` instead fits the serving host time (``host_per_request_s``,
-``host_eager_s``; ``duetserve.calibrate.host``) to the iteration log of a server that planned
-with ``--base``, needs no GPU, and writes ``--base`` with those two terms replaced.
+``--iteration-log LOG [LOG ...]`` instead fits the serving host time (``host_per_request_s``,
+``host_eager_s``; ``duetserve.calibrate.host``) to the iteration logs (pooled; ``.gz`` read
+gzipped) of servers that planned with ``--base``, needs no GPU, and writes ``--base`` with those
+two terms replaced.
 
 Exit status: 0 on success (failed single measurements are listed); 2 on bad usage: a bad flag,
 or flags that do not go together (the message names the flag); 1 on any other error (no GPU, an
@@ -88,9 +89,9 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--plot", type=plot_file, metavar="OUT.png", help="draw predicted against measured")
     p.add_argument("--quick", action="store_true",
                    help="8 timed repeats instead of 20, one decode batch on split SM levels")
-    p.add_argument("--iteration-log", type=existing_file, metavar="LOG.jsonl",
-                   help="fit only the serving host time to this `serve --iteration-log` file of a server "
-                        "that planned with --base (no GPU needed)")
+    p.add_argument("--iteration-log", type=existing_file, nargs="+", metavar="LOG.jsonl",
+                   help="fit only the serving host time to these `serve --iteration-log` files (pooled; .gz "
+                        "read gzipped) of servers that planned with --base (no GPU needed)")
 
 
 def model_folder(args: argparse.Namespace, scratch: Path) -> tuple[Path, ModelShape]:
@@ -142,10 +143,11 @@ def report(result: Calibration, base: HardwareProfile) -> str:
 
 def fit_host(args: argparse.Namespace) -> int:
     """``--iteration-log``: fit the host terms, write the profile; 0, or 1 on an error."""
+    logs = " ".join(map(str, args.iteration_log))
     try:
-        fit = fit_host_overheads(read_iteration_log(args.iteration_log), args.base)
+        fit = fit_host_overheads([r for path in args.iteration_log for r in read_iteration_log(path)], args.base)
     except (ValueError, OSError) as exc:
-        print(f"duetserve calibrate: error: --iteration-log {args.iteration_log}: {exc}", file=sys.stderr)
+        print(f"duetserve calibrate: error: --iteration-log {logs}: {exc}", file=sys.stderr)
         return 1
     fields = {"host_per_request_s": fit.host_per_request_s, "host_eager_s": fit.host_eager_s}
     profile = dataclasses.replace(args.base, name=args.gpu_name, **fields,
@@ -155,7 +157,7 @@ def fit_host(args: argparse.Namespace) -> int:
     except OSError as exc:  # "--out PATH: REASON"
         print(f"duetserve calibrate: error: {exc}", file=sys.stderr)
         return 1
-    print(f"host time fitted on {fit.rows} temporal iterations of {args.iteration_log}: "
+    print(f"host time fitted on {fit.rows} temporal iterations of {logs}: "
           f"host_per_request_s {fit.host_per_request_s * 1e3:.3f} ms, host_eager_s {fit.host_eager_s * 1e3:.2f} ms\n"
           f"median |pred - meas| / meas: {100 * fit.median_error_before:.1f}% as logged, "
           f"{100 * fit.median_error_after:.1f}% with the fitted terms\nprofile: {args.out}")

@@ -16,6 +16,7 @@ work overlaps the GPU.
 """
 from __future__ import annotations
 
+import gzip
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -41,13 +42,16 @@ class HostFit:
 
 
 def read_iteration_log(path: str | Path) -> list[dict[str, Any]]:
-    """The JSON records of an iteration log (blank lines skipped).
+    """The JSON records of an iteration log (blank lines skipped; a name ending in ``.gz`` is
+    read gzipped, as ``scripts/device_serving.sh`` keeps them).
 
-    Raises OSError when unreadable, ValueError on a line that is not a JSON object or whose
-    numbers are not finite numbers >= 0 (naming them; NaN broke the least-squares fit and inf
-    fitted zeros)."""
+    Raises OSError when unreadable (a bad gzip file too), ValueError on a line that is not a
+    JSON object or whose numbers are not finite numbers >= 0 (naming them; NaN broke the
+    least-squares fit and inf fitted zeros)."""
+    data = Path(path).read_bytes()
+    text = (gzip.decompress(data) if str(path).endswith(".gz") else data).decode()
     records = []
-    for i, line in enumerate(Path(path).read_text().splitlines(), 1):
+    for i, line in enumerate(text.splitlines(), 1):
         if line.strip():
             try:
                 record = loads_object(line)
