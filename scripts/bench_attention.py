@@ -148,8 +148,8 @@ def run_decode(ctxs: list[int], ta, cache_tokens: int = 0, base=None) -> dict:
     kv_bytes = 2 * sum(-(-c // BLOCK_SIZE) for c in ctxs) * BLOCK_SIZE * HKV * HEAD_DIM * k_cache.element_size()
     copies = 0 if kv_bytes >= 2 * L2_BYTES else rotation_sets(kv_bytes) - 1  # each a copy of the whole cache
     if copies and cache_tokens:
-        raise ValueError(f"{sum(ctxs)} context tokens fit the L2 cache: a {cache_tokens}-token cache would be "
-                         f"copied {copies} times")
+        raise ValueError(f"{sum(ctxs)} context tokens are under twice the L2 cache: a {cache_tokens}-token cache "
+                         f"would be copied {copies} times")
     caches = [(k_cache, v_cache)] + [(torch.randn_like(k_cache), torch.randn_like(v_cache)) for _ in range(copies)]
     scale = HEAD_DIM ** -0.5
     out = torch.full_like(q, float("nan"))

@@ -144,10 +144,10 @@ def test_decode_fp32(hq, hkv, head_dim, block_size, ctxs, splits):
     run_decode(ctxs, hq, hkv, head_dim, block_size, torch.float32, splits, FP32_TOL)
 
 
-def test_decode_skips_empty_splits(monkeypatch):
+def test_decode_in_a_wide_block_table(monkeypatch):
     """``MAX_SPLITS`` splits over contexts of 1 to 3 key tiles in a block table 40x wider (as in a
-    CUDA graph): most splits get no keys and exit unwritten; the merge reads only the others (its
-    partial buffers start as NaN here, so reading an unwritten split shows up as NaN)."""
+    CUDA graph): the spare split slots exit unwritten; the merge reads only the splits that ran
+    (its partial buffers start as NaN here, so reading an unwritten one shows up as NaN)."""
     b = make_batch([1] * 4, [1, 5, 40, 70], 8, 2, 64, 16, num_decodes=4)
     m = b.meta
     tables = torch.zeros(4, 40 * m.block_tables.shape[1], dtype=torch.int32, device=DEVICE)
@@ -297,6 +297,14 @@ def test_argument_errors():
     with pytest.raises(ValueError, match="query_start_loc"):
         ta.paged_prefill_attention(b.q, b.k_cache, b.v_cache, m.block_tables, m.query_start_loc[:1],
                                    m.context_lens, b.scale)
+    # a context or block-table row without its query would get splits (and counters) of its own
+    for tables, lens in ((m.block_tables, m.context_lens.repeat(2)), (m.block_tables.repeat(2, 1), m.context_lens)):
+        with pytest.raises(ValueError, match=r"a row per query \(1\); got"):
+            ta.paged_decode_attention(b.q, b.k_cache, b.v_cache, tables, lens, b.scale)
+    many = torch.zeros(1986, 4, 32)  # 1986 x (32 + 1) = 65538 split slots: over CUDA's grid limit (shapes only)
+    with pytest.raises(ValueError, match="65538 split slots, over CUDA's 65535"):
+        ta.paged_decode_attention(many, b.k_cache.float(), b.v_cache.float(), m.block_tables, m.context_lens, b.scale,
+                                  num_splits=32)
 
 
 def test_selector(monkeypatch):

@@ -12,7 +12,7 @@ Decode programs split the keys of each sequence across programs (flash-decoding,
 2023, "Flash-Decoding for long-context inference"), balanced over the batch: ``num_splits`` is
 the mean number of splits a sequence gets, and every split holds ``per_split = cdiv(tiles,
 num_seqs * num_splits)`` key tiles (``tiles`` summed over the batch), so a sequence of ``t``
-tiles gets ``cdiv(t, per_split)`` splits. With equal contexts that is ``num_splits`` splits each;
+tiles gets ``cdiv(t, per_split)`` splits. With equal contexts that is at most ``num_splits`` each;
 with uneven ones a long context gets more and a short one fewer, so no program walks a long
 context alone while the others have finished. (With the same split count for every sequence,
 served Mooncake decode batches of 13-31 sequences, one of 33k tokens, took 1.7-2.3x the time of
@@ -60,6 +60,8 @@ _PREFILL_TILES = {2: (128, 64, 8), 4: (64, 32, 4)}
 # Partial-output elements the decode merge loads a step: 16384 (32 splits of 4 heads of 128 in
 # one step) beat 4096 and 8192 on the H200, by up to 1.5 us at batch 1 (32 splits), no worse elsewhere.
 _MERGE_ELEMENTS = 16384
+# CUDA's limit on a grid's second axis, the decode split slots
+_MAX_GRID_Y = 65535
 
 
 @triton.jit
@@ -333,11 +335,14 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 
     Returns:
         ``[nd, Hq, D]`` in q's dtype. No host synchronisation; CUDA-graph capturable (with a
-        ``counters`` buffer given, no allocation or memset either).
+        ``counters`` buffer given, no memset; the partial outputs are allocated, from the
+        graph's pool when captured).
 
     Raises:
-        ValueError: mismatched shapes, dtypes or strides, a bad ``num_splits``, or ``counters``
-            not int32, not on q's device, not contiguous 1-D, or fewer than ``nd * Hkv``.
+        ValueError: mismatched shapes, dtypes or strides, ``context_lens`` or ``block_tables``
+            not of ``nd`` rows, a bad ``num_splits`` (or ``nd * (num_splits + 1)`` over CUDA's
+            65535 grid rows), or ``counters`` not int32, not on q's device, not contiguous 1-D,
+            or fewer than ``nd * Hkv``.
     """
     out = _check(q, k_cache, v_cache, out)
     if num_splits is None:
@@ -345,6 +350,13 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                                         _num_sms(q.device)) if q.is_cuda else 1
     if not 1 <= num_splits <= MAX_SPLITS or num_splits & (num_splits - 1):
         raise ValueError(f"num_splits must be a power of two in [1, {MAX_SPLITS}], got {num_splits}")
+    slots = q.shape[0] * (num_splits + 1)
+    if slots > _MAX_GRID_Y:
+        raise ValueError(f"{q.shape[0]} sequences x ({num_splits} splits + 1) = {slots} split slots, over CUDA's "
+                         f"{_MAX_GRID_Y} grid rows: pass fewer num_splits")
+    if context_lens.shape[0] != q.shape[0] or block_tables.shape[0] != q.shape[0]:
+        raise ValueError(f"context_lens and block_tables need a row per query ({q.shape[0]}); got "
+                         f"{context_lens.shape[0]} and {block_tables.shape[0]}")
     need = q.shape[0] * k_cache.shape[2]
     if counters is None:
         counters = torch.zeros(need, dtype=torch.int32, device=q.device)
@@ -358,8 +370,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     block_n, num_warps = _DECODE_TILES[q.element_size()]
     if num_splits > _NARROW_SPLITS:
         num_warps = 4
-    return _launch(q, k_cache, v_cache, out, block_tables, context_lens, context_lens, scale,
-                   q.shape[0] * (num_splits + 1), block_m, block_n, num_splits, True, num_warps, counters)
+    return _launch(q, k_cache, v_cache, out, block_tables, context_lens, context_lens, scale, slots, block_m,
+                   block_n, num_splits, True, num_warps, counters)
 
 
 def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
