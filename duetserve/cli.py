@@ -19,6 +19,7 @@ from duetserve.argtypes import (
     join_negative_values,
     non_empty,
     non_negative_int,
+    positive_duration,
     tbt_slo,
     trim_margin,
 )
@@ -125,6 +126,9 @@ def _add_serve(sub) -> None:
                         "the weight-stream kernels (Qwen3 shapes, sm_90 GPU, nvcc and cuda-bindings)")
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"),
                    help="server log level")
+    p.add_argument("--shutdown-timeout", type=positive_duration("s"), default="30s", metavar="DURATION",
+                   help="on SIGINT or SIGTERM, wait at most this long for running requests (e.g. 30s, 500ms; "
+                        "a bare number is seconds), then end their streams and stop")
 
 
 def _serve(args, parser: argparse.ArgumentParser) -> int:
@@ -245,7 +249,8 @@ def _serve_on(sock: socket.socket, args: argparse.Namespace, parser: argparse.Ar
     gc.collect()
     gc.freeze()
     try:
-        uvicorn.Server(uvicorn.Config(app, log_level=args.log_level)).run(sockets=[sock])
+        uvicorn.Server(uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=args.shutdown_timeout)
+                       ).run(sockets=[sock])
     finally:  # not reached on SIGTERM (see create_app): the app's shutdown runs stop()
         gc.unfreeze()
         if async_engine.is_alive:  # returned without the app's shutdown (a failed start-up)

@@ -584,3 +584,19 @@ def test_serve_logs_the_cuda_allocators_counts_at_exit(monkeypatch, caplog):
         assert caplog.messages == []
         cli._log_allocator("cuda:1")
     assert caplog.messages == ["CUDA allocator: 3 retries, 0 OOMs, 41 cudaMalloc and 7 cudaFree calls, peak 3.0 GiB"]
+
+
+def test_serve_refuses_a_max_model_len_over_the_models_limit_before_building_it(monkeypatch, capsys):
+    """``--max-model-len 100000000`` built a RoPE table that long first and was killed for memory
+    (18 GB on the CPU); the limit is now checked before the model is built."""
+    from duetserve.model import loader
+
+    def built(*args, **kwargs):
+        raise AssertionError("the model was built")
+
+    monkeypatch.setattr(loader, "CausalLM", built)
+    with pytest.raises(SystemExit) as exc:
+        main(["serve", "--device", "cpu", "--port", "0", "--max-model-len", "100000000"])
+    assert exc.value.code == 2
+    assert capsys.readouterr().err.endswith(
+        "duetserve serve: error: --max-model-len 100000000 exceeds the model's limit of 8192 positions\n")

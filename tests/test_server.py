@@ -61,12 +61,19 @@ def server_proc(smollm_folder, tmp_path_factory):
 def test_sigterm_stops_the_engine_before_the_process_ends(smollm_folder):
     """uvicorn answers SIGTERM with a graceful shutdown and then raises the signal again, which
     ends the process at once: the engine is stopped (and, on CUDA, the allocator's counts
-    logged) in the app's shutdown, not after the server returns."""
-    proc, base = start_server("--num-kv-blocks", "64")
+    logged) in the app's shutdown, not after the server returns. A stream still running then
+    is ended after ``--shutdown-timeout`` (it had kept the server up until it finished: minutes)."""
+    proc, base = start_server("--num-kv-blocks", "256", "--shutdown-timeout", "1s")
     assert httpx.post(f"{base}/v1/completions", json={"prompt": "Hi", "max_tokens": 2}, timeout=60).status_code == 200
-    proc.terminate()
-    out, _ = proc.communicate(timeout=30)
-    assert "Application shutdown complete" in out
+    body = {"prompt": "Hi", "max_tokens": 3000, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=60) as resp:
+        lines = resp.iter_lines()
+        assert next(lines).startswith("data: ")  # streaming
+        start = time.monotonic()
+        proc.terminate()
+        out, _ = proc.communicate(timeout=30)
+    assert time.monotonic() - start < 10
+    assert "timeout graceful shutdown exceeded" in out and "Application shutdown complete" in out
     assert "engine stopped" in out, out[-2000:]
 
 

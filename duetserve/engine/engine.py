@@ -113,10 +113,7 @@ class LLMEngine:
         loaded = load_model(config.model, backend, self.dtype, self.device, config.load_format,
                             config.max_model_len, config.seed)
         self.model, self.tokenizer, self.model_name = loaded.model, loaded.tokenizer, loaded.name
-        limit = self.model.dims.max_position_embeddings
-        if config.max_model_len is not None and config.max_model_len > limit:
-            raise ValueError(f"--max-model-len {config.max_model_len} exceeds the model's limit of {limit} positions")
-        self.max_model_len = config.max_model_len or limit
+        self.max_model_len = config.max_model_len or self.model.dims.max_position_embeddings
         num_blocks = config.num_kv_blocks or self._blocks_from_memory()
         capacity = num_blocks * config.block_size
         log.info("KV cache: %d blocks of %d tokens (%d tokens)", num_blocks, config.block_size, capacity)

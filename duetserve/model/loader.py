@@ -159,7 +159,8 @@ def load_model(model: str | None, backend: AttentionBackend, dtype: torch.dtype,
     Raises:
         FileNotFoundError: see ``resolve_model``; or the folder has no ``*.safetensors``.
         ValueError: "--model MODEL: REASON" for a ``config.json`` that transformers cannot read, or
-            whose model type or sizes ``ModelDims.from_config`` refuses.
+            whose model type or sizes ``ModelDims.from_config`` refuses; ``max_positions`` over
+            the config's limit (named as ``--max-model-len``).
         KeyError: a checkpoint lacks a parameter the model needs.
     """
     from huggingface_hub.errors import StrictDataclassError
@@ -172,7 +173,10 @@ def load_model(model: str | None, backend: AttentionBackend, dtype: torch.dtype,
     except (OSError, ValueError, TypeError, KeyError, StrictDataclassError) as exc:  # not JSON, no model_type,
         # transformers' own checks (its config classes validate as strict dataclasses)
         raise ValueError(f"--model {model or name}: {exc}") from exc
-    positions = max_positions or config.max_position_embeddings
+    limit = config.max_position_embeddings
+    if max_positions is not None and max_positions > limit:  # before the RoPE table is built that long
+        raise ValueError(f"--max-model-len {max_positions} exceeds the model's limit of {limit} positions")
+    positions = max_positions or limit
     with torch.device(device), _default_dtype(dtype):
         lm = CausalLM(config, backend, positions)
     if load_format == "dummy":
