@@ -62,3 +62,9 @@ class SamplingParams:
             raise ParamError(f"seed must be in [0, 2**63), got {self.seed}", "seed")
         if any(not s for s in self.stop):
             raise ParamError("stop strings must not be empty", "stop")
+        for s in self.stop:  # a lone surrogate could never match decoded text
+            try:
+                s.encode("utf-8")
+            except UnicodeEncodeError as exc:
+                raise ParamError(f"stop is not valid Unicode text: {exc.reason} at character {exc.start}",
+                                 "stop") from None

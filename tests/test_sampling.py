@@ -84,7 +84,7 @@ def test_sampling_follows_distribution():
 
 @pytest.mark.parametrize("field,value", [("max_tokens", 0), ("temperature", -0.1), ("temperature", 2.5),
                                          ("top_p", 0.0), ("top_p", 1.5), ("top_k", -2), ("seed", 2**63),
-                                         ("seed", -1)])
+                                         ("seed", -1), ("stop", [""]), ("stop", ["ok", "\ud800"])])
 def test_invalid_params_name_the_field(field, value):
     with pytest.raises(ParamError) as err:
         SamplingParams(**{field: value}).validate()

@@ -192,6 +192,7 @@ BAD = [
     ("/v1/chat/completions", {"messages": "hello"}, "messages"),
     ("/v1/completions", {"prompt": "hi", "seed": 2**80}, "seed"),
     ("/v1/completions", b'{"prompt": "\\ud800 hi", "max_tokens": 4}', "prompt"),  # lone surrogate
+    ("/v1/completions", b'{"prompt": "hi", "stop": ["\\ud800"]}', "stop"),  # could never match: refused, as in prompt
     ("/v1/completions", {"prompt": "x" * 2_000_000}, "prompt"),
     ("/v1/completions", {"prompt": "hi", "stop_token_ids": [-1]}, "stop_token_ids"),
     ("/v1/completions", {"prompt": "hi", "logprobs": 2}, "logprobs"),
@@ -242,6 +243,19 @@ WRONG_TYPES = [
 @pytest.mark.parametrize("path,body,param,message", WRONG_TYPES, ids=[str(b)[:60] for _, b, _, _ in WRONG_TYPES])
 def test_wrong_json_types_get_400_naming_the_field(server, path, body, param, message):
     r = httpx.post(f"{server}{path}", headers=AUTH, json=body, timeout=60)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"] == {"message": message, "type": "BadRequestError", "param": param, "code": 400}
+
+
+@pytest.mark.parametrize("body,param,message", [
+    ({"prompt": "hi", "stop_token_ids": [5, 10**9]}, "stop_token_ids",
+     "stop_token_ids must be in [0, 49152), got 1000000000"),  # the value was not shown
+    ({"prompt": "hi", "stop": ["ok", "\ud800"]}, "stop",
+     "stop is not valid Unicode text: surrogates not allowed at character 0"),  # was accepted
+])
+def test_bad_values_get_400_saying_what_was_sent(server, body, param, message):
+    r = httpx.post(f"{server}/v1/completions", headers={**AUTH, "Content-Type": "application/json"},
+                   content=json.dumps(body), timeout=60)  # ASCII escapes: a lone surrogate is sendable
     assert r.status_code == 400, r.text
     assert r.json()["error"] == {"message": message, "type": "BadRequestError", "param": param, "code": 400}
 

@@ -191,17 +191,19 @@ def test_missing_qps_is_a_usage_error(capsys):
     ([*SMALL, "--qps", "2", "--kv-cache-tokens", "10"],
      "--kv-cache-tokens 10 is less than one KV block of 16 tokens (--block-size)"),
     ([*SMALL, "--qps", "2", "--kv-cache-tokens", "100"],
-     "the KV cache of 96 tokens (from --kv-cache-tokens) holds no request of the trace: the shortest needs "
-     "521 tokens of prompt and output"),
+     "the KV cache of 96 tokens (from --kv-cache-tokens) holds no request of the synthetic trace (--input-len, "
+     "--output-len): the shortest needs 521 tokens of prompt and output"),
     ([*SMALL, "--qps", "2", "--gpu-memory-utilization", "0.01"],  # exited 1 naming no flag
      ("--gpu-memory-utilization 0.01 of the h200's memory (--gpu) leaves nothing for the KV cache after the model's "
       "weights (--model-config); raise it, or give --kv-cache-tokens")),
     ([*SMALL, "--qps", "2", "--tp", "3"],  # printed a ModelShape(...) repr
      "--tp 3: the model's 32 query heads and 8 KV heads are not divisible by 3"),
     ([*SMALL, "--qps", "2", "--max-model-len", "10"],
-     "--max-model-len 10 holds no request of the trace: the shortest needs 521 tokens of prompt and output"),
+     "--max-model-len 10 holds no request of the synthetic trace (--input-len, --output-len): the shortest needs "
+     "521 tokens of prompt and output"),
     ([*SMALL, "--qps", "2", "--max-model-len", "510"],  # room for the shortest prompt, not its output: exited 1
-     "--max-model-len 510 holds no request of the trace: the shortest needs 521 tokens of prompt and output"),
+     "--max-model-len 510 holds no request of the synthetic trace (--input-len, --output-len): the shortest "
+     "needs 521 tokens of prompt and output"),
     ([*SMALL, "--qps", "2", "--window", "1000:2000"],
      "the trace selection holds no requests (see --window and --num-requests)"),
 ])

@@ -242,8 +242,9 @@ class LLMEngine:
         vocab = self.model.dims.vocab_size
         if any(not 0 <= t < vocab for t in prompt_token_ids):
             raise ParamError(f"prompt token ids must be in [0, {vocab})", "prompt")
-        if any(not 0 <= t < vocab for t in params.stop_token_ids):
-            raise ParamError(f"stop_token_ids must be in [0, {vocab})", "stop_token_ids")
+        bad = [t for t in params.stop_token_ids if not 0 <= t < vocab]
+        if bad:
+            raise ParamError(f"stop_token_ids must be in [0, {vocab}), got {bad[0]}", "stop_token_ids")
         if n >= self.max_model_len:
             raise ParamError(f"this model's maximum context length is {self.max_model_len} tokens; the "
                              f"prompt has {n} tokens, leaving no room for output", "prompt")

@@ -185,17 +185,18 @@ def _check_trace_fits(args: argparse.Namespace, config: SimConfig, trace: Sequen
         raise UsageError(f"--kv-cache-tokens {args.kv_cache_tokens} is less than one KV block of "
                          f"{args.block_size} tokens (--block-size)")
     shortest = min(r.input_len + r.output_len for r in trace)
+    of_trace = "of the trace" if args.trace else "of the synthetic trace (--input-len, --output-len)"
     limit = args.max_model_len or args.model_config.max_positions
     if limit is not None and shortest > limit:  # the simulator fails each such request, as serve refuses it
         given = f"--max-model-len {limit}" if args.max_model_len else \
             f"the model's context of {limit} tokens (--model-config; --max-model-len sets another)"
-        raise UsageError(f"{given} holds no request of the trace: the shortest needs {shortest} tokens of prompt "
+        raise UsageError(f"{given} holds no request {of_trace}: the shortest needs {shortest} tokens of prompt "
                          "and output")
     blocks = config.kv_blocks()
     if -(-shortest // args.block_size) > blocks:
         source = "--kv-cache-tokens" if args.kv_cache_tokens else "--gpu and --gpu-memory-utilization"
         raise UsageError(f"the KV cache of {blocks * args.block_size} tokens (from {source}) holds no request "
-                         f"of the trace: the shortest needs {shortest} tokens of prompt and output")
+                         f"{of_trace}: the shortest needs {shortest} tokens of prompt and output")
 
 
 def _policies(text: str) -> str:
