@@ -128,7 +128,8 @@ def _add_serve(sub) -> None:
                    help="server log level")
     p.add_argument("--shutdown-timeout", type=positive_duration("s"), default="30s", metavar="DURATION",
                    help="on SIGINT or SIGTERM, wait at most this long for running requests (e.g. 30s, 500ms; "
-                        "a bare number is seconds), then end their streams and stop")
+                        "a bare number is seconds), then close their connections (their streams end without "
+                        "[DONE]) and stop the engine")
 
 
 def _serve(args, parser: argparse.ArgumentParser) -> int:
@@ -231,9 +232,18 @@ def _serve_on(sock: socket.socket, args: argparse.Namespace, parser: argparse.Ar
     metrics.watch_engine(engine)
     async_engine = AsyncEngine(engine, metrics)
 
-    def stop() -> None:
+    stopped = []
+
+    def stop() -> None:  # once: at the app's shutdown, or in the finally below
+        if stopped:
+            return
+        stopped.append(True)
         async_engine.shutdown()
-        logging.getLogger(__name__).info("engine stopped")
+        log = logging.getLogger(__name__)
+        if async_engine.is_alive:
+            log.warning("the engine thread is still in a step 10 s after the stop; exiting without it")
+        else:
+            log.info("engine stopped")
         _log_allocator(config.device)
 
     app = create_app(async_engine, metrics, name, api_key=args.api_key, on_shutdown=stop)
@@ -253,8 +263,7 @@ def _serve_on(sock: socket.socket, args: argparse.Namespace, parser: argparse.Ar
                        ).run(sockets=[sock])
     finally:  # not reached on SIGTERM (see create_app): the app's shutdown runs stop()
         gc.unfreeze()
-        if async_engine.is_alive:  # returned without the app's shutdown (a failed start-up)
-            stop()
+        stop()  # returned without the app's shutdown (a failed start-up): nothing ran it
     return 0
 
 

@@ -158,6 +158,9 @@ def test_calibrate_pools_several_logs_gzipped_or_not(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert f"temporal iterations of {first} {second}: host_per_request_s 0.300 ms, host_eager_s 12.00 ms" in printed
     assert load_profile(out).host_eager_s == pytest.approx(0.012)
-    second.write_bytes(b"not gzip")
-    assert main(["calibrate", "--gpu-name", "lab", "--out", str(out), "--iteration-log", str(first), str(second)]) == 1
-    assert "Not a gzipped file" in capsys.readouterr().err
+    whole = second.read_bytes()
+    for bad in (b"not gzip", whole[:len(whole) // 2], whole[:12] + bytes(len(whole) - 12)):  # cut off, damaged
+        second.write_bytes(bad)
+        assert main(["calibrate", "--gpu-name", "lab", "--out", str(out), "--iteration-log", str(first),
+                     str(second)]) == 1  # no traceback
+        assert f"{second}: not a whole gzip file" in capsys.readouterr().err

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import gzip
 import math
+import zlib
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -49,7 +50,12 @@ def read_iteration_log(path: str | Path) -> list[dict[str, Any]]:
     JSON object or whose numbers are not finite numbers >= 0 (naming them; NaN broke the
     least-squares fit and inf fitted zeros)."""
     data = Path(path).read_bytes()
-    text = (gzip.decompress(data) if str(path).endswith(".gz") else data).decode()
+    if str(path).lower().endswith(".gz"):
+        try:
+            data = gzip.decompress(data)
+        except (EOFError, zlib.error, gzip.BadGzipFile) as exc:  # cut off, damaged, not gzip
+            raise OSError(f"{path}: not a whole gzip file ({exc})") from None
+    text = data.decode()
     records = []
     for i, line in enumerate(text.splitlines(), 1):
         if line.strip():
