@@ -232,18 +232,18 @@ def _serve_on(sock: socket.socket, args: argparse.Namespace, parser: argparse.Ar
     metrics.watch_engine(engine)
     async_engine = AsyncEngine(engine, metrics)
 
-    stopped = []
+    stopped = False
 
     def stop() -> None:  # once: at the app's shutdown, or in the finally below
+        nonlocal stopped
         if stopped:
             return
-        stopped.append(True)
-        async_engine.shutdown()
+        stopped = True
         log = logging.getLogger(__name__)
-        if async_engine.is_alive:
-            log.warning("the engine thread is still in a step 10 s after the stop; exiting without it")
-        else:
+        if async_engine.shutdown(timeout_s=10.0):
             log.info("engine stopped")
+        else:
+            log.warning("the engine thread is still in a step 10 s after the stop; exiting without it")
         _log_allocator(config.device)
 
     app = create_app(async_engine, metrics, name, api_key=args.api_key, on_shutdown=stop)

@@ -63,8 +63,13 @@ class SamplingParams:
         if any(not s for s in self.stop):
             raise ParamError("stop strings must not be empty", "stop")
         for s in self.stop:  # a lone surrogate could never match decoded text
-            try:
-                s.encode("utf-8")
-            except UnicodeEncodeError as exc:
-                raise ParamError(f"stop is not valid Unicode text: {exc.reason} at character {exc.start}",
-                                 "stop") from None
+            check_text(s, "stop")
+
+
+def check_text(text: str, param: str) -> None:
+    """Raise ParamError naming ``param`` when ``text`` is not valid Unicode (a lone surrogate
+    cannot be encoded)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ParamError(f"{param} is not valid Unicode text: {exc.reason} at character {exc.start}", param) from None

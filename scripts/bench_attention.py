@@ -47,6 +47,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
 from duetserve.argtypes import non_negative_int
+from duetserve.calibrate.host import read_iteration_log
 from duetserve.calibrate.workload import L2_BYTES, rotation_sets
 from duetserve.model.attention import AttentionMetadata, TorchAttention
 
@@ -183,19 +184,14 @@ def log_batches(path: str, count: int = 4) -> list[list[int]]:
     ``LOG_MIN_CONTEXT``, fewer if fewer qualify.
 
     Raises:
-        OSError: the file cannot be read. ValueError: a line is not JSON.
+        OSError, ValueError: as ``read_iteration_log``.
     """
-    import gzip
-
-    opener = gzip.open if path.endswith(".gz") else open
     batches = []
-    with opener(path, "rt") as f:
-        for line in f:
-            r = json.loads(line)
-            if r.get("num_prefill_tokens") == 0 and r.get("num_decodes") and r.get("requests"):
-                ctxs = [c + q for q, c in r["requests"][:r["num_decodes"]]]
-                if sum(ctxs) >= LOG_MIN_CONTEXT:
-                    batches.append(ctxs)
+    for r in read_iteration_log(path):
+        if r.get("num_prefill_tokens") == 0 and r.get("num_decodes") and r.get("requests"):
+            ctxs = [c + q for q, c in r["requests"][:r["num_decodes"]]]
+            if sum(ctxs) >= LOG_MIN_CONTEXT:
+                batches.append(ctxs)
     batches.sort(key=sum)
     picks = sorted({round(f * (len(batches) - 1)) for f in (0.25, 0.5, 0.75, 1.0)}) if batches else []
     return [batches[i] for i in picks][:count]

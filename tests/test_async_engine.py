@@ -117,3 +117,26 @@ def test_cancelling_the_wait_for_the_first_output_aborts_the_request():
         sys.setswitchinterval(interval)
     assert cancelled and engine.requests == {} and front._streams == {}
     assert elapsed < 0.5
+
+
+
+def test_shutdown_says_whether_the_engine_thread_ended():
+    """A step still running after the wait (here a step that blocks until released, 0.1 s of
+    wait): False, then True once it has finished; ``serve`` logs which."""
+    import threading
+
+    release, inside = threading.Event(), threading.Event()
+
+    class SlowStep(FakeEngine):
+        def step_parts(self):
+            inside.set()
+            release.wait(5)
+            yield from super().step_parts()
+
+    front = AsyncEngine(SlowStep(steps=1))
+    front.start()
+    front._commands.put(("add", "r", [1], SamplingParams(max_tokens=1), time.monotonic()))
+    assert inside.wait(5)  # the engine thread is inside the step
+    assert front.shutdown(timeout_s=0.1) is False
+    release.set()
+    assert front.shutdown(timeout_s=5) is True

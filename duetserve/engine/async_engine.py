@@ -68,10 +68,13 @@ class AsyncEngine:
         sys.setswitchinterval(min(sys.getswitchinterval(), SWITCH_INTERVAL_S))
         self._thread.start()
 
-    def shutdown(self) -> None:
+    def shutdown(self, timeout_s: float = 10.0) -> bool:
+        """Stop the engine thread; wait up to ``timeout_s`` seconds for it (a step in flight
+        finishes first). True when it has ended."""
         self._stop.set()
         self._commands.put(None)
-        self._thread.join(timeout=10)
+        self._thread.join(timeout=timeout_s)
+        return not self._thread.is_alive()
 
     @property
     def is_alive(self) -> bool:

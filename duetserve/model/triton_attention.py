@@ -15,14 +15,14 @@ num_seqs * num_splits)`` key tiles (``tiles`` summed over the batch), so a seque
 tiles gets ``cdiv(t, per_split)`` splits. With equal contexts that is at most ``num_splits`` each;
 with uneven ones a long context gets more and a short one fewer, so no program walks a long
 context alone while the others have finished. (With the same split count for every sequence,
-served Mooncake decode batches of 13-31 sequences, one of 33k tokens, took 1.7-2.3x the time of
-the bytes at the copy rate; balanced, 1.03-1.22x: docs/benchmarks.md, seventeenth session.) The
+served Mooncake decode batches of 13-31 sequences, one of 33k tokens, took 1.6-2.3x the time of
+the bytes at the copy rate; balanced, 1.02-1.21x: docs/benchmarks.md, seventeenth session.) The
 splits of all sequences, in order, fill the grid's second axis: ``num_seqs * (num_splits + 1)``
 slots hold them, since ``sum(cdiv(t_i, per_split)) < sum(t_i) / per_split + num_seqs``; each
 program finds its (sequence, split) from a prefix sum of the split counts, and the slots past
 the last split exit at once. The KV head is the first axis, so programs dispatched together
 read the same tokens' heads, which are adjacent in the cache (with the slot first, batches of
-8-64 equal contexts ran 1.3-1.45x slower). Every loop bound is read from
+8-64 equal contexts ran 1.17-1.45x slower). Every loop bound is read from
 ``context_lens`` inside the kernel and every grid depends only on tensor shapes, so both entry
 points can be captured in a CUDA graph. A lone split writes the output itself. Else each writes
 a float32 partial output and its log-sum-exp, then counts itself on an int32 counter of its

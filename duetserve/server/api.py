@@ -19,7 +19,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from duetserve.engine.async_engine import AsyncEngine, EngineError
 from duetserve.engine.engine import RequestOutput
-from duetserve.sampling import ParamError, SamplingParams
+from duetserve.sampling import ParamError, SamplingParams, check_text
 from duetserve.server.metrics import ServerMetrics
 from duetserve.server.protocol import ChatCompletionRequest, CompletionRequest
 
@@ -195,7 +195,7 @@ def create_app(engine: AsyncEngine, metrics: ServerMetrics, model_name: str, api
             prompt = prompt[0]
         if isinstance(prompt, str):
             need_tokenizer("prompt")
-            _check_text(prompt, "prompt")
+            check_text(prompt, "prompt")
             prompt_ids = await tokenize(prompt, "prompt", lambda: tokenizer.encode(prompt))
         else:
             prompt_ids = list(prompt)
@@ -226,7 +226,7 @@ def create_app(engine: AsyncEngine, metrics: ServerMetrics, model_name: str, api
         need_tokenizer("messages")
         messages = body.chat_messages()
         for m in messages:
-            _check_text(m["content"], "messages")
+            check_text(m["content"], "messages")
         text = sum(len(m["content"]) for m in messages)
         prompt_ids = await tokenize(text, "messages", lambda: tokenizer.apply_chat_template(
             messages, add_generation_prompt=True, tokenize=True))
@@ -354,14 +354,6 @@ class BearerAuth:
                 await response(scope, receive, send)
                 return
         await self.app(scope, receive, send)
-
-
-def _check_text(text: str, param: str) -> None:
-    """Raise ParamError when ``text`` is not valid Unicode (a lone surrogate cannot be encoded)."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as exc:
-        raise ParamError(f"{param} is not valid Unicode text: {exc.reason} at character {exc.start}", param) from None
 
 
 def _room(engine: AsyncEngine, prompt_len: int) -> int:
