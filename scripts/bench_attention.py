@@ -18,6 +18,8 @@ Every shape is first checked against ``TorchAttention`` run in float32 on the sa
   server-sized one-layer cache with its blocks scattered over it, timed as above. Served long-context
   decode steps ran about 1.3x their predicted time on Mooncake (docs/benchmarks.md, sixteenth
   session); this tells whether the kernel does at those contexts.
+- skewed decode batches: one context of ``GRAPH_CONTEXT`` tokens among short ones (``SKEWED``),
+  where the long one gets many more splits than the mean and its last split merges them all.
 - prefill: 8192 tokens as 1 x 8192 and 8 x 1024, and a 2048-token chunk after 6144 cached
   ones, timed with ``triton.testing.do_bench`` (median; it flushes the L2 cache between runs);
   TFLOP/s over useful causal FLOPs ``4 Hq D sum(q c + q (q + 1) / 2)`` (``c`` cached
@@ -59,6 +61,7 @@ TOL = 1e-2
 CHECK_SEQS = 8  # sequences compared with the float32 reference (each is computed independently)
 SWEEP_BATCHES = (1, 8, 32)  # decode batches whose every split count is timed
 GRAPH_CALLS = 32  # at least this many decode calls per timed graph replay
+SKEWED = ((8, 512), (32, 512), (64, 512), (128, 256))  # (batch, short context): one GRAPH_CONTEXT, the rest short
 LOG_MIN_CONTEXT = 100_000  # --decode-log: decode-only iterations with at least this many context tokens in all
 
 
@@ -287,6 +290,9 @@ def main(argv: list[str] | None = None) -> int:
               "errors": []}
     jobs = [("decode", f"decode b={b} ctx={c}", lambda b=b, c=c: run_decode([c] * b, ta, base=base))
             for b in (1, 8, 32, 64, 128) for c in (512, 2048, 8192)]
+    jobs += [("logged", f"skewed b={b} 1x{GRAPH_CONTEXT} + {b - 1}x{c}",
+              lambda b=b, c=c: {**run_decode([GRAPH_CONTEXT] + [c] * (b - 1), ta, base=base), "variant": "skewed"})
+             for b, c in SKEWED]
     for ctxs in logged:  # as served, uniform with the same batch and summed context, scattered in a big cache
         b, mean = len(ctxs), round(sum(ctxs) / len(ctxs))
         jobs += [("logged", f"logged b={b} sum={sum(ctxs)} max={max(ctxs)}",
@@ -321,7 +327,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{r['floor_us']:>8.1f} {r['us'] / r['floor_us']:>7.2f} {r['best_splits']:>4} {r['best_us']:>5.1f}"
               + base_cells(r))
     if result["logged"]:
-        print(f"{'decode, from the log':>24} {'max ctx':>7} {'cache':>7} {'splits':>6} {'us':>8} {'floor us':>8} "
+        print(f"{'decode, uneven':>24} {'max ctx':>7} {'cache':>7} {'splits':>6} {'us':>8} {'floor us':>8} "
               f"{'x floor':>7}" + base_header(result["logged"]))
         for r in result["logged"]:
             print(f"{r['variant']:>9} b={r['batch']:>3} c={r['context']:>6} {r['max_context']:>7} {r['cache_tokens']:>7} "

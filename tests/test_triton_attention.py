@@ -161,16 +161,20 @@ def test_decode_in_a_wide_block_table(monkeypatch):
     assert_close(out, b, FP32_TOL)
 
 
-@pytest.mark.parametrize("num_splits,partial_slots", [
-    (1, [2, 3, 4, 5]),  # 38 tiles / (4 * 1) -> 10 a split: the 32-tile context gets 4 splits, the others 1
-    (2, [2, 3, 4, 5, 6, 7, 8]),  # 38 / 8 -> 5 a split: 7 splits
+@pytest.mark.parametrize("ctxs,num_splits,partial_slots", [
+    # 38 tiles / (4 * 1) -> 10 a split: the 32-tile context gets 4 splits, the others 1
+    ([3, 40, 1000, 70], 1, [2, 3, 4, 5]),
+    ([3, 40, 1000, 70], 2, [2, 3, 4, 5, 6, 7, 8]),  # 38 / 8 -> 5 a split: 7 splits
+    # 15 one-tile contexts and one of 94 tiles: 109 / 16 -> 7 a split, 14 splits for the long one
+    # (slots 7-20), merged in two chunks of _MERGE_MIN_CHUNK (8), the second part-empty
+    ([20] * 7 + [3000] + [20] * 8, 1, list(range(7, 21))),
 ])
-def test_decode_balances_splits_over_uneven_contexts(monkeypatch, num_splits, partial_slots):
-    """Contexts of 1, 2, 32 and 3 key tiles (fp32 tiles hold 32 keys): every split holds
-    ``cdiv(38, 4 * num_splits)`` tiles, so the long context gets more splits than ``num_splits``
-    and the others one, which writes the output itself. The partial records (NaN until written)
-    show which split slots, of ``4 * (num_splits + 1)``, ran beside others of their sequence."""
-    b = make_batch([1] * 4, [3, 40, 1000, 70], 8, 2, 64, 16, num_decodes=4)
+def test_decode_balances_splits_over_uneven_contexts(monkeypatch, ctxs, num_splits, partial_slots):
+    """Every split holds ``cdiv(tiles, nd * num_splits)`` key tiles (fp32 tiles hold 32 keys), so a
+    long context gets more splits than ``num_splits`` and short ones one, which writes the output
+    itself. The partial records (NaN until written) show which split slots, of ``nd * (num_splits
+    + 1)``, ran beside others of their sequence."""
+    b = make_batch([1] * len(ctxs), ctxs, 8, 2, 64, 16, num_decodes=len(ctxs))
     m = b.meta
     out = torch.full_like(b.q, math.nan)
     buffers, empty = [], torch.empty
@@ -180,7 +184,7 @@ def test_decode_balances_splits_over_uneven_contexts(monkeypatch, num_splits, pa
     monkeypatch.undo()
     assert_close(out, b, FP32_TOL)
     part = buffers[0]
-    assert part.shape == (4 * (num_splits + 1), 8, 64)
+    assert part.shape == (len(ctxs) * (num_splits + 1), 8, 64)
     assert part.isfinite().all(2).all(1).nonzero().flatten().tolist() == partial_slots
 
 

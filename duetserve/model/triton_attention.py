@@ -60,6 +60,10 @@ _PREFILL_TILES = {2: (128, 64, 8), 4: (64, 32, 4)}
 # Partial-output elements the decode merge loads a step: 16384 (32 splits of 4 heads of 128 in
 # one step) beat 4096 and 8192 on the H200, by up to 1.5 us at batch 1 (32 splits), no worse elsewhere.
 _MERGE_ELEMENTS = 16384
+# Fewest splits the merge loads a step, whatever ``num_splits``: a long context among short ones
+# gets many more splits than the mean (e.g. 72 with ``num_splits`` 1 at 1 x 40960 + 127 x 256),
+# and the last split merges them one chunk after another.
+_MERGE_MIN_CHUNK = 8
 # CUDA's limit on a grid's second axis, the decode split slots
 _MAX_GRID_Y = 65535
 
@@ -281,7 +285,7 @@ def _launch(q, k_cache, v_cache, out, block_tables, context_lens, query_start_lo
         block_tables.stride(0), GROUP=hq // hkv, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=block_m,
         BLOCK_N=block_n, PAGE=k_cache.shape[1], NUM_SPLITS=num_splits, DECODE=decode,
         DOT_PRECISION="tf32x3" if q.dtype == torch.float32 else "tf32", GROUP_P2=group_p2,
-        MERGE_CHUNK=max(1, min(num_splits, _MERGE_ELEMENTS // (group_p2 * block_d))),
+        MERGE_CHUNK=max(1, min(max(num_splits, _MERGE_MIN_CHUNK), _MERGE_ELEMENTS // (group_p2 * block_d))),
         BLOCK_SEQS=triton.next_power_of_2(max(16, context_lens.shape[0])) if decode else 16, num_warps=num_warps)
     return out
 
