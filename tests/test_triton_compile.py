@@ -23,7 +23,7 @@ VARIANTS = [
     {"DECODE": True, "NUM_SPLITS": 1, "MERGE_CHUNK": 8, "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_SEQS": 128, "warps": 2},
     {"DECODE": True, "NUM_SPLITS": 8, "MERGE_CHUNK": 8, "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_SEQS": 16, "warps": 2},
     {"DECODE": True, "NUM_SPLITS": 32, "MERGE_CHUNK": 32, "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_SEQS": 16, "warps": 4},
-    {"DECODE": False, "NUM_SPLITS": 1, "MERGE_CHUNK": 1, "BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_SEQS": 16, "warps": 8},
+    {"DECODE": False, "NUM_SPLITS": 1, "MERGE_CHUNK": 8, "BLOCK_M": 256, "BLOCK_N": 64, "BLOCK_SEQS": 16, "warps": 8},
 ]
 
 SCRIPT = """

@@ -56,7 +56,11 @@ MAX_SPLITS = 32
 # 8 warps were slower on the sum of the 8/32 x 512/2048 and 64 x 512 shapes.
 _DECODE_TILES = {2: (64, 2), 4: (32, 4)}
 _NARROW_SPLITS = 8
-_PREFILL_TILES = {2: (128, 64, 8), 4: (64, 32, 4)}
+# Prefill: 256 query rows (64 tokens of 4 heads) a program, not 128 (eighteenth H200 session,
+# kernel alone, bf16): 1.10-1.16x the TFLOP/s on 1 x 8192 (375 against 340), 8 x 1024, 2048 after
+# 6144, 1 x 32768 (437 against 376) and 4 x 4096 after 4096. 128 rows by 128 keys was as fast
+# (1.13x); 2 or 4 stages the same; 64 x 64 tiles, 4 warps, or the last query tiles launched first, slower.
+_PREFILL_TILES = {2: (256, 64, 8), 4: (64, 32, 4)}
 # Partial-output elements the decode merge loads a step: 16384 (32 splits of 4 heads of 128 in
 # one step) beat 4096 and 8192 on the H200, by up to 1.5 us at batch 1 (32 splits), no worse elsewhere.
 _MERGE_ELEMENTS = 16384
