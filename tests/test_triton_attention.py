@@ -248,6 +248,8 @@ def test_half_precision_tiles():
     """The 16-bit tiles (those bf16 uses on the GPU) in fp16: Triton's interpreter gets bf16 dots wrong."""
     run_decode([1, 63, 64, 65, 200], 8, 2, 64, 16, torch.float16, None, BF16_TOL)
     run_prefill([3, 70, 40], [3, 130, 64], 8, 2, 64, 16, torch.float16, BF16_TOL)
+    # GQA group 3: 85 tokens a 256-row tile (one row spare), chunks crossing one and two tiles
+    run_prefill([3, 90, 173], [3, 150, 173], 6, 2, 64, 16, torch.float16, BF16_TOL)
 
 
 @pytest.mark.parametrize("dtype,splits,tiles", [
