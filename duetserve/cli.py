@@ -10,6 +10,7 @@ import os
 import re
 import socket
 import sys
+import threading
 from pathlib import Path
 
 from duetserve import __version__
@@ -30,6 +31,9 @@ from duetserve.partition.base import BACKENDS as PARTITION_BACKENDS
 from duetserve.sim import cli as sim_cli
 
 # The offline tools: subcommand, module (``configure_parser`` and ``run``), one-line help.
+# seconds between ending the requests still running at --shutdown-timeout and uvicorn closing
+# their connections: time for their last chunks and [DONE] to be written
+ABORT_GRACE_S = 5.0
 TOOLS = (("bench", bench_cli, "replay a trace against an OpenAI-compatible server"),
          ("calibrate", calibrate_cli, "measure this GPU into a hardware profile"),
          ("simulate", sim_cli, "replay a trace on the cost model (no GPU)"))
@@ -128,7 +132,7 @@ def _add_serve(sub) -> None:
                    help="server log level")
     p.add_argument("--shutdown-timeout", type=positive_duration("s"), default="30s", metavar="DURATION",
                    help="on SIGINT or SIGTERM, wait at most this long for running requests (e.g. 30s, 500ms; "
-                        "a bare number is seconds), then close their connections (their streams end without "
+                        "a bare number is seconds), then end them with finish_reason abort (streams end with "
                         "[DONE]) and stop the engine")
 
 
@@ -258,9 +262,21 @@ def _serve_on(sock: socket.socket, args: argparse.Namespace, parser: argparse.Ar
     # a collection; docs/benchmarks.md, fifteenth session).
     gc.collect()
     gc.freeze()
+    class Server(uvicorn.Server):
+        """uvicorn's server; at the first exit signal, requests still running after
+        ``--shutdown-timeout`` are ended (``abort_all``), so their responses finish before uvicorn
+        closes the connections ``ABORT_GRACE_S`` later."""
+
+        def handle_exit(self, sig, frame) -> None:
+            if not self.should_exit:
+                timer = threading.Timer(args.shutdown_timeout, async_engine.abort_all)
+                timer.daemon = True
+                timer.start()
+            super().handle_exit(sig, frame)
+
     try:
-        uvicorn.Server(uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=args.shutdown_timeout)
-                       ).run(sockets=[sock])
+        Server(uvicorn.Config(app, log_level=args.log_level,
+                              timeout_graceful_shutdown=args.shutdown_timeout + ABORT_GRACE_S)).run(sockets=[sock])
     finally:  # not reached on SIGTERM (see create_app): the app's shutdown runs stop()
         gc.unfreeze()
         stop()  # returned without the app's shutdown (a failed start-up): nothing ran it

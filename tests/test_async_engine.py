@@ -26,8 +26,9 @@ class FakeEngine:
     def add_request(self, request_id, prompt, params) -> None:
         self.requests[request_id] = 0
 
-    def abort(self, request_id) -> None:
-        self.requests.pop(request_id, None)
+    def abort(self, request_id) -> RequestOutput | None:
+        n = self.requests.pop(request_id, None)
+        return None if n is None else RequestOutput(request_id, [], "", True, "abort", 1, n)
 
     def request_ids(self) -> list[str]:
         return list(self.requests)
@@ -118,6 +119,31 @@ def test_cancelling_the_wait_for_the_first_output_aborts_the_request():
     assert cancelled and engine.requests == {} and front._streams == {}
     assert elapsed < 0.5
 
+
+
+def test_abort_all_ends_every_stream_with_abort():
+    """``serve``'s shutdown timeout: every running request gets a last output (``abort``, no new
+    tokens), so its stream ends, and the engine holds none."""
+    engine = SilentEngine(steps=1)
+    front = AsyncEngine(engine)
+    front.start()
+
+    async def drain(rid):
+        return [(o.finish_reason, o.finished) async for o in front.generate(rid, [1], SamplingParams(max_tokens=4))]
+
+    async def main():
+        tasks = [asyncio.ensure_future(drain(f"r{i}")) for i in range(3)]
+        while len(engine.requests) < 3:
+            await asyncio.sleep(0.001)
+        front.abort_all()
+        return await asyncio.wait_for(asyncio.gather(*tasks), 5)
+
+    try:
+        results = asyncio.run(main())
+    finally:
+        front.shutdown()
+    assert results == [[("abort", True)]] * 3
+    assert engine.requests == {} and front._streams == {}
 
 
 def test_shutdown_says_whether_the_engine_thread_ended():

@@ -62,7 +62,8 @@ def test_sigterm_stops_the_engine_before_the_process_ends(smollm_folder):
     """uvicorn answers SIGTERM with a graceful shutdown and then raises the signal again, which
     ends the process at once: the engine is stopped (and, on CUDA, the allocator's counts
     logged) in the app's shutdown, not after the server returns. A stream still running then
-    is ended after ``--shutdown-timeout`` (it had kept the server up until it finished: minutes)."""
+    is ended after ``--shutdown-timeout`` with ``finish_reason`` ``abort`` and ``[DONE]`` (it had
+    kept the server up until it finished: minutes; then it was cut off without ``[DONE]``)."""
     proc, base = start_server("--num-kv-blocks", "256", "--shutdown-timeout", "1s")
     assert httpx.post(f"{base}/v1/completions", json={"prompt": "Hi", "max_tokens": 2}, timeout=60).status_code == 200
     body = {"prompt": "Hi", "max_tokens": 3000, "ignore_eos": True, "stream": True}
@@ -71,9 +72,14 @@ def test_sigterm_stops_the_engine_before_the_process_ends(smollm_folder):
         assert next(lines).startswith("data: ")  # streaming
         start = time.monotonic()
         proc.terminate()
-        out, _ = proc.communicate(timeout=30)
+        rest = [line for line in lines if line]
     assert time.monotonic() - start < 10
-    assert "timeout graceful shutdown exceeded" in out and "Application shutdown complete" in out
+    assert rest[-1] == "data: [DONE]"
+    last = json.loads(rest[-2].removeprefix("data: "))
+    assert last["choices"][0]["finish_reason"] == "abort"
+    assert 0 < sum(len(json.loads(line[6:])["choices"][0]["text"]) > 0 for line in rest[:-1]) < 3000
+    out, _ = proc.communicate(timeout=30)
+    assert "Application shutdown complete" in out and "timeout graceful shutdown exceeded" not in out
     assert out.count("engine stopped") == 1, out[-2000:]
 
 

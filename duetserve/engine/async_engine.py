@@ -113,6 +113,12 @@ class AsyncEngine:
         self._streams.pop(request_id, None)
         self._commands.put(("abort", request_id))
 
+    def abort_all(self) -> None:
+        """End every request now (thread-safe, returns at once): each stream gets a last output
+        with ``finish_reason`` ``abort``, so clients see the response end (``serve``'s shutdown
+        timeout). Requests added after the engine thread takes this command are not touched."""
+        self._commands.put(("abort_all",))
+
     def _deliver(self, request_id: str, item) -> None:
         target = self._streams.get(request_id)
         if target is not None:
@@ -138,8 +144,8 @@ class AsyncEngine:
                     self._streams.pop(out.request_id, None)
 
     def _handle(self, command) -> None:
-        """Apply an ``add`` or ``abort`` on the engine thread (the only thread touching the
-        engine and the observer)."""
+        """Apply an ``add``, ``abort`` or ``abort_all`` on the engine thread (the only thread
+        touching the engine and the observer)."""
         if command[0] == "add":
             _, request_id, prompt, params, arrival = command
             try:
@@ -150,9 +156,12 @@ class AsyncEngine:
             if self.observer:
                 self.observer.on_arrival(request_id, arrival)
         else:
-            self.engine.abort(command[1])
-            if self.observer:
-                self.observer.forget(command[1])
+            for request_id in self.engine.request_ids() if command[0] == "abort_all" else [command[1]]:
+                out = self.engine.abort(request_id)
+                if self.observer:
+                    self.observer.forget(request_id)
+                if out is not None:
+                    self._deliver(request_id, out)
 
     def _run(self) -> None:
         while not self._stop.is_set():

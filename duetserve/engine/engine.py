@@ -269,12 +269,15 @@ class LLMEngine:
         self._requests[request_id] = _Request(request_id, seq, IncrementalDetokenizer(
             self.tokenizer, prompt_token_ids, params.stop, params.include_stop_str_in_output))
 
-    def abort(self, request_id: str) -> None:
-        """Drop a request and free its KV blocks (no-op if it is unknown or finished)."""
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Drop a request and free its KV blocks; its last output (finished, ``abort``, no new
+        tokens), or None if it is unknown or finished."""
         req = self._requests.pop(request_id, None)
-        if req is not None:
-            self.scheduler.finish(req.seq, "abort")
-            self.sampler.release(req.seq.seq_id)
+        if req is None:
+            return None
+        self.scheduler.finish(req.seq, "abort")
+        self.sampler.release(req.seq.seq_id)
+        return RequestOutput(request_id, [], "", True, "abort", req.seq.num_prompt_tokens, req.seq.num_output_tokens)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
