@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import errno
 import gc
 import logging
@@ -10,7 +11,6 @@ import os
 import re
 import socket
 import sys
-import threading
 from pathlib import Path
 
 from duetserve import __version__
@@ -263,16 +263,13 @@ def _serve_on(sock: socket.socket, args: argparse.Namespace, parser: argparse.Ar
     gc.collect()
     gc.freeze()
     class Server(uvicorn.Server):
-        """uvicorn's server; at the first exit signal, requests still running after
-        ``--shutdown-timeout`` are ended (``abort_all``), so their responses finish before uvicorn
-        closes the connections ``ABORT_GRACE_S`` later."""
+        """uvicorn's server; requests still running ``--shutdown-timeout`` after its shutdown
+        begins (at the first exit signal) are ended (``abort_all``), so their responses finish
+        before uvicorn closes the connections ``ABORT_GRACE_S`` later."""
 
-        def handle_exit(self, sig, frame) -> None:
-            if not self.should_exit:
-                timer = threading.Timer(args.shutdown_timeout, async_engine.abort_all)
-                timer.daemon = True
-                timer.start()
-            super().handle_exit(sig, frame)
+        async def shutdown(self, sockets=None) -> None:
+            asyncio.get_running_loop().call_later(args.shutdown_timeout, async_engine.abort_all)
+            await super().shutdown(sockets=sockets)
 
     try:
         Server(uvicorn.Config(app, log_level=args.log_level,

@@ -369,3 +369,22 @@ def test_a_seeded_request_aborted_inside_a_lookahead_keeps_no_generator(tiny_qwe
         pass
     assert engine.sampler._generators == {} and not engine.has_unfinished()
     assert engine.block_manager.num_free_blocks == 64
+
+
+def test_abort_returns_the_text_held_back_for_stop_strings(smollm_folder):
+    """An aborted request's last output carries the text the detokenizer held back for a stop
+    string, so the texts streamed before it and it add up to the decoded tokens."""
+    engine = LLMEngine(EngineConfig(model=str(smollm_folder), max_num_batched_tokens=64, num_kv_blocks=64))
+    stop = "\x01" * 40  # never generated: up to 39 characters are held back
+    engine.add_request("a", engine.tokenizer.encode("The sea is"), SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True,
+                                                              stop=[stop]))
+    ids, text = [], ""
+    for _ in range(6):
+        for out in engine.step():
+            ids += out.new_token_ids
+            text += out.new_text
+    last = engine.abort("a")
+    assert (last.finished, last.finish_reason, last.new_token_ids) == (True, "abort", [])
+    assert last.num_output_tokens == len(ids) == 6
+    assert len(last.new_text) > 0 and text + last.new_text == engine.tokenizer.decode(ids)
+    assert engine.abort("a") is None and not engine.has_unfinished()

@@ -271,13 +271,14 @@ class LLMEngine:
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Drop a request and free its KV blocks; its last output (finished, ``abort``, no new
-        tokens), or None if it is unknown or finished."""
+        tokens, the text held back for stop strings), or None if it is unknown or finished."""
         req = self._requests.pop(request_id, None)
         if req is None:
             return None
         self.scheduler.finish(req.seq, "abort")
         self.sampler.release(req.seq.seq_id)
-        return RequestOutput(request_id, [], "", True, "abort", req.seq.num_prompt_tokens, req.seq.num_output_tokens)
+        return RequestOutput(request_id, [], req.detok.finish(), True, "abort", req.seq.num_prompt_tokens,
+                             req.seq.num_output_tokens)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
