@@ -30,10 +30,10 @@ from duetserve.config import ATTENTION_BACKENDS, BLOCK_SIZES, POLICIES, EngineCo
 from duetserve.partition.base import BACKENDS as PARTITION_BACKENDS
 from duetserve.sim import cli as sim_cli
 
-# The offline tools: subcommand, module (``configure_parser`` and ``run``), one-line help.
-# seconds between ending the requests still running at --shutdown-timeout and uvicorn closing
-# their connections: time for their last chunks and [DONE] to be written
+# Seconds between ending the requests still running at --shutdown-timeout and uvicorn closing
+# their connections: time for their last chunks and [DONE] to be written.
 ABORT_GRACE_S = 5.0
+# The offline tools: subcommand, module (``configure_parser`` and ``run``), one-line help.
 TOOLS = (("bench", bench_cli, "replay a trace against an OpenAI-compatible server"),
          ("calibrate", calibrate_cli, "measure this GPU into a hardware profile"),
          ("simulate", sim_cli, "replay a trace on the cost model (no GPU)"))
@@ -262,6 +262,7 @@ def _serve_on(sock: socket.socket, args: argparse.Namespace, parser: argparse.Ar
     # a collection; docs/benchmarks.md, fifteenth session).
     gc.collect()
     gc.freeze()
+
     class Server(uvicorn.Server):
         """uvicorn's server; requests still running ``--shutdown-timeout`` after its shutdown
         begins (at the first exit signal) are ended (``abort_all``), so their responses finish

@@ -286,21 +286,21 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.time()
     torch.manual_seed(0)
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-              "heads": [HQ, HKV, HEAD_DIM], "block_size": BLOCK_SIZE, "decode": [], "logged": [], "prefill": [],
+              "heads": [HQ, HKV, HEAD_DIM], "block_size": BLOCK_SIZE, "decode": [], "uneven": [], "prefill": [],
               "errors": []}
     jobs = [("decode", f"decode b={b} ctx={c}", lambda b=b, c=c: run_decode([c] * b, ta, base=base))
             for b in (1, 8, 32, 64, 128) for c in (512, 2048, 8192)]
-    jobs += [("logged", f"skewed b={b} 1x{GRAPH_CONTEXT} + {b - 1}x{c}",
+    jobs += [("uneven", f"skewed b={b} 1x{GRAPH_CONTEXT} + {b - 1}x{c}",
               lambda b=b, c=c: {**run_decode([GRAPH_CONTEXT] + [c] * (b - 1), ta, base=base), "variant": "skewed"})
              for b, c in SKEWED]
     for ctxs in logged:  # as served, uniform with the same batch and summed context, scattered in a big cache
         b, mean = len(ctxs), round(sum(ctxs) / len(ctxs))
-        jobs += [("logged", f"logged b={b} sum={sum(ctxs)} max={max(ctxs)}",
+        jobs += [("uneven", f"logged b={b} sum={sum(ctxs)} max={max(ctxs)}",
                   lambda ctxs=ctxs: {**run_decode(ctxs, ta, base=base), "variant": "served"}),
-                 ("logged", f"uniform b={b} ctx={mean}",
+                 ("uneven", f"uniform b={b} ctx={mean}",
                   lambda b=b, mean=mean: {**run_decode([mean] * b, ta, base=base), "variant": "uniform"})]
         if -(-args.cache_tokens // BLOCK_SIZE) > sum(-(-c // BLOCK_SIZE) for c in ctxs):
-            jobs.append(("logged", f"logged b={b} in a {args.cache_tokens}-token cache",
+            jobs.append(("uneven", f"logged b={b} in a {args.cache_tokens}-token cache",
                          lambda ctxs=ctxs: {**run_decode(ctxs, ta, args.cache_tokens, base), "variant": "scattered"}))
     jobs += [("prefill", name, lambda name=name, q=q, c=c: run_prefill(name, q, c, ta)) for name, q, c in
              (("1x8192", [8192], [8192]), ("8x1024", [1024] * 8, [1024] * 8), ("2048 after 6144", [2048], [8192]))]
@@ -326,10 +326,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"b={r['batch']:>3} c={r['context']:>5} {r['splits']:>6} {r['us']:>8.1f} {r['gb_s']:>6.0f} "
               f"{r['floor_us']:>8.1f} {r['us'] / r['floor_us']:>7.2f} {r['best_splits']:>4} {r['best_us']:>5.1f}"
               + base_cells(r))
-    if result["logged"]:
+    if result["uneven"]:
         print(f"{'decode, uneven':>24} {'max ctx':>7} {'cache':>7} {'splits':>6} {'us':>8} {'floor us':>8} "
-              f"{'x floor':>7}" + base_header(result["logged"]))
-        for r in result["logged"]:
+              f"{'x floor':>7}" + base_header(result["uneven"]))
+        for r in result["uneven"]:
             print(f"{r['variant']:>9} b={r['batch']:>3} c={r['context']:>6} {r['max_context']:>7} {r['cache_tokens']:>7} "
                   f"{r['splits']:>6} {r['us']:>8.1f} {r['floor_us']:>8.1f} {r['us'] / r['floor_us']:>7.2f}"
                   + base_cells(r))

@@ -119,8 +119,6 @@ def test_cancelling_the_wait_for_the_first_output_aborts_the_request():
     assert cancelled and engine.requests == {} and front._streams == {}
     assert elapsed < 0.5
 
-
-
 def test_abort_all_ends_every_stream_with_abort():
     """``serve``'s shutdown timeout: every running request gets a last output (``abort``, no new
     tokens), so its stream ends, and the engine holds none."""

@@ -376,8 +376,8 @@ def test_abort_returns_the_text_held_back_for_stop_strings(smollm_folder):
     string, so the texts streamed before it and it add up to the decoded tokens."""
     engine = LLMEngine(EngineConfig(model=str(smollm_folder), max_num_batched_tokens=64, num_kv_blocks=64))
     stop = "\x01" * 40  # never generated: up to 39 characters are held back
-    engine.add_request("a", engine.tokenizer.encode("The sea is"), SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True,
-                                                              stop=[stop]))
+    params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True, stop=[stop])
+    engine.add_request("a", engine.tokenizer.encode("The sea is"), params)
     ids, text = [], ""
     for _ in range(6):
         for out in engine.step():

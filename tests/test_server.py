@@ -68,7 +68,8 @@ def test_sigterm_stops_the_engine_before_the_process_ends(smollm_folder):
     proc, base = start_server("--num-kv-blocks", "256", "--shutdown-timeout", "1s")
     assert httpx.post(f"{base}/v1/completions", json={"prompt": "Hi", "max_tokens": 2}, timeout=60).status_code == 200
     body = {"prompt": "Hi", "max_tokens": 3000, "ignore_eos": True, "stream": True}
-    whole = concurrent.futures.ThreadPoolExecutor(1).submit(  # a non-streaming request beside it
+    pool = concurrent.futures.ThreadPoolExecutor(1)
+    whole = pool.submit(  # a non-streaming request beside it
         httpx.post, f"{base}/v1/completions", json={**body, "stream": False}, timeout=60)
     with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=60) as resp:
         lines = resp.iter_lines()
@@ -77,9 +78,10 @@ def test_sigterm_stops_the_engine_before_the_process_ends(smollm_folder):
         proc.terminate()
         rest = [line for line in lines if line]
     assert time.monotonic() - start < 10
-    resp = whole.result(timeout=10)
-    assert resp.status_code == 200 and resp.json()["choices"][0]["finish_reason"] == "abort"
-    assert 0 < resp.json()["usage"]["completion_tokens"] < 3000
+    answer = whole.result(timeout=10)
+    pool.shutdown()
+    assert answer.status_code == 200 and answer.json()["choices"][0]["finish_reason"] == "abort"
+    assert 0 < answer.json()["usage"]["completion_tokens"] < 3000
     assert rest[-1] == "data: [DONE]"
     last = json.loads(rest[-2].removeprefix("data: "))
     assert last["choices"][0]["finish_reason"] == "abort"
