@@ -144,6 +144,34 @@ def test_abort_all_ends_every_stream_with_abort():
     assert engine.requests == {} and front._streams == {}
 
 
+def test_requests_after_abort_all_end_at_once_without_tokens():
+    """A request that reaches the engine after ``abort_all`` (at shutdown, one still being
+    tokenized) is not started: its stream gets one last output, ``abort``, no tokens, its
+    prompt counted; the engine never sees it."""
+    added = []
+
+    class Recording(SilentEngine):
+        def add_request(self, request_id, prompt, params) -> None:
+            added.append(request_id)
+            super().add_request(request_id, prompt, params)
+
+    engine = Recording(steps=1)
+    front = AsyncEngine(engine)
+    front.start()
+
+    async def main():
+        front.abort_all()
+        return [(o.new_token_ids, o.finished, o.finish_reason, o.num_prompt_tokens, o.num_output_tokens)
+                async for o in front.generate("late", [1, 2, 3], SamplingParams(max_tokens=4))]
+
+    try:
+        outputs = asyncio.run(asyncio.wait_for(main(), 5))
+    finally:
+        front.shutdown()
+    assert outputs == [([], True, "abort", 3, 0)]
+    assert added == [] and engine.requests == {} and front._streams == {}
+
+
 def test_shutdown_says_whether_the_engine_thread_ended():
     """A step still running after the wait (here a step that blocks until released, 0.1 s of
     wait): False, then True once it has finished; ``serve`` logs which."""

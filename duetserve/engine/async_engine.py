@@ -57,6 +57,7 @@ class AsyncEngine:
         self._commands: queue.Queue = queue.Queue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._stop = threading.Event()
+        self._closing = threading.Event()  # set by abort_all: requests that reach the engine after it end at once
         self._thread = threading.Thread(target=self._run, name="duetserve-engine", daemon=True)
         engine.set_interrupt(lambda: not self._commands.empty())  # new work ends a multi-step decode
 
@@ -116,7 +117,9 @@ class AsyncEngine:
     def abort_all(self) -> None:
         """End every request now (thread-safe, returns at once): each stream gets a last output
         with ``finish_reason`` ``abort``, so clients see the response end (``serve``'s shutdown
-        timeout). Requests added after the engine thread takes this command are not touched."""
+        timeout). From this call on, a request that reaches the engine thread (e.g. one that was
+        still being tokenized) is not started: it gets that last output at once, with no tokens."""
+        self._closing.set()
         self._commands.put(("abort_all",))
 
     def _deliver(self, request_id: str, item) -> None:
@@ -148,6 +151,9 @@ class AsyncEngine:
         touching the engine and the observer)."""
         if command[0] == "add":
             _, request_id, prompt, params, arrival = command
+            if self._closing.is_set():
+                self._deliver(request_id, RequestOutput(request_id, [], "", True, "abort", len(prompt), 0))
+                return
             try:
                 self.engine.add_request(request_id, prompt, params)
             except Exception as exc:  # validated before queuing; a race (duplicate id) lands here
