@@ -328,7 +328,7 @@ def test_default_max_tokens_is_named_when_the_prompt_leaves_no_room_for_it(serve
     for extra, note in (({}, " (the default for /v1/completions)"), ({"max_tokens": 16}, "")):
         r = httpx.post(f"{server}/v1/completions", headers=AUTH, json={"prompt": [504] * 8185, **extra}, timeout=60)
         assert r.status_code == 400 and r.json()["error"] == {
-            "message": f"max_tokens=16{note} plus the prompt's 8185 tokens exceeds the maximum context length of "
+            "message": f"max_tokens=16{note} plus the 8185-token prompt exceeds the maximum context length of "
                        "8192 tokens", "type": "BadRequestError", "param": "max_tokens", "code": 400}, r.text
 
 
@@ -648,7 +648,7 @@ def test_chat_max_completion_tokens_is_named_when_it_exceeds_the_context(server,
         r = httpx.post(f"{server}/v1/chat/completions", headers=AUTH, timeout=60,
                        json={"messages": messages, field: 8190})
         assert r.status_code == 400 and r.json()["error"] == {
-            "message": f"{field}=8190 plus the prompt's {n} tokens exceeds the maximum context length of 8192 "
+            "message": f"{field}=8190 plus the {n}-token prompt exceeds the maximum context length of 8192 "
                        "tokens", "type": "BadRequestError", "param": field, "code": 400}, r.text
     r = httpx.post(f"{server}/v1/chat/completions", headers=AUTH, timeout=60,
                    json={"messages": messages, "max_tokens": 5, "max_completion_tokens": 8190})  # it wins

@@ -249,7 +249,7 @@ class LLMEngine:
             raise ParamError(f"this model's maximum context length is {self.max_model_len} tokens; the "
                              f"prompt has {n} tokens, leaving no room for output", "prompt")
         if n + params.max_tokens > self.max_model_len:
-            raise ParamError(f"max_tokens={params.max_tokens} plus the prompt's {n} tokens exceeds the "
+            raise ParamError(f"max_tokens={params.max_tokens} plus the {n}-token prompt exceeds the "
                              f"maximum context length of {self.max_model_len} tokens", "max_tokens")
         blocks_needed = -(-(n + params.max_tokens) // self.config.block_size)
         if blocks_needed > self.block_manager.num_blocks:

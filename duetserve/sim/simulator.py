@@ -242,7 +242,7 @@ class _Run:
         (``LLMEngine.check_request``; the scheduler alone would cut the output there)."""
         req, rec = self.trace[index], self.records[index]
         if req.input_len + req.output_len > self.scheduler.max_model_len:
-            rec.error = (f"max_tokens={req.output_len} plus the prompt's {req.input_len} tokens exceeds the "
+            rec.error = (f"max_tokens={req.output_len} plus the {req.input_len}-token prompt exceeds the "
                          f"maximum context length of {self.scheduler.max_model_len} tokens")
             return False
         need = -(-(req.input_len + req.output_len) // self.blocks.block_size)
