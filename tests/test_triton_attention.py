@@ -165,9 +165,9 @@ def test_decode_in_a_wide_block_table(monkeypatch):
     # 38 tiles / (4 * 1) -> 10 a split: the 32-tile context gets 4 splits, the others 1
     ([3, 40, 1000, 70], 1, [2, 3, 4, 5]),
     ([3, 40, 1000, 70], 2, [2, 3, 4, 5, 6, 7, 8]),  # 38 / 8 -> 5 a split: 7 splits
-    # 15 one-tile contexts and one of 94 tiles: 109 / 16 -> 7 a split, 14 splits for the long one
-    # (slots 7-20), merged in two chunks of _MERGE_MIN_CHUNK (8), the second part-empty
-    ([20] * 7 + [3000] + [20] * 8, 1, list(range(7, 21))),
+    # 23 one-tile contexts and one of 200 tiles: 223 / 24 -> 10 a split, 20 splits for the long one
+    # (slots 7-26), merged in two chunks of _MERGE_MIN_CHUNK (16), the second part-empty
+    ([20] * 7 + [6400] + [20] * 16, 1, list(range(7, 27))),
 ])
 def test_decode_balances_splits_over_uneven_contexts(monkeypatch, ctxs, num_splits, partial_slots):
     """Every split holds ``cdiv(tiles, nd * num_splits)`` key tiles (fp32 tiles hold 32 keys), so a

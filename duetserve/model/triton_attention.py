@@ -66,8 +66,12 @@ _PREFILL_TILES = {2: (256, 64, 8), 4: (64, 32, 4)}
 _MERGE_ELEMENTS = 16384
 # Fewest splits the merge loads a step, whatever ``num_splits``: a long context among short ones
 # gets many more splits than the mean (e.g. 72 with ``num_splits`` 1 at 1 x 40960 + 127 x 256),
-# and the last split merges them one chunk after another.
-_MERGE_MIN_CHUNK = 8
+# and the last split merges them one chunk after another. 16, not 8 (nineteenth H200 session,
+# side by side): one 40960-token context among 7-127 short ones 0.94-0.99x the time, equal
+# contexts the same (0.99-1.00x); 32 was slower (a 2-warp merge of 32 x 4 x 128 floats spills).
+# Skipping the merge altogether (wrong output) would save 4-12 us there; a two-level merge
+# (groups of 8 splits) was as fast at 8 sequences and slower at 64-128.
+_MERGE_MIN_CHUNK = 16
 # CUDA's limit on a grid's second axis, the decode split slots
 _MAX_GRID_Y = 65535
 
