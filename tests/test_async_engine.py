@@ -119,6 +119,7 @@ def test_cancelling_the_wait_for_the_first_output_aborts_the_request():
     assert cancelled and engine.requests == {} and front._streams == {}
     assert elapsed < 0.5
 
+
 def test_abort_all_ends_every_stream_with_abort():
     """``serve``'s shutdown timeout: every running request gets a last output (``abort``, no new
     tokens), so its stream ends, and the engine holds none."""
@@ -155,8 +156,21 @@ def test_requests_after_abort_all_end_at_once_without_tokens():
             added.append(request_id)
             super().add_request(request_id, prompt, params)
 
-    engine = Recording(steps=1)
-    front = AsyncEngine(engine)
+    class Observer:
+        def __init__(self):
+            self.calls = []
+
+        def on_arrival(self, request_id, now):
+            self.calls.append(("arrival", request_id))
+
+        def forget(self, request_id):
+            self.calls.append(("forget", request_id))
+
+        def on_step(self, stats, outputs, now):
+            pass
+
+    engine, observer = Recording(steps=1), Observer()
+    front = AsyncEngine(engine, observer)
     front.start()
 
     async def main():
@@ -170,6 +184,7 @@ def test_requests_after_abort_all_end_at_once_without_tokens():
         front.shutdown()
     assert outputs == [([], True, "abort", 3, 0)]
     assert added == [] and engine.requests == {} and front._streams == {}
+    assert observer.calls == [("arrival", "late"), ("forget", "late")]  # metrics count it as aborted
 
 
 def test_shutdown_says_whether_the_engine_thread_ended():

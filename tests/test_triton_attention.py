@@ -188,6 +188,21 @@ def test_decode_balances_splits_over_uneven_contexts(monkeypatch, ctxs, num_spli
     assert part.isfinite().all(2).all(1).nonzero().flatten().tolist() == partial_slots
 
 
+@pytest.mark.parametrize("num_splits, num_warps, group_p2, block_d, chunk", [
+    (1, 2, 4, 128, 16),  # Qwen3-8B at batch 33+: 16 x 4 x 128 = 8192 floats, 128 a thread
+    (8, 2, 8, 128, 8),  # GQA group 8: 16 would be 256 floats a thread (spilled on the H200)
+    (8, 2, 4, 256, 8),  # head dim 256 likewise
+    (32, 4, 4, 128, 32),  # batch 1: 32 splits in one step at 4 warps
+    (32, 4, 8, 128, 16),
+    (4, 2, 1, 64, 16),  # small heads: the floor of 16, whatever num_splits
+    (1, 2, 64, 1024, 1),  # nothing fits: one split a step
+])
+def test_merge_chunk(num_splits, num_warps, group_p2, block_d, chunk):
+    """Splits merged a step: at least 16 (or ``num_splits``), at most 16384 floats at 4 warps and
+    8192 at 2."""
+    assert ta.merge_chunk(num_splits, num_warps, group_p2, block_d) == chunk
+
+
 @pytest.mark.parametrize("merge_elements", [None, 256])
 def test_decode_counters_reset_and_reused(monkeypatch, merge_elements):
     """The last split of each (sequence, KV head) merges and sets its counter back to 0: two calls

@@ -151,7 +151,10 @@ class AsyncEngine:
         touching the engine and the observer)."""
         if command[0] == "add":
             _, request_id, prompt, params, arrival = command
-            if self._closing.is_set():
+            if self._closing.is_set():  # counted as aborted (metrics), as those abort_all ended
+                if self.observer:
+                    self.observer.on_arrival(request_id, arrival)
+                    self.observer.forget(request_id)
                 self._deliver(request_id, RequestOutput(request_id, [], "", True, "abort", len(prompt), 0))
                 return
             try:

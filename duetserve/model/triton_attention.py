@@ -61,14 +61,17 @@ _NARROW_SPLITS = 8
 # 6144, 1 x 32768 (437 against 376) and 4 x 4096 after 4096. 128 rows by 128 keys was as fast
 # (1.13x); 2 or 4 stages the same; 64 x 64 tiles, 4 warps, or the last query tiles launched first, slower.
 _PREFILL_TILES = {2: (256, 64, 8), 4: (64, 32, 4)}
-# Partial-output elements the decode merge loads a step: 16384 (32 splits of 4 heads of 128 in
-# one step) beat 4096 and 8192 on the H200, by up to 1.5 us at batch 1 (32 splits), no worse elsewhere.
+# Partial-output elements the decode merge loads a step with 4 warps (half that with 2): 16384
+# (32 splits of 4 heads of 128 in one step) beat 4096 and 8192 on the H200, by up to 1.5 us at
+# batch 1 (32 splits), no worse elsewhere. At 2 warps 16384 spills (GQA group 8 x head dim 128:
+# 8 x 512 took 1.28x the time of 8192, nineteenth H200 session).
 _MERGE_ELEMENTS = 16384
 # Fewest splits the merge loads a step, whatever ``num_splits``: a long context among short ones
 # gets many more splits than the mean (e.g. 72 with ``num_splits`` 1 at 1 x 40960 + 127 x 256),
 # and the last split merges them one chunk after another. 16, not 8 (nineteenth H200 session,
-# side by side): one 40960-token context among 7-127 short ones 0.94-0.99x the time, equal
-# contexts the same (0.99-1.00x); 32 was slower (a 2-warp merge of 32 x 4 x 128 floats spills).
+# side by side, timed at GQA group 4 x head dim 128 only): one 40960-token context among 7-127
+# short ones 0.94-0.99x the time, equal contexts the same (0.99-1.00x); 32 was slower (a 2-warp
+# merge of 32 x 4 x 128 floats spills). ``_MERGE_ELEMENTS`` caps it for wider groups and heads.
 # Skipping the merge altogether (wrong output) would save 4-12 us there; a two-level merge
 # (groups of 8 splits) was as fast at 8 sequences and slower at 64-128.
 _MERGE_MIN_CHUNK = 16
@@ -275,6 +278,13 @@ def _check(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: t
     return out
 
 
+def merge_chunk(num_splits: int, num_warps: int, group_p2: int, block_d: int) -> int:
+    """Splits the decode merge loads a step: at least ``_MERGE_MIN_CHUNK`` (or ``num_splits``), at
+    most ``_MERGE_ELEMENTS * num_warps / 4`` partial-output floats of ``group_p2`` heads of
+    ``block_d`` (so a 2-warp merge holds at most 128 floats a thread); at least 1."""
+    return max(1, min(max(num_splits, _MERGE_MIN_CHUNK), _MERGE_ELEMENTS * num_warps // 4 // (group_p2 * block_d)))
+
+
 def _launch(q, k_cache, v_cache, out, block_tables, context_lens, query_start_loc, scale: float, grid0: int,
             block_m: int, block_n: int, num_splits: int, decode: bool, num_warps: int,
             counters: torch.Tensor | None = None) -> torch.Tensor:
@@ -293,7 +303,7 @@ def _launch(q, k_cache, v_cache, out, block_tables, context_lens, query_start_lo
         block_tables.stride(0), GROUP=hq // hkv, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=block_m,
         BLOCK_N=block_n, PAGE=k_cache.shape[1], NUM_SPLITS=num_splits, DECODE=decode,
         DOT_PRECISION="tf32x3" if q.dtype == torch.float32 else "tf32", GROUP_P2=group_p2,
-        MERGE_CHUNK=max(1, min(max(num_splits, _MERGE_MIN_CHUNK), _MERGE_ELEMENTS // (group_p2 * block_d))),
+        MERGE_CHUNK=merge_chunk(num_splits, num_warps, group_p2, block_d),
         BLOCK_SEQS=triton.next_power_of_2(max(16, context_lens.shape[0])) if decode else 16, num_warps=num_warps)
     return out
 
