@@ -220,6 +220,16 @@ def test_requests_that_never_fit_are_failed_not_stalled(planner):
     assert not too_big.success and "KV blocks" in too_big.error
 
 
+def test_requests_over_the_context_limit_fail_as_serve_refuses_them(planner):
+    """A prompt plus output over ``max_model_len`` fails with the server's 400 message."""
+    trace = [TraceRequest(0.0, 1, 2000), TraceRequest(0.0, 100, 10)]
+    result = simulate(trace, policy_by_name("chunked"), SimConfig(planner, max_model_len=1024))
+    too_long, ok = result.records
+    assert ok.success and not too_long.success
+    assert too_long.error == ("max_tokens=2000 plus the 1-token prompt exceeds the maximum context length of "
+                              "1024 tokens")
+
+
 def test_small_kv_cache_preempts_and_still_finishes(planner):
     trace = load_trace(None, TraceSpec(qps=50, num_requests=40, input_len=UniformLength(500, 1500),
                                        output_len=UniformLength(50, 200), seed=4))
