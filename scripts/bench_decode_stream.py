@@ -9,8 +9,9 @@ producer warp per SM streams the weights without stopping at phase boundaries
 (``bench_weight_stream.py`` measures that part alone).
 
 Kernel variants (``--variants``), each a ``duetserve.model.decode_stream.DecodeStream`` build:
-``rows:STAGES`` reads the engine's own weights, 16 rows x 1024 columns a stage as 2 KB row copies
-(the build ``serve --decode-stream`` runs, 4 stages);
+``groups:STAGES`` reads the engine's own weights, 8 whole rows a stage as one contiguous bulk copy
+(the build ``serve --decode-stream`` runs, 3 stages of 64 KB at Qwen3-8B's hidden size);
+``rows:STAGES`` reads the same weights, 16 rows x 1024 columns a stage as 2 KB row copies;
 ``tiled:STAGES`` reads copies of the weights in the stream layout
 (``bench_weight_stream.stream_layout``, RMSNorm weights folded into qkv and gate_up: twice the
 weight memory). Builds the engine with dummy Qwen3-8B weights (bf16, CUDA
@@ -38,7 +39,7 @@ from pathlib import Path
 
 import torch
 
-from duetserve.model.decode_stream import DecodeStream, kernel_defines
+from duetserve.model.decode_stream import LAYOUTS, DecodeStream, kernel_defines
 
 HERE = Path(__file__).resolve().parent
 COPY_BW = 4.19e12
@@ -83,12 +84,12 @@ MODES = {1: "no_grid_wait_ms", 2: "stream_only_ms", 3: "stream_only_no_wait_ms",
 
 
 def make_variant(engine, variant: str, tiled: dict[str, torch.Tensor]) -> DecodeStream:
-    """``LAYOUT:STAGES[:KC]``: ``rows`` reads the engine's own weights (the product build), ``tiled`` the
-    stream-layout copies ``tiled``."""
+    """``LAYOUT:STAGES[:KC]`` (``decode_stream.LAYOUTS``): ``groups`` and ``rows`` read the engine's own
+    weights, ``tiled`` the stream-layout copies ``tiled``."""
     layout, stages, *kc = variant.split(":")
-    if layout not in ("rows", "tiled"):
-        raise ValueError(f"--variants {variant}: the layout must be rows or tiled")
-    defines = kernel_defines(engine.model, int(stages), rowcopy=layout == "rows")
+    if layout not in LAYOUTS:
+        raise ValueError(f"--variants {variant}: the layout must be one of {', '.join(LAYOUTS)}")
+    defines = kernel_defines(engine.model, int(stages), layout)
     ds = DecodeStream(engine.model, engine.runner.kv_caches, defines={**defines, "KC": int(kc[0])} if kc else defines)
     if layout == "tiled":
         ds.extra_params.update({name: t.data_ptr() for name, t in tiled.items()})
@@ -98,10 +99,10 @@ def make_variant(engine, variant: str, tiled: dict[str, torch.Tensor]) -> Decode
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("out/decode_stream.json"))
-    parser.add_argument("--variants", nargs="+", default=["tiled:9", "rows:4"],
-                        help="kernels LAYOUT:STAGES to check and time (tiled: stream-layout weight copies; rows: "
-                             "the engine's own weights, as serve --decode-stream runs them); the first is also "
-                             "profiled")
+    parser.add_argument("--variants", nargs="+", default=["groups:3", "tiled:9", "rows:4"],
+                        help="kernels LAYOUT:STAGES to check and time (groups: the engine's own weights, 8 whole rows "
+                             "a stage, as serve --decode-stream runs them; rows: the same weights, 16 rows x 1024 "
+                             "columns a stage; tiled: stream-layout weight copies)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("bench_decode_stream.py needs a CUDA GPU", file=sys.stderr)

@@ -35,7 +35,8 @@ SOURCE = Path(__file__).resolve().parent / "csrc" / "decode_stream.cu"
 MAX_ROWS = 8  # sequences a step (the kernel's MR)
 PHASES = 5  # phases a layer (the kernel's phase numbering)
 THREADS = 288  # 8 consumer warps and the producer
-STAGES = 4  # ring stages of 16 rows x 1024 columns (33 KB with the rows' padding)
+LAYOUTS = ("groups", "rows", "tiled")  # the kernel's ROWCOPY 2, 1, 0 (its header says what each reads)
+RING_BYTES = 196608  # shared memory for the ring of a ``groups`` build
 # The kernel's Params, in order (8 bytes each; after them eps and a spare float32)
 FIELDS = ("wqkv", "wo", "wgu", "wdown", "qnorm", "knorm", "cos", "sin", "kv", "kv_stride", "layer_stride",
           "block_size", "positions", "slots", "block_tables", "bt_stride", "ctx_lens", "stream", "qkv", "attn", "h",
@@ -49,11 +50,13 @@ def pack_params(values: dict, eps: float) -> np.ndarray:
     return np.array([int(values.get(f, 0)) for f in FIELDS] + [int(tail[0])], dtype=np.int64)
 
 
-def kernel_defines(model: CausalLM, stages: int = STAGES, rowcopy: bool = True) -> dict[str, int]:
-    """The kernel's compile-time dims for ``model``, ``stages`` ring stages of 16 weight rows x ``KC``
-    columns (1024 where the hidden size allows: 2 KB row copies keep the copy rate up); ``rowcopy``
-    False builds the variant that reads stream-layout weight copies (``scripts/bench_decode_stream.py``;
-    16 x 512 tiles, so it takes 9 stages).
+def kernel_defines(model: CausalLM, stages: int | None = None, layout: str = "groups") -> dict[str, int]:
+    """The kernel's compile-time dims for ``model`` and its ``layout`` of the weight stream (``LAYOUTS``):
+    ``groups`` (the default) reads the model's own weights, a ring stage 8 whole rows of a K part (one
+    contiguous bulk copy; as many stages as fit ``RING_BYTES``, at least 2); ``rows`` reads them 16 rows x
+    ``KC`` columns a stage (1024 where the hidden size allows: 2 KB row copies; 4 stages); ``tiled``
+    reads stream-layout weight copies (``scripts/bench_decode_stream.py``; 16 x 512 tiles, 9 stages).
+    ``stages`` overrides the ring's stage count.
 
     Raises:
         ValueError: shapes the kernel does not take: head dim other than 128, hidden size other
@@ -67,9 +70,13 @@ def kernel_defines(model: CausalLM, stages: int = STAGES, rowcopy: bool = True) 
     if not ok:
         raise ValueError("the decode stream takes Qwen3-like shapes only: head dim 128, hidden = heads x 128 "
                          "<= 4096 and a multiple of 512, intermediate a multiple of hidden, q/k norms, no biases")
+    if layout not in LAYOUTS:
+        raise ValueError(f"the decode stream's layout must be one of {', '.join(LAYOUTS)}, got {layout!r}")
+    default_stages = {"groups": max(2, RING_BYTES // (16 * d.hidden_size)), "rows": 4, "tiled": 9}[layout]
     return {"HID": d.hidden_size, "INTER": d.intermediate_size, "HQ": d.num_heads, "HKV": d.num_kv_heads,
-            "HD": d.head_dim, "KPART": d.hidden_size, "NSTAGE": stages, "ROWCOPY": int(rowcopy),
-            "KC": 1024 if rowcopy and d.hidden_size % 1024 == 0 else 512}
+            "HD": d.head_dim, "KPART": d.hidden_size, "NSTAGE": stages or default_stages,
+            "ROWCOPY": 2 - LAYOUTS.index(layout),
+            "KC": 1024 if layout == "rows" and d.hidden_size % 1024 == 0 else 512}
 
 
 def cache_dir() -> Path:
@@ -157,7 +164,7 @@ class DecodeStream:
 
     Attributes:
         extra_params: more ``FIELDS`` values for the parameter block (benchmarks: the kernel's
-            mode bits, or the stream-layout weights of a ``rowcopy=False`` build).
+            mode bits, or the stream-layout weights of a ``tiled`` build).
 
     Raises:
         ValueError: shapes the kernel does not take, or caches that are not one allocation.
@@ -193,7 +200,7 @@ class DecodeStream:
         self.h, self.qrot = z(MAX_ROWS, n), z(MAX_ROWS, d.num_heads, d.head_dim)
         self.down = z(n // d.hidden_size, MAX_ROWS, d.hidden_size, dtype=torch.float32)
         self.counter = z(1, dtype=torch.int32)
-        self.gcount = z(d.hidden_size // 16, dtype=torch.int32)
+        self.gcount = z(d.hidden_size // 8, dtype=torch.int32)  # a down row group's parts done (groups of 8 or 16)
         self.attn_counters = z(MAX_ROWS * d.num_kv_heads, dtype=torch.int32)
         self.params: dict[tuple, torch.Tensor] = {}  # per (step inputs' pointers, m, extras): one parameter block
 

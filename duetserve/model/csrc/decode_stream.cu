@@ -13,11 +13,14 @@
 // phases into a ring of shared-memory stages with bulk copies (TMA), gated only by free stages, so
 // the weight stream runs on through the grid barriers; warps 0-7 (consumers) load each phase's
 // input into shared memory after its barrier and run mma.sync over the ring.
-// KC (-D, default 512): columns a tile; 1024 for ROWCOPY where KPART allows it.
+// KC (-D, default 512): columns a tile; 1024 for ROWCOPY 1 where KPART allows it.
 #ifndef ROWCOPY
-#define ROWCOPY 0  // 1: the engine's own weights ([N, K], per layer, through wtab), norm weights applied
-                   // to the input; a stage = 16 rows x KC columns, 16 one-row bulk copies issued by 16
-                   // producer lanes (1 KB pieces stream at 3.5 TB/s, 2 KB at 4.65: docs/benchmarks.md);
+#define ROWCOPY 0  // 2: the engine's own weights ([N, K], per layer, through wtab), norm weights applied
+                   // to the input; a stage = 8 whole rows of a K part (GR x KPART: one contiguous bulk
+                   // copy, or one a row for down's parts), the weights the mma's B operand, x its A
+                   // operand held in registers for the phase;
+                   // 1: the same weights, a stage = 16 rows x KC columns, 16 one-row bulk copies issued
+                   // by 16 producer lanes (1 KB pieces stream at 3.5 TB/s, 2 KB at 4.65: docs/benchmarks.md);
                    // 0: stream-layout copies (16 x 512 tiles), norms folded in
 #endif
 #include "stream_common.cuh"
@@ -25,12 +28,25 @@
 #ifndef NSTAGE
 #define NSTAGE 4
 #endif
-#if ROWCOPY
+#if ROWCOPY == 1
 #define ROW_STRIDE (ROW_BYTES + 16)  // padded rows: ldmatrix without bank conflicts
 #else
 #define ROW_STRIDE ROW_BYTES         // the tiles' rows are XOR-swizzled instead
 #endif
+#if ROWCOPY == 2
+#define GR 8                         // weight rows a group (the mma's N); gate_up's: 8 gate and 8 up rows
+#define STAGE_BYTES (GR * KPART * 2)
+#define KW (KPART / NCW)             // a consumer warp's columns of a stage
+#define XJ (KW / 32)                 // its 16-byte x chunks a lane (two mma k-steps each)
+#define GROWS GR
+#define XBYTES 0                     // x lives in registers
+static_assert(KPART % (NCW * 32) == 0, "K parts of whole 32-column chunks a warp");
+#else
 #define STAGE_BYTES (ROWS * ROW_STRIDE)
+#define GROWS ROWS
+#define XS (KPART * 2 + 16)
+#define XBYTES (MR * XS)
+#endif
 #define WCOLS (KC / NCW)  // a consumer warp's columns of a tile
 #define KS (WCOLS / 16)   // its mma k-steps
 #define CHUNKS (KPART / KC)
@@ -39,11 +55,10 @@
 static_assert(HID == KPART && HQ * HD == KPART, "qkv, o and gate_up take K = KPART (one part, for the norms)");
 static_assert(INTER % KPART == 0 && KPART % KC == 0 && HD == 128, "shapes");
 
-#define XS (KPART * 2 + 16)
 #define SMEM_X (NSTAGE * STAGE_BYTES)
-#define SMEM_RED (SMEM_X + MR * XS)
+#define SMEM_RED (SMEM_X + XBYTES)
 #define SMEM_NORM (SMEM_RED + NCW * ROWS * MR * 4)
-#define SMEM_BAR (SMEM_NORM + MR * 4)
+#define SMEM_BAR (SMEM_NORM + NCW * MR * 4)
 #define SMEM_TOTAL (SMEM_BAR + 2 * NSTAGE * 8)
 
 
@@ -73,7 +88,7 @@ struct Params {
   float* down;    // [INTER / KPART][MR][HID]
   bf16* qrot;     // [MR][HQ][HD] rotated queries (phase 1 out, the attention kernel's q)
   unsigned int* counter;  // grid barrier: zero at a step's first launch, counts every phase's end
-  unsigned int* gcount;   // [HID / ROWS] down parts done per row group (self-resetting)
+  unsigned int* gcount;   // [HID / GROWS] down parts done per row group (self-resetting)
   const long long* wtab;  // ROWCOPY: [L][8] pointers: qkv, o, gate_up ([gate; up]), down, input norm,
                           // post-attention norm, q norm, k norm (the weight fields above unused)
   long long m;
@@ -118,6 +133,7 @@ __device__ __forceinline__ PhaseShape phase_shape(const Params& P, int layer, in
   s.n = p == 0 ? QKV_N : p == 3 ? 2 * INTER : HID;
   s.k = p == 2 ? QN : p == 4 ? INTER : HID;
   s.ksplit = s.k / KPART;
+  s.grp = p == 3 ? ROWS : GROWS;  // gate_up: 8 gate and 8 up rows a group
   return s;
 #endif
   if (p == 0) { s.w = P.wqkv + (size_t)layer * QKV_N * HID; s.n = QKV_N; s.k = HID; }
@@ -128,13 +144,14 @@ __device__ __forceinline__ PhaseShape phase_shape(const Params& P, int layer, in
   return s;
 }
 
-// ROWCOPY: x's column pairs are permuted within each warp's WCOLS columns so that a lane's B
+// ROWCOPY 1: x's column pairs are permuted within each warp's WCOLS columns so that a lane's B
 // fragments (k = 16 ks + 2 (lane % 4) + {0, 1, 8, 9}, ks < KS) are 4 KS contiguous bytes: natural
 // pair p (columns 2p, 2p + 1) sits at pair x_pair(p), and pair q holds natural pair w_pair(q).
 // (The tiled weights' columns are permuted instead: bench_weight_stream.warp_slice_order.)
 __device__ __forceinline__ int x_pair(int p) { return 2 * KS * (p % 4) + 2 * (p / 8) + (p / 4) % 2; }
 __device__ __forceinline__ int w_pair(int q) { return 8 * ((q % (2 * KS)) / 2) + q / (2 * KS) + 4 * (q % 2); }
 
+#if ROWCOPY != 2
 // The phase input x[:m] (bf16, row stride `stride`) into shared memory, rows >= m zero; warp w
 // takes row w (MR = NCW), all its loads in flight at once. With `with_norm`, also each row's sum
 // of squares into norm[row]; with `gain` (ROWCOPY: the RMSNorm's weight), x * gain is stored.
@@ -168,7 +185,7 @@ __device__ __noinline__ void load_x(char* smem, const bf16* src, int stride, int
           w[j] = *reinterpret_cast<const uint32_t*>(&r);
         }
       }
-#if ROWCOPY
+#if ROWCOPY == 1
       const int seg = (c - c % WCOLS) / 2, p = (c % WCOLS) / 2;
 #pragma unroll
       for (int j = 0; j < 4; ++j) row[seg + x_pair(p + j)] = w[j];
@@ -184,7 +201,19 @@ __device__ __noinline__ void load_x(char* smem, const bf16* src, int stride, int
   consumer_sync();
 }
 
-__device__ __forceinline__ float row_rsqrt(const float* norm, int m, float eps) { return rsqrtf(norm[m] / HID + eps); }
+#endif
+
+// RMSNorm's 1 / rms of input row m from the sums of squares load_x (one a row) or load_xfrag (a
+// part a warp, added in warp order) left in norm.
+__device__ __forceinline__ float row_rsqrt(const float* norm, int m, float eps) {
+#if ROWCOPY == 2
+  float ss = 0.f;
+  for (int w = 0; w < NCW; ++w) ss += norm[w * MR + m];
+  return rsqrtf(ss / HID + eps);
+#else
+  return rsqrtf(norm[m] / HID + eps);
+#endif
+}
 
 __device__ void epilogue(char* smem, const Params& P, int p, int part, int g) {
   const float* red = reinterpret_cast<const float*>(smem + SMEM_RED);
@@ -202,8 +231,8 @@ __device__ void epilogue(char* smem, const Params& P, int p, int part, int g) {
     }
     return;
   }
-  if (t >= ROWS * MR) return;
-  int r = t / MR, mm = t % MR, n = g * ROWS + r;
+  if (t >= GROWS * MR) return;
+  int r = t / MR, mm = t % MR, n = g * GROWS + r;
   if (mm >= P.m) return;
   float s = 0.f;
   for (int w = 0; w < NCW; ++w) s += red[(w * ROWS + r) * MR + mm];
@@ -219,7 +248,7 @@ __device__ void epilogue(char* smem, const Params& P, int p, int part, int g) {
 
 // End of a down phase: the sum of the K parts added to the residual stream.
 __device__ void finish_down(const Params& P, int g0, int g1) {
-  finish_parts(P.gcount, P.down, HID, INTER / KPART, g0, g1 - g0, (int)P.m, [&](int row, int col, float v) {
+  finish_parts<GROWS>(P.gcount, P.down, HID, INTER / KPART, g0, g1 - g0, (int)P.m, [&](int row, int col, float v) {
     bf16* st = P.stream + (size_t)row * HID + col;
     *st = __float2bfloat16_rn(__bfloat162float(*st) + bfr(v));
   });
@@ -303,7 +332,7 @@ __device__ __forceinline__ void tile_mma(float (&acc)[4], uint32_t st, uint32_t 
   for (int ks = 0; ks < KS; ++ks) {
     const int chunk = warp * (WCOLS / 8) + 2 * ks + lane / 16;  // this lane's 16-byte chunk of the row
     uint32_t a0, a1, a2, a3;
-#if ROWCOPY
+#if ROWCOPY == 1
     ldmatrix_x4(st + arow * ROW_STRIDE + chunk * 16, a0, a1, a2, a3);
 #else
     ldmatrix_x4(st + arow * ROW_BYTES + ((chunk ^ (arow & 7)) * 16), a0, a1, a2, a3);
@@ -311,6 +340,80 @@ __device__ __forceinline__ void tile_mma(float (&acc)[4], uint32_t st, uint32_t 
     mma(acc, a0, a1, a2, a3, xb[ks][0], xb[ks][1]);
   }
 }
+
+#if ROWCOPY == 2
+// The phase input x[:m] (bf16, row stride `stride`, rows >= m zero) as this lane's mma A fragments:
+// lane (g, t) of warp w holds row g's 16-byte chunks w * KW + 8 (4 j + t) (j < XJ), two k-steps
+// each ({a0, a2} of k-step 2j, then of 2j + 1; rows 8-15 of A are zero). group_mma reads the
+// weights' B fragments from the same columns, so the order of k inside a 32-column chunk does not
+// matter. With `with_norm`, the warp's part of each row's sum of squares goes to norm[w][g]; with
+// `gain` (the RMSNorm's weight), x * gain (rounded to bf16) is held.
+__device__ __forceinline__ void load_xfrag(uint32_t (&xa)[XJ][4], float* norm, const bf16* src, int stride, int m,
+                                           bool with_norm, const bf16* gain, int warp, int lane) {
+  const int g = lane / 4, col = warp * KW + 8 * (lane % 4);
+  const bf16* x = src + (size_t)g * stride + col;
+  float ss = 0.f;
+#pragma unroll
+  for (int j = 0; j < XJ; ++j) {
+    uint4 v = g < m ? __ldcg(reinterpret_cast<const uint4*>(x + 32 * j)) : make_uint4(0, 0, 0, 0);
+    uint4 gv = gain ? __ldg(reinterpret_cast<const uint4*>(gain + col + 32 * j)) : make_uint4(0, 0, 0, 0);
+    uint32_t* w = reinterpret_cast<uint32_t*>(&v);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const float2 f = __bfloat1622float2(*reinterpret_cast<__nv_bfloat162*>(&w[i]));
+      ss += f.x * f.x + f.y * f.y;
+      if (gain) {
+        const float2 gg = __bfloat1622float2(reinterpret_cast<const __nv_bfloat162*>(&gv)[i]);
+        const __nv_bfloat162 r = __floats2bfloat162_rn(f.x * gg.x, f.y * gg.y);
+        w[i] = *reinterpret_cast<const uint32_t*>(&r);
+      }
+      xa[j][i] = w[i];
+    }
+  }
+  if (with_norm) {
+    ss += __shfl_xor_sync(0xffffffffu, ss, 1);
+    ss += __shfl_xor_sync(0xffffffffu, ss, 2);
+    if (lane % 4 == 0) norm[warp * MR + g] = ss;
+  }
+}
+
+// acc += x times the warp's KW columns of the GR weight rows at st (a stage, rows KPART long):
+// lane (g, t) reads row g's chunks as its B fragments (16-byte loads), 2 XJ mma k-steps. acc[0..1]
+// end as out[x row g][weight rows 2t, 2t + 1]; acc[2..3] stay zero (A's rows 8-15).
+__device__ __forceinline__ void group_mma(float (&acc)[4], uint32_t st, const uint32_t (&xa)[XJ][4], int warp,
+                                          int lane) {
+  const uint32_t base = st + (lane / 4) * (KPART * 2) + (warp * KW + 8 * (lane % 4)) * 2;
+#pragma unroll
+  for (int j = 0; j < XJ; ++j) {
+    uint32_t b0, b1, b2, b3;
+    asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(b0), "=r"(b1), "=r"(b2), "=r"(b3) : "r"(base + 64 * j));
+    mma(acc, xa[j][0], 0u, xa[j][1], 0u, b0, b1);
+    mma(acc, xa[j][2], 0u, xa[j][3], 0u, b2, b3);
+  }
+}
+
+// Producer: this CTA's groups of phase s, a stage each (gate_up: the group's 8 gate rows, then its 8
+// up rows): one bulk copy of GR whole rows where K is one part, else one a row (lanes 0 .. GR - 1).
+__device__ __forceinline__ void produce_phase_groups(uint32_t ring, uint32_t full, const PhaseShape& s, bool gate_up,
+                                                     int& it) {
+  const int lane = threadIdx.x % 32, kpart = s.k / s.ksplit;
+  int part, g0, g1;
+  my_work(s, part, g0, g1);
+  for (int g = g0; g < g1; ++g)
+    for (int half = 0; half <= (int)gate_up; ++half, ++it) {
+      const int slot = it % NSTAGE;
+      const uint32_t dst = ring + slot * STAGE_BYTES, bar = full + 8 * slot;
+      const bf16* src = s.w + (size_t)(half * INTER + GR * g) * s.k + part * kpart;
+      if (lane == 0) {
+        mbar_wait(full + 8 * (NSTAGE + slot), ((it / NSTAGE) & 1) ^ 1);
+        mbar_expect_tx(bar, STAGE_BYTES);
+        if (s.ksplit == 1) bulk_g2s(dst, src, STAGE_BYTES, bar);
+      }
+      __syncwarp();
+      if (s.ksplit > 1 && lane < GR) bulk_g2s(dst + lane * KPART * 2, src + (size_t)lane * s.k, KPART * 2, bar);
+    }
+}
+#endif
 
 // Runs global phases [phase_begin, phase_end) (phase = layer * 5 + p); the counter is zero at the
 // step's first launch and counts every phase's end across launches.
@@ -324,7 +427,7 @@ extern "C" __global__ void __launch_bounds__((NCW + 1) * 32, 1) decode_stream(in
   ring_init(full, NSTAGE);
 
   if (warp == NCW) {  // producer
-#if !ROWCOPY
+#if ROWCOPY == 0
     if (lane != 0) return;
 #endif
     // phases with weights (p != 1); each one's shape (ROWCOPY: a pointer load) read while the
@@ -337,7 +440,9 @@ extern "C" __global__ void __launch_bounds__((NCW + 1) * 32, 1) decode_stream(in
       const PhaseShape s = next;
       const int p = phase % 5, following = weight_phase(phase + 1);
       if (following < phase_end) next = phase_shape(P, following / 5, following % 5);
-#if ROWCOPY
+#if ROWCOPY == 2
+      produce_phase_groups(ring, full, s, p == 3, it);
+#elif ROWCOPY == 1
       produce_phase_rows(ring, full, NSTAGE, STAGE_BYTES, ROW_STRIDE, s, CHUNKS, p == 3 ? INTER : 0, it);
 #else
       produce_phase(ring, full, NSTAGE, STAGE_BYTES, s, CHUNKS, it);
@@ -350,8 +455,12 @@ extern "C" __global__ void __launch_bounds__((NCW + 1) * 32, 1) decode_stream(in
   const int no_grid_wait = P.mode & 1, stream_only = P.mode & 2, no_mma = stream_only && (P.mode & 4);
   const int m = (int)P.m;
   float* red = reinterpret_cast<float*>(smem + SMEM_RED);
+#if ROWCOPY == 2
+  uint32_t xa[XJ][4] = {};
+#else
   // this lane's B fragments of chunk c: x[lane / 4][c * KC + warp * WCOLS + 4 KS (lane % 4) .. + 4 KS]
   const uint32_t xrow = smem_u32(smem + SMEM_X) + (lane / 4) * XS + (warp * WCOLS + 4 * KS * (lane % 4)) * 2;
+#endif
   int it = 0;
   for (int phase = phase_begin; phase < phase_end; ++phase) {
       const int layer = phase / 5, p = phase % 5;
@@ -373,8 +482,39 @@ extern "C" __global__ void __launch_bounds__((NCW + 1) * 32, 1) decode_stream(in
         if (p == 0 || p == 3) { src = P.stream; stride = HID; }
         else if (p == 2) { src = P.attn; stride = QN; }
         else { src = P.h + part * KPART; stride = INTER; }
-        load_x(smem, src, stride, m, (p == 0 || p == 3) && !(P.mode & 8), norm, warp, lane);
+        const bool with_norm = (p == 0 || p == 3) && !(P.mode & 8);
+#if ROWCOPY == 2
+        load_xfrag(xa, reinterpret_cast<float*>(smem + SMEM_NORM), src, stride, m, with_norm, norm, warp, lane);
+#else
+        load_x(smem, src, stride, m, with_norm, norm, warp, lane);
+#endif
       }
+#if ROWCOPY == 2
+      for (int g = g0; g < g1; ++g) {
+        float acc[2][4] = {};
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          if (half && p != 3) break;
+          const int slot = it % NSTAGE;
+          mbar_wait(full + 8 * slot, (it / NSTAGE) & 1);
+          if (!no_mma) group_mma(acc[half], ring + slot * STAGE_BYTES, xa, warp, lane);
+          __syncwarp();
+          if (lane == 0) mbar_arrive(empty + 8 * slot);
+          ++it;
+        }
+        if (!stream_only) {
+          const int r = 2 * (lane % 4), mm = lane / 4;
+#pragma unroll
+          for (int half = 0; half < 2; ++half) {
+            red[(warp * ROWS + 8 * half + r) * MR + mm] = acc[half][0];
+            red[(warp * ROWS + 8 * half + r + 1) * MR + mm] = acc[half][1];
+          }
+          consumer_sync();
+          epilogue(smem, P, p, part, g);
+          consumer_sync();
+        }
+      }
+#else
       for (int g = g0; g < g1; ++g) {
         float acc[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
@@ -397,6 +537,7 @@ extern "C" __global__ void __launch_bounds__((NCW + 1) * 32, 1) decode_stream(in
           consumer_sync();
         }
       }
+#endif
       if (p == 4 && !stream_only && g1 > g0) finish_down(P, g0, g1);
       grid_arrive(P.counter);
     }
