@@ -54,7 +54,7 @@ def test_extra_params_reach_the_parameter_block_and_its_cache_key():
     stream.model = SimpleNamespace(rotary=SimpleNamespace(cos=torch.zeros(1), sin=torch.zeros(1)))
     stream.d = SimpleNamespace(rms_norm_eps=1e-6)
     stream.kv, stream.kv_stride, stream.layer_stride = [(cache[0, 0], cache[0, 1])], 4 * 16 * 2 * 128, 0
-    for name in ("stream", "qkv", "attn", "h", "down", "qrot", "counter", "gcount", "hcount", "wtab"):
+    for name in ("stream", "qkv", "attn", "h", "down", "qrot", "counter", "gcount", "wtab"):
         setattr(stream, name, torch.zeros(1))
     stream.params, stream.extra_params = {}, {}
     meta = SimpleNamespace(slot_mapping=torch.zeros(3, dtype=torch.int64), block_tables=torch.zeros(3, 5),

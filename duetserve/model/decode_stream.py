@@ -40,7 +40,7 @@ RING_BYTES = 196608  # shared memory for the ring of a ``groups`` build
 # The kernel's Params, in order (8 bytes each; after them eps and a spare float32)
 FIELDS = ("wqkv", "wo", "wgu", "wdown", "qnorm", "knorm", "cos", "sin", "kv", "kv_stride", "layer_stride",
           "block_size", "positions", "slots", "block_tables", "bt_stride", "ctx_lens", "stream", "qkv", "attn", "h",
-          "down", "qrot", "counter", "gcount", "hcount", "wtab", "m", "mode")
+          "down", "qrot", "counter", "gcount", "wtab", "m", "mode")
 
 
 def pack_params(values: dict, eps: float) -> np.ndarray:
@@ -200,8 +200,7 @@ class DecodeStream:
         self.h, self.qrot = z(MAX_ROWS, n), z(MAX_ROWS, d.num_heads, d.head_dim)
         self.down = z(n // d.hidden_size, MAX_ROWS, d.hidden_size, dtype=torch.float32)
         self.counter = z(1, dtype=torch.int32)
-        self.gcount = z(d.hidden_size // 16, dtype=torch.int32)
-        self.hcount = z(d.num_heads + d.num_kv_heads, dtype=torch.int32)
+        self.gcount = z(d.hidden_size // 8, dtype=torch.int32)  # a down row group's parts done (groups of 8 or 16)
         self.attn_counters = z(MAX_ROWS * d.num_kv_heads, dtype=torch.int32)
         self.params: dict[tuple, torch.Tensor] = {}  # per (step inputs' pointers, m, extras): one parameter block
 
@@ -218,7 +217,7 @@ class DecodeStream:
                       "ctx_lens": meta.context_lens.data_ptr(), "stream": self.stream.data_ptr(),
                       "qkv": self.qkv.data_ptr(), "attn": self.attn.data_ptr(), "h": self.h.data_ptr(),
                       "down": self.down.data_ptr(), "qrot": self.qrot.data_ptr(), "counter": self.counter.data_ptr(),
-                      "gcount": self.gcount.data_ptr(), "hcount": self.hcount.data_ptr(), "wtab": self.wtab.data_ptr(), "m": m, **self.extra_params}
+                      "gcount": self.gcount.data_ptr(), "wtab": self.wtab.data_ptr(), "m": m, **self.extra_params}
             self.params[key] = torch.from_numpy(pack_params(values, self.d.rms_norm_eps)).to(base.device)
         return self.params[key]
 

@@ -115,7 +115,7 @@ __device__ void epilogue(char* smem, const Acts& A, int p, int part, int g) {
 
 // End of a down phase: the sum of the K parts into x.
 __device__ void finish_down(const Acts& A, int g0, int g1) {
-  finish_parts(A.gcount, A.down, HID, INTER / KPART, g0, g1 - g0, MR, [&](int row, int col, float v) {
+  finish_parts<ROWS>(A.gcount, A.down, HID, INTER / KPART, g0, g1 - g0, MR, [&](int row, int col, float v) {
     A.x[(size_t)row * HID + col] = __float2bfloat16_rn(v);
   });
 }

@@ -3,8 +3,7 @@
 // Compile-time dims (-D): HID, INTER, HQ, HKV, HD (128), KPART (= HID = HQ * HD, divides INTER).
 // Global phase = layer * 5 + p, separated by grid barriers:
 //   p 0 input RMSNorm (weight folded into W_qkv, or with ROWCOPY applied to the input) + qkv
-//   p 1 q/k RMSNorm + RoPE: rotated q to qrot, rotated k and v into the paged cache, each head by
-//       the CTA that finished its qkv rows (no grid barrier between p 0 and p 1)
+//   p 1 q/k RMSNorm + RoPE: rotated q to qrot, rotated k and v into the paged cache
 //   (the engine's Triton decode attention runs here, between two launches, and writes attn)
 //   p 2 o + residual add
 //   p 3 post-attention RMSNorm (folded) + gate_up + SiLU * up
@@ -35,14 +34,16 @@
 #define ROW_STRIDE ROW_BYTES         // the tiles' rows are XOR-swizzled instead
 #endif
 #if ROWCOPY == 2
-#define GR 8                         // weight rows a stage (the mma's N); a row group is two stages
+#define GR 8                         // weight rows a group (the mma's N); gate_up's: 8 gate and 8 up rows
 #define STAGE_BYTES (GR * KPART * 2)
 #define KW (KPART / NCW)             // a consumer warp's columns of a stage
 #define XJ (KW / 32)                 // its 16-byte x chunks a lane (two mma k-steps each)
+#define GROWS GR
 #define XBYTES 0                     // x lives in registers
 static_assert(KPART % (NCW * 32) == 0, "K parts of whole 32-column chunks a warp");
 #else
 #define STAGE_BYTES (ROWS * ROW_STRIDE)
+#define GROWS ROWS
 #define XS (KPART * 2 + 16)
 #define XBYTES (MR * XS)
 #endif
@@ -87,8 +88,7 @@ struct Params {
   float* down;    // [INTER / KPART][MR][HID]
   bf16* qrot;     // [MR][HQ][HD] rotated queries (phase 1 out, the attention kernel's q)
   unsigned int* counter;  // grid barrier: zero at a step's first launch, counts every phase's end
-  unsigned int* gcount;   // [HID / ROWS] down parts done per row group (self-resetting)
-  unsigned int* hcount;   // [HQ + HKV] qkv row groups done per query head and per K/V head pair (self-resetting)
+  unsigned int* gcount;   // [HID / GROWS] down parts done per row group (self-resetting)
   const long long* wtab;  // ROWCOPY: [L][8] pointers: qkv, o, gate_up ([gate; up]), down, input norm,
                           // post-attention norm, q norm, k norm (the weight fields above unused)
   long long m;
@@ -133,6 +133,7 @@ __device__ __forceinline__ PhaseShape phase_shape(const Params& P, int layer, in
   s.n = p == 0 ? QKV_N : p == 3 ? 2 * INTER : HID;
   s.k = p == 2 ? QN : p == 4 ? INTER : HID;
   s.ksplit = s.k / KPART;
+  s.grp = p == 3 ? ROWS : GROWS;  // gate_up: 8 gate and 8 up rows a group
   return s;
 #endif
   if (p == 0) { s.w = P.wqkv + (size_t)layer * QKV_N * HID; s.n = QKV_N; s.k = HID; }
@@ -230,8 +231,8 @@ __device__ void epilogue(char* smem, const Params& P, int p, int part, int g) {
     }
     return;
   }
-  if (t >= ROWS * MR) return;
-  int r = t / MR, mm = t % MR, n = g * ROWS + r;
+  if (t >= GROWS * MR) return;
+  int r = t / MR, mm = t % MR, n = g * GROWS + r;
   if (mm >= P.m) return;
   float s = 0.f;
   for (int w = 0; w < NCW; ++w) s += red[(w * ROWS + r) * MR + mm];
@@ -247,7 +248,7 @@ __device__ void epilogue(char* smem, const Params& P, int p, int part, int g) {
 
 // End of a down phase: the sum of the K parts added to the residual stream.
 __device__ void finish_down(const Params& P, int g0, int g1) {
-  finish_parts(P.gcount, P.down, HID, INTER / KPART, g0, g1 - g0, (int)P.m, [&](int row, int col, float v) {
+  finish_parts<GROWS>(P.gcount, P.down, HID, INTER / KPART, g0, g1 - g0, (int)P.m, [&](int row, int col, float v) {
     bf16* st = P.stream + (size_t)row * HID + col;
     *st = __float2bfloat16_rn(__bfloat162float(*st) + bfr(v));
   });
@@ -290,49 +291,12 @@ __device__ __forceinline__ void store4(bf16* p, const float (&x)[4]) {
   *reinterpret_cast<uint2*>(p) = v;
 }
 
-#define UNITS (HQ + HKV)  // a query head, or a K/V head pair: what phase 1 takes as one
-static_assert(UNITS <= NCW * 32 && HD % ROWS == 0, "a thread a unit");
-
-__device__ __forceinline__ int overlap(int a0, int a1, int b0, int b1) { return max(0, min(a1, b1) - max(a0, b0)); }
-
-// Phase 0's end: this CTA's qkv row groups g0 .. g1 - 1 counted into the counters of their units (a
-// query head: HD / ROWS groups; a K/V pair: its K head's and its V head's); mine[u] is set for each unit
-// whose count this CTA completed (an acquire: the other CTAs' qkv stores are visible to it), which is
-// this CTA's to finish in phase 1. The completing CTA sets the counter back to 0.
-__device__ void claim_units(unsigned int* hcount, int g0, int g1, unsigned char* mine) {
-  constexpr int G = HD / ROWS;
-  const int u = threadIdx.x;
-  consumer_sync();  // every epilogue's qkv stores issued
-  if (u < UNITS) {
-    int n;
-    if (u < HQ) {
-      n = overlap(g0, g1, u * G, u * G + G);
-    } else {
-      const int k = u * G, v = (u + HKV) * G;  // K head u - HQ: rows QN + (u - HQ) HD
-      n = overlap(g0, g1, k, k + G) + overlap(g0, g1, v, v + G);
-    }
-    bool last = false;
-    if (n) {
-      __threadfence();
-      last = atomicAdd(hcount + u, (unsigned)n) + n == (unsigned)(u < HQ ? G : 2 * G);
-      if (last) {
-        hcount[u] = 0;
-        __threadfence();
-      }
-    }
-    mine[u] = last;
-  }
-  consumer_sync();
-}
-
 // Phase 1: q/k RMSNorm + RoPE; rotated q to qrot, rotated k and v into the paged cache. One warp a
-// (sequence, unit) of the units claim_units gave this CTA.
-__device__ void rope_phase(const Params& P, int layer, const bf16* qnorm, const bf16* knorm, const unsigned char* mine,
-                           int warp, int lane) {
-  const int items = (int)P.m * UNITS;
-  for (int item = warp; item < items; item += NCW) {
-    const int s = item / UNITS, head = item % UNITS;
-    if (!mine[head]) continue;
+// (sequence, head) of the HQ query and HKV key heads.
+__device__ void rope_phase(const Params& P, int layer, const bf16* qnorm, const bf16* knorm, int warp, int lane) {
+  const int items = (int)P.m * (HQ + HKV);
+  for (int item = blockIdx.x * NCW + warp; item < items; item += gridDim.x * NCW) {
+    const int s = item / (HQ + HKV), head = item % (HQ + HKV);
     const long long pos = P.positions[s];
     const float* cs = P.cos + pos * (HD / 2);
     const float* sn = P.sin + pos * (HD / 2);
@@ -428,20 +392,18 @@ __device__ __forceinline__ void group_mma(float (&acc)[4], uint32_t st, const ui
   }
 }
 
-// Producer: this CTA's row groups of phase s, two stages each (rows 16 g .. + 7, then 16 g + 8 .. + 15;
-// gate_up: gate rows 8 g .. + 7, then the same up rows): one bulk copy of GR whole rows where K is one
-// part, else one a row (lanes 0 .. GR - 1).
+// Producer: this CTA's groups of phase s, a stage each (gate_up: the group's 8 gate rows, then its 8
+// up rows): one bulk copy of GR whole rows where K is one part, else one a row (lanes 0 .. GR - 1).
 __device__ __forceinline__ void produce_phase_groups(uint32_t ring, uint32_t full, const PhaseShape& s, bool gate_up,
                                                      int& it) {
   const int lane = threadIdx.x % 32, kpart = s.k / s.ksplit;
   int part, g0, g1;
   my_work(s, part, g0, g1);
   for (int g = g0; g < g1; ++g)
-    for (int half = 0; half < 2; ++half, ++it) {
+    for (int half = 0; half <= (int)gate_up; ++half, ++it) {
       const int slot = it % NSTAGE;
       const uint32_t dst = ring + slot * STAGE_BYTES, bar = full + 8 * slot;
-      const int row = gate_up ? half * INTER + GR * g : ROWS * g + GR * half;
-      const bf16* src = s.w + (size_t)row * s.k + part * kpart;
+      const bf16* src = s.w + (size_t)(half * INTER + GR * g) * s.k + part * kpart;
       if (lane == 0) {
         mbar_wait(full + 8 * (NSTAGE + slot), ((it / NSTAGE) & 1) ^ 1);
         mbar_expect_tx(bar, STAGE_BYTES);
@@ -493,7 +455,6 @@ extern "C" __global__ void __launch_bounds__((NCW + 1) * 32, 1) decode_stream(in
   const int no_grid_wait = P.mode & 1, stream_only = P.mode & 2, no_mma = stream_only && (P.mode & 4);
   const int m = (int)P.m;
   float* red = reinterpret_cast<float*>(smem + SMEM_RED);
-  __shared__ unsigned char mine[UNITS];  // the units phase 1 finishes here (claim_units)
 #if ROWCOPY == 2
   uint32_t xa[XJ][4] = {};
 #else
@@ -507,9 +468,9 @@ extern "C" __global__ void __launch_bounds__((NCW + 1) * 32, 1) decode_stream(in
       // (p 0, 3; null when folded into the weights), or q's and k's (p 1)
       const bf16* norm = p == 2 || p == 4 ? nullptr : norm_weight(P, layer, p == 0 ? 4 : p == 3 ? 5 : 6);
       const bf16* knorm = p == 1 ? norm_weight(P, layer, 7) : nullptr;
-      if (phase > phase_begin && p != 1 && !no_grid_wait) grid_wait(P.counter, phase * gridDim.x);
-      if (p == 1) {  // no wait: phase 0's end handed this CTA its units, complete
-        if (!stream_only) rope_phase(P, layer, norm, knorm, mine, warp, lane);
+      if (phase > phase_begin && !no_grid_wait) grid_wait(P.counter, phase * gridDim.x);
+      if (p == 1) {
+        if (!stream_only) rope_phase(P, layer, norm, knorm, warp, lane);
         grid_arrive(P.counter);
         continue;
       }
@@ -533,6 +494,7 @@ extern "C" __global__ void __launch_bounds__((NCW + 1) * 32, 1) decode_stream(in
         float acc[2][4] = {};
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
+          if (half && p != 3) break;
           const int slot = it % NSTAGE;
           mbar_wait(full + 8 * slot, (it / NSTAGE) & 1);
           if (!no_mma) group_mma(acc[half], ring + slot * STAGE_BYTES, xa, warp, lane);
@@ -577,7 +539,6 @@ extern "C" __global__ void __launch_bounds__((NCW + 1) * 32, 1) decode_stream(in
       }
 #endif
       if (p == 4 && !stream_only && g1 > g0) finish_down(P, g0, g1);
-      if (p == 0 && !stream_only) claim_units(P.hcount, g0, g1, mine);
       grid_arrive(P.counter);
     }
 }

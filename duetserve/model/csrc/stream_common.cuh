@@ -63,13 +63,14 @@ __device__ __forceinline__ void produce(uint32_t ring, uint32_t full, int stages
   bulk_g2s(ring + slot * stage_bytes, src, bytes, full + 8 * slot);
 }
 
-// One weight phase: weight w ([n, k] in the stream layout), K in ksplit parts of KPART.
-struct PhaseShape { const bf16* w; int n, k, ksplit; };
+// One weight phase: weight w ([n, k] in the stream layout), K in ksplit parts of KPART, split
+// over the CTAs in groups of grp rows.
+struct PhaseShape { const bf16* w; int n, k, ksplit; int grp = ROWS; };
 
 __device__ __forceinline__ void my_work(const PhaseShape& s, int& part, int& g0, int& g1) {
   int per = gridDim.x / s.ksplit;
   part = blockIdx.x / per;
-  int i = blockIdx.x % per, groups = s.n / ROWS;
+  int i = blockIdx.x % per, groups = s.n / s.grp;
   if (part >= s.ksplit) { part = 0; g0 = g1 = 0; return; }
   g0 = (int)((long)groups * i / per);
   g1 = (int)((long)groups * (i + 1) / per);
@@ -90,10 +91,10 @@ __device__ __forceinline__ void grid_wait(unsigned int* counter, unsigned int ta
 
 
 // End of a phase whose K is split in `parts` (partial sums in part_sums[parts][MR][n_cols], fp32):
-// for each of this CTA's row groups g0 .. g0 + ng - 1, the CTA that finished the group's last part
+// for each of this CTA's row groups (R rows each) g0 .. g0 + ng - 1, the CTA that finished the group's last part
 // adds the parts, in order (deterministic), and hands each sum to store(row, column, value) for
 // the rows below m; it also sets gcount[g] back to 0. One fence and one atomic round for all groups.
-template <typename Store>
+template <int R, typename Store>
 __device__ __forceinline__ void finish_parts(unsigned int* gcount, const float* part_sums, int n_cols, int parts,
                                              int g0, int ng, int m, Store store) {
   __shared__ unsigned char last[128];
@@ -104,10 +105,10 @@ __device__ __forceinline__ void finish_parts(unsigned int* gcount, const float* 
     __threadfence();
   }
   consumer_sync();
-  for (int e = threadIdx.x; e < ng * ROWS * MR; e += NCW * 32) {
-    const int gi = e / (ROWS * MR);
+  for (int e = threadIdx.x; e < ng * R * MR; e += NCW * 32) {
+    const int gi = e / (R * MR);
     if (!last[gi]) continue;
-    const int r = (e / MR) % ROWS, row = e % MR, col = (g0 + gi) * ROWS + r;
+    const int r = (e / MR) % R, row = e % MR, col = (g0 + gi) * R + r;
     if (r == 0 && row == 0) gcount[g0 + gi] = 0;
     if (row >= m) continue;
     float v = 0.f;
