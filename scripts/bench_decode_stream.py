@@ -11,7 +11,6 @@ producer warp per SM streams the weights without stopping at phase boundaries
 Kernel variants (``--variants``), each a ``duetserve.model.decode_stream.DecodeStream`` build:
 ``groups:STAGES`` reads the engine's own weights, 8 whole rows a stage as one contiguous bulk copy
 (the build ``serve --decode-stream`` runs, 3 stages of 64 KB at Qwen3-8B's hidden size);
-``rows:STAGES`` reads the same weights, 16 rows x 1024 columns a stage as 2 KB row copies;
 ``tiled:STAGES`` reads copies of the weights in the stream layout
 (``bench_weight_stream.stream_layout``, RMSNorm weights folded into qkv and gate_up: twice the
 weight memory). Builds the engine with dummy Qwen3-8B weights (bf16, CUDA
@@ -84,8 +83,8 @@ MODES = {1: "no_grid_wait_ms", 2: "stream_only_ms", 3: "stream_only_no_wait_ms",
 
 
 def make_variant(engine, variant: str, tiled: dict[str, torch.Tensor]) -> DecodeStream:
-    """``LAYOUT:STAGES[:KC]`` (``decode_stream.LAYOUTS``): ``groups`` and ``rows`` read the engine's own
-    weights, ``tiled`` the stream-layout copies ``tiled``."""
+    """``LAYOUT:STAGES[:KC]`` (``decode_stream.LAYOUTS``): ``groups`` reads the engine's own weights,
+    ``tiled`` the stream-layout copies ``tiled``."""
     layout, stages, *kc = variant.split(":")
     if layout not in LAYOUTS:
         raise ValueError(f"--variants {variant}: the layout must be one of {', '.join(LAYOUTS)}")
@@ -99,10 +98,9 @@ def make_variant(engine, variant: str, tiled: dict[str, torch.Tensor]) -> Decode
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("out/decode_stream.json"))
-    parser.add_argument("--variants", nargs="+", default=["groups:3", "tiled:9", "rows:4"],
+    parser.add_argument("--variants", nargs="+", default=["groups:3", "tiled:9"],
                         help="kernels LAYOUT:STAGES to check and time (groups: the engine's own weights, 8 whole rows "
-                             "a stage, as serve --decode-stream runs them; rows: the same weights, 16 rows x 1024 "
-                             "columns a stage; tiled: stream-layout weight copies)")
+                             "a stage, as serve --decode-stream runs them; tiled: stream-layout weight copies)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("bench_decode_stream.py needs a CUDA GPU", file=sys.stderr)

@@ -72,15 +72,13 @@ def test_extra_params_reach_the_parameter_block_and_its_cache_key():
 def test_kernel_defines_take_qwen3_shapes_only():
     # groups: 8 rows x 1024 columns x 2 bytes = 16 KB a stage, 196608 / 16384 = 12 stages
     assert ds.kernel_defines(_model()) == {"HID": 1024, "INTER": 3072, "HQ": 8, "HKV": 2, "HD": 128, "KPART": 1024,
-                                           "NSTAGE": 12, "ROWCOPY": 2, "KC": 512}
+                                           "NSTAGE": 12, "OWN_WEIGHTS": 1, "KC": 512}
     assert ds.kernel_defines(_model(hidden_size=4096, num_heads=32, intermediate_size=12288))["NSTAGE"] == 3  # Qwen3-8B: 64 KB
     assert ds.kernel_defines(_model(), 5)["NSTAGE"] == 5
-    assert ds.kernel_defines(_model(), layout="rows") == {**ds.kernel_defines(_model()), "NSTAGE": 4, "ROWCOPY": 1,
-                                                          "KC": 1024}
-    assert ds.kernel_defines(_model(hidden_size=512, num_heads=4), layout="rows")["KC"] == 512  # 2 KB rows need K >= 1024
-    assert ds.kernel_defines(_model(), layout="tiled") == {**ds.kernel_defines(_model()), "NSTAGE": 9, "ROWCOPY": 0}
-    with pytest.raises(ValueError, match="layout must be one of groups, rows, tiled, got 'strips'"):
-        ds.kernel_defines(_model(), layout="strips")
+    assert ds.kernel_defines(_model(hidden_size=512, num_heads=4))["NSTAGE"] == 24
+    assert ds.kernel_defines(_model(), layout="tiled") == {**ds.kernel_defines(_model()), "NSTAGE": 9, "OWN_WEIGHTS": 0}
+    with pytest.raises(ValueError, match="layout must be one of groups, tiled, got 'rows'"):
+        ds.kernel_defines(_model(), layout="rows")
     for bad in ({"head_dim": 64, "num_heads": 8}, {"hidden_size": 640, "num_heads": 5}, {"intermediate_size": 1000},
                 {"qk_norm": False}, {"mlp_bias": True}, {"hidden_size": 5120, "num_heads": 40}):
         with pytest.raises(ValueError, match="Qwen3-like shapes"):
@@ -95,8 +93,7 @@ def test_kernel_builds_for_sm90a_once(tmp_path, monkeypatch):
     stamp = first.stat().st_mtime_ns
     assert ds.build_cubin(ds.kernel_defines(_model())) == first and first.stat().st_mtime_ns == stamp
     assert ds.build_cubin({**ds.kernel_defines(_model()), "NSTAGE": 3}) != first  # other flags, other file
-    for layout in ("rows", "tiled"):  # the other builds compile too
-        assert ds.build_cubin(ds.kernel_defines(_model(), layout=layout)).exists()
+    assert ds.build_cubin(ds.kernel_defines(_model(), layout="tiled")).exists()  # the tiled build compiles too
 
 
 def test_build_names_the_missing_compiler(monkeypatch):
@@ -114,11 +111,9 @@ SMALL_QWEN3 = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hi
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
-@pytest.mark.parametrize("layout", ["groups", "rows"])
-def test_decode_step_matches_the_models_forward(tmp_path, layout):
+def test_decode_step_matches_the_models_forward(tmp_path):
     """On a 2-layer Qwen3 of the kernel's shapes (hidden 1024, dummy bf16 weights) the stream's
-    hidden states and new K/V match the model's own decode step within bf16 rounding, for both
-    builds on the model's own weights."""
+    hidden states and new K/V match the model's own decode step within bf16 rounding."""
     pytest.importorskip("cuda.bindings")
     if torch.cuda.get_device_capability()[0] != 9 or shutil.which("nvcc") is None:
         pytest.skip("needs an sm_90 GPU and nvcc")
@@ -136,7 +131,7 @@ def test_decode_step_matches_the_models_forward(tmp_path, layout):
         v.normal_()
     seqs = make_batch(engine, 5, 300, 1)
     inputs = engine.runner._prepare(seqs, 5, [None] * 5)
-    stream = ds.DecodeStream(engine.model, engine.runner.kv_caches, defines=ds.kernel_defines(engine.model, layout=layout))
+    stream = ds.DecodeStream(engine.model, engine.runner.kv_caches)
     slots = inputs.meta.slot_mapping
 
     def new_kv():

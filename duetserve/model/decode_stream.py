@@ -1,20 +1,21 @@
 """Decode steps of at most 8 sequences through weight-stream kernels (issue 5; experimental).
 
-``csrc/decode_stream.cu`` (built with ``ROWCOPY``) runs everything of a Qwen3 decode step but
+``csrc/decode_stream.cu`` (built with ``OWN_WEIGHTS``) runs everything of a Qwen3 decode step but
 attention, the final norm and lm_head: per layer o + residual, post-attention RMSNorm + gate_up +
 SiLU-and-mul, down + residual, then the next layer's input RMSNorm + qkv and q/k-norm + RoPE + KV
 write, each phase after a grid barrier, in one launch between two of the engine's Triton decode
-attentions (37 launches a step for 36 layers). One CTA per SM; a producer warp streams the weight
-tiles into a shared-memory ring with bulk copies (TMA) without stopping at the barriers, one
-copy of 2 KB (1 KB for hidden sizes below 1024) a weight row and stage. It reads the model's own
-weights (a per-layer pointer table) and the engine's paged KV cache.
+attentions (37 launches a step for 36 layers). One CTA per SM; a producer warp streams the weights
+into a shared-memory ring with bulk copies (TMA) without stopping at the barriers, a stage 8 whole
+weight rows (64 KB at hidden size 4096: one contiguous copy). It reads the model's own weights (a
+per-layer pointer table) and the engine's paged KV cache.
 
 Needs an sm_90 GPU, ``nvcc`` (the kernel is compiled on first use and cached under
 ``$DUETSERVE_CACHE``, default ``~/.cache/duetserve``, ``kernels/``) and ``cuda-bindings`` (the
 driver API: module load, launch, the parameter block's copy, all on torch's current stream, so a
-step can be recorded in a CUDA graph). Measured in docs/benchmarks.md (twelfth and thirteenth
-H200 sessions) as ``scripts/bench_decode_stream.py``: correct, but still slower than the engine's
-decode graphs (``serve --decode-stream`` is off by default).
+step can be recorded in a CUDA graph). Measured in docs/benchmarks.md (twelfth to fourteenth and
+twentieth H200 sessions) as ``scripts/bench_decode_stream.py``: a step of 1-8 sequences to the logits
+0.18-0.28 ms faster than the engine's decode graphs, with the same bf16 drift from the eager forward
+as builds on weight copies (``serve --decode-stream`` is off by default).
 """
 from __future__ import annotations
 
@@ -35,7 +36,7 @@ SOURCE = Path(__file__).resolve().parent / "csrc" / "decode_stream.cu"
 MAX_ROWS = 8  # sequences a step (the kernel's MR)
 PHASES = 5  # phases a layer (the kernel's phase numbering)
 THREADS = 288  # 8 consumer warps and the producer
-LAYOUTS = ("groups", "rows", "tiled")  # the kernel's ROWCOPY 2, 1, 0 (its header says what each reads)
+LAYOUTS = ("groups", "tiled")  # the kernel's OWN_WEIGHTS 1 and 0 (its header says what each reads)
 RING_BYTES = 196608  # shared memory for the ring of a ``groups`` build
 # The kernel's Params, in order (8 bytes each; after them eps and a spare float32)
 FIELDS = ("wqkv", "wo", "wgu", "wdown", "qnorm", "knorm", "cos", "sin", "kv", "kv_stride", "layer_stride",
@@ -53,9 +54,8 @@ def pack_params(values: dict, eps: float) -> np.ndarray:
 def kernel_defines(model: CausalLM, stages: int | None = None, layout: str = "groups") -> dict[str, int]:
     """The kernel's compile-time dims for ``model`` and its ``layout`` of the weight stream (``LAYOUTS``):
     ``groups`` (the default) reads the model's own weights, a ring stage 8 whole rows of a K part (one
-    contiguous bulk copy; as many stages as fit ``RING_BYTES``, at least 2); ``rows`` reads them 16 rows x
-    ``KC`` columns a stage (1024 where the hidden size allows: 2 KB row copies; 4 stages); ``tiled``
-    reads stream-layout weight copies (``scripts/bench_decode_stream.py``; 16 x 512 tiles, 9 stages).
+    contiguous bulk copy; as many stages as fit ``RING_BYTES``, at least 2); ``tiled`` reads
+    stream-layout weight copies (``scripts/bench_decode_stream.py``; 16 x 512 tiles, 9 stages).
     ``stages`` overrides the ring's stage count.
 
     Raises:
@@ -72,11 +72,11 @@ def kernel_defines(model: CausalLM, stages: int | None = None, layout: str = "gr
                          "<= 4096 and a multiple of 512, intermediate a multiple of hidden, q/k norms, no biases")
     if layout not in LAYOUTS:
         raise ValueError(f"the decode stream's layout must be one of {', '.join(LAYOUTS)}, got {layout!r}")
-    default_stages = {"groups": max(2, RING_BYTES // (16 * d.hidden_size)), "rows": 4, "tiled": 9}[layout]
+    groups = layout == "groups"
     return {"HID": d.hidden_size, "INTER": d.intermediate_size, "HQ": d.num_heads, "HKV": d.num_kv_heads,
-            "HD": d.head_dim, "KPART": d.hidden_size, "NSTAGE": stages or default_stages,
-            "ROWCOPY": 2 - LAYOUTS.index(layout),
-            "KC": 1024 if layout == "rows" and d.hidden_size % 1024 == 0 else 512}
+            "HD": d.head_dim, "KPART": d.hidden_size,
+            "NSTAGE": stages or (max(2, RING_BYTES // (16 * d.hidden_size)) if groups else 9),
+            "OWN_WEIGHTS": int(groups), "KC": 512}
 
 
 def cache_dir() -> Path:

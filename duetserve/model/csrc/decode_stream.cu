@@ -2,38 +2,33 @@
 // kernels, one launch between two decode attentions (scripts/bench_decode_stream.py).
 // Compile-time dims (-D): HID, INTER, HQ, HKV, HD (128), KPART (= HID = HQ * HD, divides INTER).
 // Global phase = layer * 5 + p, separated by grid barriers:
-//   p 0 input RMSNorm (weight folded into W_qkv, or with ROWCOPY applied to the input) + qkv
+//   p 0 input RMSNorm (its weight folded into W_qkv, or with OWN_WEIGHTS applied to the input) + qkv
 //   p 1 q/k RMSNorm + RoPE: rotated q to qrot, rotated k and v into the paged cache
 //   (the engine's Triton decode attention runs here, between two launches, and writes attn)
 //   p 2 o + residual add
-//   p 3 post-attention RMSNorm (folded) + gate_up + SiLU * up
+//   p 3 post-attention RMSNorm (the same way) + gate_up + SiLU * up
 //   p 4 down (K in parts) + residual add (the last part of a row group adds the parts in order)
 // A launch runs phases [phase_begin, phase_end): o, gate_up, down of layer l, then qkv and RoPE of
 // layer l + 1. One CTA per SM: warp NCW (producer) streams every weight tile the CTA owns in those
 // phases into a ring of shared-memory stages with bulk copies (TMA), gated only by free stages, so
 // the weight stream runs on through the grid barriers; warps 0-7 (consumers) load each phase's
-// input into shared memory after its barrier and run mma.sync over the ring.
-// KC (-D, default 512): columns a tile; 1024 for ROWCOPY 1 where KPART allows it.
-#ifndef ROWCOPY
-#define ROWCOPY 0  // 2: the engine's own weights ([N, K], per layer, through wtab), norm weights applied
+// input after its barrier (into shared memory, or with OWN_WEIGHTS into registers) and run
+// mma.sync over the ring.
+// KC (-D, default 512): columns a tile of the tiled build.
+#ifndef OWN_WEIGHTS
+#define OWN_WEIGHTS 0  // 1: the engine's own weights ([N, K], per layer, through wtab), norm weights applied
                    // to the input; a stage = 8 whole rows of a K part (GR x KPART: one contiguous bulk
                    // copy, or one a row for down's parts), the weights the mma's B operand, x its A
-                   // operand held in registers for the phase;
-                   // 1: the same weights, a stage = 16 rows x KC columns, 16 one-row bulk copies issued
-                   // by 16 producer lanes (1 KB pieces stream at 3.5 TB/s, 2 KB at 4.65: docs/benchmarks.md);
-                   // 0: stream-layout copies (16 x 512 tiles), norms folded in
+                   // operand held in registers for the phase (16 one-row copies of 16 x 1024 stages
+                   // streamed 0.35-0.5 ms a step slower: docs/benchmarks.md, twentieth session);
+                   // 0: stream-layout copies (16 x 512 tiles, rows XOR-swizzled), norms folded in
 #endif
 #include "stream_common.cuh"
 
 #ifndef NSTAGE
 #define NSTAGE 4
 #endif
-#if ROWCOPY == 1
-#define ROW_STRIDE (ROW_BYTES + 16)  // padded rows: ldmatrix without bank conflicts
-#else
-#define ROW_STRIDE ROW_BYTES         // the tiles' rows are XOR-swizzled instead
-#endif
-#if ROWCOPY == 2
+#if OWN_WEIGHTS
 #define GR 8                         // weight rows a group (the mma's N); gate_up's: 8 gate and 8 up rows
 #define STAGE_BYTES (GR * KPART * 2)
 #define KW (KPART / NCW)             // a consumer warp's columns of a stage
@@ -42,7 +37,7 @@
 #define XBYTES 0                     // x lives in registers
 static_assert(KPART % (NCW * 32) == 0, "K parts of whole 32-column chunks a warp");
 #else
-#define STAGE_BYTES (ROWS * ROW_STRIDE)
+#define STAGE_BYTES (ROWS * ROW_BYTES)
 #define GROWS ROWS
 #define XS (KPART * 2 + 16)
 #define XBYTES (MR * XS)
@@ -89,7 +84,7 @@ struct Params {
   bf16* qrot;     // [MR][HQ][HD] rotated queries (phase 1 out, the attention kernel's q)
   unsigned int* counter;  // grid barrier: zero at a step's first launch, counts every phase's end
   unsigned int* gcount;   // [HID / GROWS] down parts done per row group (self-resetting)
-  const long long* wtab;  // ROWCOPY: [L][8] pointers: qkv, o, gate_up ([gate; up]), down, input norm,
+  const long long* wtab;  // OWN_WEIGHTS: [L][8] pointers: qkv, o, gate_up ([gate; up]), down, input norm,
                           // post-attention norm, q norm, k norm (the weight fields above unused)
   long long m;
   long long mode;         // bit 0: no grid waits, 1: stream and multiply only, 2 (with 1): stream only (each
@@ -114,11 +109,11 @@ __device__ __forceinline__ const bf16* wtab(const Params& P, int layer, int i) {
   return reinterpret_cast<const bf16*>(P.wtab[layer * 8 + i]);
 }
 
-// Layer `layer`'s RMSNorm weight i (4 input, 5 post-attention, 6 q, 7 k): ROWCOPY reads it from
+// Layer `layer`'s RMSNorm weight i (4 input, 5 post-attention, 6 q, 7 k): OWN_WEIGHTS reads it from
 // wtab (a global load: callers issue it before the grid barrier it does not depend on); the tiled
 // build has the input and post-attention norms folded into its weights (null) and q/k norms stacked.
 __device__ __forceinline__ const bf16* norm_weight(const Params& P, int layer, int i) {
-#if ROWCOPY
+#if OWN_WEIGHTS
   return wtab(P, layer, i);
 #else
   const bf16* stacked = i == 6 ? P.qnorm : i == 7 ? P.knorm : nullptr;
@@ -128,7 +123,7 @@ __device__ __forceinline__ const bf16* norm_weight(const Params& P, int layer, i
 
 __device__ __forceinline__ PhaseShape phase_shape(const Params& P, int layer, int p) {
   PhaseShape s;
-#if ROWCOPY
+#if OWN_WEIGHTS
   s.w = wtab(P, layer, p == 0 ? 0 : p - 1);
   s.n = p == 0 ? QKV_N : p == 3 ? 2 * INTER : HID;
   s.k = p == 2 ? QN : p == 4 ? INTER : HID;
@@ -144,19 +139,11 @@ __device__ __forceinline__ PhaseShape phase_shape(const Params& P, int layer, in
   return s;
 }
 
-// ROWCOPY 1: x's column pairs are permuted within each warp's WCOLS columns so that a lane's B
-// fragments (k = 16 ks + 2 (lane % 4) + {0, 1, 8, 9}, ks < KS) are 4 KS contiguous bytes: natural
-// pair p (columns 2p, 2p + 1) sits at pair x_pair(p), and pair q holds natural pair w_pair(q).
-// (The tiled weights' columns are permuted instead: bench_weight_stream.warp_slice_order.)
-__device__ __forceinline__ int x_pair(int p) { return 2 * KS * (p % 4) + 2 * (p / 8) + (p / 4) % 2; }
-__device__ __forceinline__ int w_pair(int q) { return 8 * ((q % (2 * KS)) / 2) + q / (2 * KS) + 4 * (q % 2); }
-
-#if ROWCOPY != 2
+#if !OWN_WEIGHTS
 // The phase input x[:m] (bf16, row stride `stride`) into shared memory, rows >= m zero; warp w
 // takes row w (MR = NCW), all its loads in flight at once. With `with_norm`, also each row's sum
-// of squares into norm[row]; with `gain` (ROWCOPY: the RMSNorm's weight), x * gain is stored.
-__device__ __noinline__ void load_x(char* smem, const bf16* src, int stride, int m, bool with_norm, const bf16* gain, int warp,
-                       int lane) {
+// of squares into norm[row] (the norms' weights are folded into the tiled weights).
+__device__ __noinline__ void load_x(char* smem, const bf16* src, int stride, int m, bool with_norm, int warp, int lane) {
   static_assert(MR == NCW && KPART % 512 == 0, "a warp a row, 8 columns a lane, in halves");
   constexpr int PER = KPART / 256 / 2;  // 16-byte loads a lane, per half of the row
   uint32_t* row = reinterpret_cast<uint32_t*>(smem + SMEM_X + warp * XS);
@@ -164,34 +151,22 @@ __device__ __noinline__ void load_x(char* smem, const bf16* src, int stride, int
   float ss = 0.f;
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
-    uint4 v[PER], gv[PER];
+    uint4 v[PER];
 #pragma unroll
     for (int i = 0; i < PER; ++i) {
       const int c = (half * PER + i) * 256 + lane * 8;
       v[i] = warp < m ? __ldcg(reinterpret_cast<const uint4*>(x + c)) : make_uint4(0, 0, 0, 0);
-      if (gain) gv[i] = __ldg(reinterpret_cast<const uint4*>(gain + c));
     }
 #pragma unroll
     for (int i = 0; i < PER; ++i) {
       const int c = (half * PER + i) * 256 + lane * 8;
-      uint32_t* w = reinterpret_cast<uint32_t*>(&v[i]);
+      const uint32_t* w = reinterpret_cast<const uint32_t*>(&v[i]);
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
-        float2 f = __bfloat1622float2(*reinterpret_cast<__nv_bfloat162*>(&w[j]));
+        const float2 f = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&w[j]));
         ss += f.x * f.x + f.y * f.y;
-        if (gain) {
-          const float2 g = __bfloat1622float2(reinterpret_cast<const __nv_bfloat162*>(&gv[i])[j]);
-          const __nv_bfloat162 r = __floats2bfloat162_rn(f.x * g.x, f.y * g.y);
-          w[j] = *reinterpret_cast<const uint32_t*>(&r);
-        }
       }
-#if ROWCOPY == 1
-      const int seg = (c - c % WCOLS) / 2, p = (c % WCOLS) / 2;
-#pragma unroll
-      for (int j = 0; j < 4; ++j) row[seg + x_pair(p + j)] = w[j];
-#else
       *reinterpret_cast<uint4*>(row + c / 2) = v[i];
-#endif
     }
   }
   if (with_norm) {
@@ -206,7 +181,7 @@ __device__ __noinline__ void load_x(char* smem, const bf16* src, int stride, int
 // RMSNorm's 1 / rms of input row m from the sums of squares load_x (one a row) or load_xfrag (a
 // part a warp, added in warp order) left in norm.
 __device__ __forceinline__ float row_rsqrt(const float* norm, int m, float eps) {
-#if ROWCOPY == 2
+#if OWN_WEIGHTS
   float ss = 0.f;
   for (int w = 0; w < NCW; ++w) ss += norm[w * MR + m];
   return rsqrtf(ss / HID + eps);
@@ -332,16 +307,12 @@ __device__ __forceinline__ void tile_mma(float (&acc)[4], uint32_t st, uint32_t 
   for (int ks = 0; ks < KS; ++ks) {
     const int chunk = warp * (WCOLS / 8) + 2 * ks + lane / 16;  // this lane's 16-byte chunk of the row
     uint32_t a0, a1, a2, a3;
-#if ROWCOPY == 1
-    ldmatrix_x4(st + arow * ROW_STRIDE + chunk * 16, a0, a1, a2, a3);
-#else
     ldmatrix_x4(st + arow * ROW_BYTES + ((chunk ^ (arow & 7)) * 16), a0, a1, a2, a3);
-#endif
     mma(acc, a0, a1, a2, a3, xb[ks][0], xb[ks][1]);
   }
 }
 
-#if ROWCOPY == 2
+#if OWN_WEIGHTS
 // The phase input x[:m] (bf16, row stride `stride`, rows >= m zero) as this lane's mma A fragments:
 // lane (g, t) of warp w holds row g's 16-byte chunks w * KW + 8 (4 j + t) (j < XJ), two k-steps
 // each ({a0, a2} of k-step 2j, then of 2j + 1; rows 8-15 of A are zero). group_mma reads the
@@ -427,10 +398,10 @@ extern "C" __global__ void __launch_bounds__((NCW + 1) * 32, 1) decode_stream(in
   ring_init(full, NSTAGE);
 
   if (warp == NCW) {  // producer
-#if ROWCOPY == 0
+#if !OWN_WEIGHTS
     if (lane != 0) return;
 #endif
-    // phases with weights (p != 1); each one's shape (ROWCOPY: a pointer load) read while the
+    // phases with weights (p != 1); each one's shape (OWN_WEIGHTS: a pointer load) read while the
     // previous one streams
     auto weight_phase = [](int phase) { return phase + (phase % 5 == 1); };
     int it = 0, phase = weight_phase(phase_begin);
@@ -438,12 +409,10 @@ extern "C" __global__ void __launch_bounds__((NCW + 1) * 32, 1) decode_stream(in
     if (phase < phase_end) next = phase_shape(P, phase / 5, phase % 5);
     while (phase < phase_end) {
       const PhaseShape s = next;
-      const int p = phase % 5, following = weight_phase(phase + 1);
+      const int following = weight_phase(phase + 1);
       if (following < phase_end) next = phase_shape(P, following / 5, following % 5);
-#if ROWCOPY == 2
-      produce_phase_groups(ring, full, s, p == 3, it);
-#elif ROWCOPY == 1
-      produce_phase_rows(ring, full, NSTAGE, STAGE_BYTES, ROW_STRIDE, s, CHUNKS, p == 3 ? INTER : 0, it);
+#if OWN_WEIGHTS
+      produce_phase_groups(ring, full, s, phase % 5 == 3, it);
 #else
       produce_phase(ring, full, NSTAGE, STAGE_BYTES, s, CHUNKS, it);
 #endif
@@ -455,7 +424,7 @@ extern "C" __global__ void __launch_bounds__((NCW + 1) * 32, 1) decode_stream(in
   const int no_grid_wait = P.mode & 1, stream_only = P.mode & 2, no_mma = stream_only && (P.mode & 4);
   const int m = (int)P.m;
   float* red = reinterpret_cast<float*>(smem + SMEM_RED);
-#if ROWCOPY == 2
+#if OWN_WEIGHTS
   uint32_t xa[XJ][4] = {};
 #else
   // this lane's B fragments of chunk c: x[lane / 4][c * KC + warp * WCOLS + 4 KS (lane % 4) .. + 4 KS]
@@ -464,7 +433,7 @@ extern "C" __global__ void __launch_bounds__((NCW + 1) * 32, 1) decode_stream(in
   int it = 0;
   for (int phase = phase_begin; phase < phase_end; ++phase) {
       const int layer = phase / 5, p = phase % 5;
-      // the phase's norm weights (ROWCOPY: global loads), issued before the barrier: the input's
+      // the phase's norm weights (OWN_WEIGHTS: global loads), issued before the barrier: the input's
       // (p 0, 3; null when folded into the weights), or q's and k's (p 1)
       const bf16* norm = p == 2 || p == 4 ? nullptr : norm_weight(P, layer, p == 0 ? 4 : p == 3 ? 5 : 6);
       const bf16* knorm = p == 1 ? norm_weight(P, layer, 7) : nullptr;
@@ -483,13 +452,13 @@ extern "C" __global__ void __launch_bounds__((NCW + 1) * 32, 1) decode_stream(in
         else if (p == 2) { src = P.attn; stride = QN; }
         else { src = P.h + part * KPART; stride = INTER; }
         const bool with_norm = (p == 0 || p == 3) && !(P.mode & 8);
-#if ROWCOPY == 2
+#if OWN_WEIGHTS
         load_xfrag(xa, reinterpret_cast<float*>(smem + SMEM_NORM), src, stride, m, with_norm, norm, warp, lane);
 #else
-        load_x(smem, src, stride, m, with_norm, norm, warp, lane);
+        load_x(smem, src, stride, m, with_norm, warp, lane);
 #endif
       }
-#if ROWCOPY == 2
+#if OWN_WEIGHTS
       for (int g = g0; g < g1; ++g) {
         float acc[2][4] = {};
 #pragma unroll
