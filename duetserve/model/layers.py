@@ -170,19 +170,6 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return F.linear(x, weight, bias)
 
 
-def gated_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """SwiGLU's down projection ``silu(gate) * up @ weight^T + bias`` of ``x = [gate | up]`` ``[..., 2K]``
-    (``weight`` ``[N, K]``): where ``use_decode_gemm`` says so one Triton decode GEMM that computes the
-    gate as it loads ``x`` (the same values as the two kernels), else ``silu_and_mul`` then ``linear``.
-
-    Returns:
-        ``[..., N]`` in x's dtype.
-    """
-    if use_decode_gemm(x, weight):
-        return _gemm_kernels().decode_gemm(x, weight, bias, gated=True)
-    return linear(silu_and_mul(x), weight, bias)
-
-
 class Linear(nn.Linear):
     """``nn.Linear`` computed by ``linear``: cuBLAS, or the Triton decode GEMM (``DUETSERVE_DECODE_GEMM``)."""
 
@@ -216,8 +203,7 @@ class MergedLinear(Linear):
 
 
 class SwiGLU(nn.Module):
-    """Gated MLP ``down(silu(gate(x)) * up(x))`` (Shazeer 2020), gate and up as one GEMM, the gate
-    applied by ``gated_linear`` (inside the down projection's decode GEMM where that runs).
+    """Gated MLP ``down(silu(gate(x)) * up(x))`` (Shazeer 2020), gate and up as one GEMM.
 
     ``x``: ``[T, hidden]``; ``gate_up_proj`` gives ``[T, 2 * intermediate]``.
     """
@@ -229,5 +215,4 @@ class SwiGLU(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``[T, hidden]`` -> ``[T, hidden]``."""
-        down = self.down_proj
-        return gated_linear(self.gate_up_proj(x), down.weight, down.bias)
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))

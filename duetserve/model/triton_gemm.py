@@ -111,26 +111,19 @@ def _load_w(rows, offs_k, n_ok, k):
 
 
 @triton.jit
-def _load_xt(x_ptr, stride_xm, offs_m, m_ok, offs_k, k, GATED: tl.constexpr):
-    """``x[:, offs_k]^T``: the ``[BLOCK_K, BLOCK_M]`` right operand (rows past ``m`` zero). ``GATED``:
-    ``x`` is ``[gate | up]`` (``2k`` columns) and the operand is ``silu(gate) * up`` at ``offs_k``,
-    rounded as ``triton_fused.silu_and_mul`` rounds (silu, then the product, to x's dtype)."""
-    ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :]
-    mask = m_ok[:, None] & (offs_k < k)[None, :]
-    x = tl.load(ptrs, mask=mask, other=0.0)
-    if GATED:
-        g = x.to(tl.float32)
-        act = (g / (1.0 + tl.exp(-g))).to(x.dtype).to(tl.float32)
-        x = (act * tl.load(ptrs + k, mask=mask, other=0.0).to(tl.float32)).to(x.dtype)
+def _load_xt(x_ptr, stride_xm, offs_m, m_ok, offs_k, k):
+    """``x[:, offs_k]^T``: the ``[BLOCK_K, BLOCK_M]`` right operand (rows past ``m`` zero)."""
+    x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :], mask=m_ok[:, None] & (offs_k < k)[None, :],
+                other=0.0)
     return tl.trans(x)
 
 
 @triton.jit(do_not_specialize=["m"])
 def _gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, m, n, k, stride_xm, stride_wn, stride_ym,
-                 HAS_BIAS: tl.constexpr, GATED: tl.constexpr, PDL: tl.constexpr, BLOCK_M: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HEAD_K: tl.constexpr):
+                 HAS_BIAS: tl.constexpr, PDL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr, HEAD_K: tl.constexpr):
     """Program ``p``, columns ``c = p*BLOCK_N ..`` of ``n``: ``y[:, c] = x @ w[c, :]^T (+ b[c])``, float32
-    accumulation (``GATED``: ``silu(gate) * up`` of ``x = [gate | up]`` in place of ``x``)."""
+    accumulation."""
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < n
     offs_m = tl.arange(0, BLOCK_M)
@@ -141,11 +134,11 @@ def _gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, m, n, k, stride_xm, stride_wn, stri
     if PDL:
         gdc_wait()  # everything above reads weights only
         gdc_launch_dependents()
-    x_head = _load_xt(x_ptr, stride_xm, offs_m, m_ok, offs_h, k, GATED)
+    x_head = _load_xt(x_ptr, stride_xm, offs_m, m_ok, offs_h, k)
     acc = tl.dot(w_head, x_head)
     for k0 in range(HEAD_K, k, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
-        acc += tl.dot(_load_w(w_rows, offs_k, n_ok, k), _load_xt(x_ptr, stride_xm, offs_m, m_ok, offs_k, k, GATED))
+        acc += tl.dot(_load_w(w_rows, offs_k, n_ok, k), _load_xt(x_ptr, stride_xm, offs_m, m_ok, offs_k, k))
     if HAS_BIAS:
         acc += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
     y = y_ptr + offs_m[None, :] * stride_ym + offs_n[:, None]
@@ -153,18 +146,14 @@ def _gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, m, n, k, stride_xm, stride_wn, stri
 
 
 def decode_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                config: GemmConfig | None = None, gated: bool = False) -> torch.Tensor:
+                config: GemmConfig | None = None) -> torch.Tensor:
     """``x @ weight^T + bias`` for a decode batch, one launch (see the module docstring).
 
     Args:
-        x: ``[M, K]`` (``gated``: ``[M, 2K]``), ``1 <= M <= MAX_M``, bfloat16 or float16, last dim
-            contiguous (row stride free).
+        x: ``[M, K]``, ``1 <= M <= MAX_M``, bfloat16 or float16, last dim contiguous (row stride free).
         weight: ``[N, K]`` in x's dtype, last dim contiguous.
         bias: ``[N]`` in x's dtype, or None.
         config: tiles and launch parameters (default ``default_config(N, K)``).
-        gated: ``x`` is SwiGLU's ``[gate | up]`` and the GEMM takes ``silu(gate) * up`` as its input,
-            computed as it loads ``x``: the result equals ``decode_gemm(silu_and_mul(x), weight)``
-            bit for bit, without the SiLU-and-mul kernel between the two GEMMs.
 
     Returns:
         ``[M, N]`` in x's dtype: float32 accumulation, rounded once after the bias.
@@ -175,8 +164,8 @@ def decode_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     if x.dim() != 2 or weight.dim() != 2:
         raise ValueError(f"x and weight must be 2-D, got {tuple(x.shape)} and {tuple(weight.shape)}")
     m, n, k = x.shape[0], weight.shape[0], weight.shape[1]
-    if x.shape[1] != (2 * k if gated else k):
-        raise ValueError(f"x {tuple(x.shape)} does not fit weight {tuple(weight.shape)}{' (gated)' if gated else ''}")
+    if x.shape[1] != k:
+        raise ValueError(f"x {tuple(x.shape)} does not fit weight {tuple(weight.shape)}")
     if not 1 <= m <= MAX_M:
         raise ValueError(f"decode_gemm takes 1 to {MAX_M} rows, got {m}")
     if x.dtype not in DTYPES or weight.dtype != x.dtype or (bias is not None and bias.dtype != x.dtype):
@@ -193,7 +182,7 @@ def decode_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     pdl = pdl_supported(x)
     _gemm_kernel[(triton.cdiv(n, cfg.block_n),)](
         x, weight, bias if bias is not None else weight, y, m, n, k, x.stride(0), weight.stride(0), y.stride(0),
-        HAS_BIAS=bias is not None, GATED=gated, PDL=pdl, BLOCK_M=BLOCK_M,
+        HAS_BIAS=bias is not None, PDL=pdl, BLOCK_M=BLOCK_M,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, HEAD_K=cfg.head_k, num_warps=cfg.num_warps,
         num_stages=cfg.num_stages, launch_pdl=pdl)
     return y
