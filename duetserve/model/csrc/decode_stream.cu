@@ -20,7 +20,7 @@
                    // to the input; a stage = 8 whole rows of a K part (GR x KPART: one contiguous bulk
                    // copy, or one a row for down's parts), the weights the mma's B operand, x its A
                    // operand held in registers for the phase (16 one-row copies of 16 x 1024 stages
-                   // streamed 0.35-0.5 ms a step slower: docs/benchmarks.md, twentieth session);
+                   // ran 0.37-0.53 ms a step slower: docs/benchmarks.md, twentieth session);
                    // 0: stream-layout copies (16 x 512 tiles, rows XOR-swizzled), norms folded in
 #endif
 #include "stream_common.cuh"
