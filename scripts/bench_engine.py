@@ -2,7 +2,9 @@
 
 Decode: batch 1/8/32/64/128 x context 512/2048/8192, with CUDA graphs and eagerly, against
 the floor ``bytes(weights + KV read) / 4.19 TB/s`` (docs/design.md section 5's measured copy rate).
-Prefill: 8192 tokens as 1 x 8192 and 8 x 1024, TFLOP/s over useful (causal) FLOPs against
+Every request samples at temperature 1 (the API's default); on CUDA the 8-step decode is also timed
+with the torch sampler in place of the race kernel (``multi_step_torch_sampler_ms``, the column
+``torch-smp``). Prefill: 8192 tokens as 1 x 8192 and 8 x 1024, TFLOP/s over useful (causal) FLOPs against
 797 TFLOP/s. ``graphs`` runs the engine's default (in the decode graphs, the Triton decode GEMM
 for batches of up to ``triton_gemm.MAX_M`` rows on weights of up to ``triton_gemm.MAX_N`` rows, and
 programmatic dependent launch; ``layers``), ``eager`` runs without graphs (cuBLAS, plain launches);
@@ -85,8 +87,15 @@ def run_variant(eager: bool, backend: str, iters: int, decode_stream: bool = Fal
                 floor = (wbytes + batch * ctx * kv_per_token) / COPY_BW
                 row.update(ms=t * 1e3, floor_ms=floor * 1e3, ratio=t / floor)
                 # --num-decode-steps: steps queued one behind the other, the host work overlapped
-                t = time_step(engine, SchedulerOutput(seqs, [], Plan(k=MULTI_STEP), []), iters) / MULTI_STEP
+                multi = SchedulerOutput(seqs, [], Plan(k=MULTI_STEP), [])
+                t = time_step(engine, multi, iters) / MULTI_STEP
                 row.update(multi_step_ms=t * 1e3, multi_step_ratio=t / floor)
+                if engine.sampler.race:  # the same steps sampled by the torch path, side by side
+                    engine.sampler.race = False
+                    try:
+                        row["multi_step_torch_sampler_ms"] = time_step(engine, multi, iters) / MULTI_STEP * 1e3
+                    finally:
+                        engine.sampler.race = True
             except Exception as exc:  # keep going: report the failure in the table
                 row["error"] = repr(exc)
             results["decode"].append(row)
@@ -137,7 +146,7 @@ def main() -> int:
     print(f"\ndecode step, ms (graphs recorded: {base['graphs']}); floor = bytes(weights+KV)/4.19 TB/s; "
           f"then each other variant's ms, ratio and 8-step ratio ({', '.join(others) or 'none'})")
     print(f"{'batch':>5} {'ctx':>5} {'graphs':>8} {'eager':>8} {'floor':>7} {'ratio':>6} {'speedup':>7} "
-          f"{'8-step/step':>11} {'ratio':>6}" + "".join(f" {v[-8:]:>8} {'ratio':>6} {'8-step':>6}" for v in others))
+          f"{'8-step/step':>11} {'ratio':>6} {'torch-smp':>9}" + "".join(f" {v[-8:]:>8} {'ratio':>6} {'8-step':>6}" for v in others))
     for r in base["decode"]:
         key = (r["batch"], r["ctx"])
         e, rest = eager.get(key, nan), [o.get(key, nan) for o in others.values()]
@@ -146,7 +155,8 @@ def main() -> int:
             print(f"{r['batch']:>5} {r['ctx']:>5} ERROR {bad[0][:70]}")
             continue
         print(f"{r['batch']:>5} {r['ctx']:>5} {r['ms']:8.2f} {e['ms']:8.2f} {r['floor_ms']:7.2f} {r['ratio']:6.2f} "
-              f"{e['ms'] / r['ms']:7.2f} {r['multi_step_ms']:11.2f} {r['multi_step_ratio']:6.2f}"
+              f"{e['ms'] / r['ms']:7.2f} {r['multi_step_ms']:11.2f} {r['multi_step_ratio']:6.2f} "
+              f"{r.get('multi_step_torch_sampler_ms', float('nan')):9.2f}"
               + "".join(f" {t['ms']:8.2f} {t['ratio']:6.2f} {t['multi_step_ratio']:6.2f}" for t in rest))
     print("\nprefill (graphs build)")
     for r in base["prefill"]:

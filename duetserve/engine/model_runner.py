@@ -30,6 +30,7 @@ from duetserve.model.attention import AttentionMetadata
 from duetserve.model.decoder import CausalLM
 from duetserve.partition import PartitionBackend
 from duetserve.planner.optimizer import STEP_START_SHARE, executed_steps
+from duetserve.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -250,7 +251,8 @@ class ModelRunner:
         0, 1 and 2 decodes give all three alignments those slices can have (``context_lens``
         with ``query_start_loc`` aligned iff ``nd % 4 == 0``; the block tables iff ``nd * width % 4
         == 0``). Compiled on first use instead, each variant held an iteration for 0.8-1.2 s on
-        the H200 (docs/benchmarks.md, fourteenth session)."""
+        the H200 (docs/benchmarks.md, fourteenth session). The sampler's race kernel, where it
+        samples, compiles here too."""
         block = self.scratch_slot // self.block_size
         i32 = {"dtype": torch.int32, "device": self.device}
         for nd in range(3):
@@ -263,7 +265,10 @@ class ModelRunner:
             positions = torch.tensor([0] * nd + [0, 1], dtype=torch.int64, device=self.device)
             hidden = self.model(torch.zeros(nd + 2, dtype=torch.int64, device=self.device), positions,
                                 self.kv_caches, meta)
-            self.model.compute_logits(hidden[-1:])
+            logits = self.model.compute_logits(hidden[-1:])
+        if self.sampler.race:  # the race kernel compiles here, not in the first request's step
+            self.sampler.sample(logits, self.sampler.prepare([-1], [SamplingParams()], logits.shape[-1]), positions[-1:])
+            self.sampler.release(-1)
 
     def execute(self, out: SchedulerOutput) -> Iterator[Sampled]:
         """Launch ``out`` and return an iterator over its sampled tokens, part by part. A
@@ -571,12 +576,15 @@ class ModelRunner:
         n = inputs.input_ids.shape[0]
         decode_only = inputs.meta.num_decodes == n
         if decode_only and graphs is not None and graphs.bucket(n):
-            return self.sampler.sample(graphs.run(inputs.input_ids, inputs.positions, inputs.meta), inputs.sampling)
+            return self.sampler.sample(graphs.run(inputs.input_ids, inputs.positions, inputs.meta), inputs.sampling,
+                                       inputs.positions)
         return self._head(self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta), inputs)
 
     def _head(self, hidden: torch.Tensor, inputs: StepInputs) -> torch.Tensor:
         """Sampled tokens ``[n]`` (int64, on the device) from the final-normed hidden states
         ``[tokens, hidden]`` of the whole batch: its sampled rows, the LM head, the sampler."""
+        positions = inputs.positions
         if inputs.sample_rows is not None:
             hidden = hidden.index_select(0, inputs.sample_rows)
-        return self.sampler.sample(self.model.compute_logits(hidden), inputs.sampling)
+            positions = positions.index_select(0, inputs.sample_rows) if inputs.sampling.race is not None else None
+        return self.sampler.sample(self.model.compute_logits(hidden), inputs.sampling, positions)
