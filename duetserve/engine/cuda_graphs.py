@@ -111,7 +111,7 @@ class DecodeGraphs:
         return next((b for b in self.buckets if b >= n), None) if self.graphs else None
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """Replay the decode step for ``n`` rows; returns logits ``[n, vocab]`` (float32, a view of a static buffer).
+        """Replay the decode step for ``n`` rows; returns logits ``[n, vocab]`` (the model's dtype, a view of a static buffer).
 
         Raises:
             ValueError: ``n`` is larger than the largest bucket.

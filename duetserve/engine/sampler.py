@@ -133,7 +133,8 @@ class Sampler:
                              [self.generator_for(seq_ids[i], params[i]) for i in rows], race)
 
     def sample(self, logits: torch.Tensor, batch: SamplingBatch, positions: torch.Tensor | None = None) -> torch.Tensor:
-        """Token ids ``[n]`` (int64, on the device) from ``logits`` ``[n, vocab]`` (float32).
+        """Token ids ``[n]`` (int64, on the device) from ``logits`` ``[n, vocab]`` (float32, bf16 or fp16;
+        the random rows are sampled in float32).
 
         ``positions``: ``[n]`` int64, the position of the token each row samples from, which keys
         the race kernel's draws (``batch.race``).
@@ -149,7 +150,7 @@ class Sampler:
             out = logits.argmax(dim=-1)
         if batch.rows is None:
             return out
-        sub = logits.index_select(0, batch.rows) / batch.temperature
+        sub = logits.index_select(0, batch.rows).float() / batch.temperature
         if batch.top_k is not None:
             kth = sub.sort(dim=-1, descending=True).values.gather(1, (batch.top_k - 1)[:, None])
             sub = sub.masked_fill(sub < kth, float("-inf"))
