@@ -1,9 +1,6 @@
 """Token sampling on the device: greedy, temperature, top-k, top-p, per-request seeds."""
 from __future__ import annotations
 
-import functools
-import importlib
-import logging
 from dataclasses import dataclass
 from types import ModuleType
 
@@ -11,20 +8,13 @@ import numpy as np
 import torch
 
 from duetserve.engine.upload import upload
-from duetserve.model.fused_ops import FUSED_ENV, fused_mode
+from duetserve.model.fused_ops import FUSED_ENV, fused_mode, triton_module
 from duetserve.sampling import SamplingParams
 
-log = logging.getLogger(__name__)
 
-
-@functools.cache
 def _kernels() -> ModuleType | None:
-    """``duetserve.engine.triton_sampler``, or None where triton does not import (logged once)."""
-    try:
-        return importlib.import_module("duetserve.engine.triton_sampler")
-    except ImportError as exc:
-        log.warning("the Triton sampler is unavailable, sampling with torch (%s)", exc)
-        return None
+    """``duetserve.engine.triton_sampler`` (``fused_ops.triton_module``)."""
+    return triton_module("duetserve.engine.triton_sampler", "sampling with torch")
 
 
 def use_race_kernel(device: torch.device) -> bool:

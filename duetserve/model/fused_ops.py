@@ -29,13 +29,19 @@ FUSED_ENV = "DUETSERVE_FUSED"
 
 
 @functools.cache
-def _kernels() -> ModuleType | None:
-    """The Triton kernel module, or None where triton does not import (logged once)."""
+def triton_module(name: str, instead: str) -> ModuleType | None:
+    """Import the Triton kernel module ``name`` on first use, or None where triton does not import
+    (logged once, saying what runs ``instead``)."""
     try:
-        return importlib.import_module("duetserve.model.triton_fused")
+        return importlib.import_module(name)
     except ImportError as exc:
-        log.warning("fused Triton ops unavailable, using torch (%s)", exc)
+        log.warning("%s unavailable (%s); %s", name, exc, instead)
         return None
+
+
+def _kernels() -> ModuleType | None:
+    """The fused ops' Triton kernels (``triton_module``)."""
+    return triton_module("duetserve.model.triton_fused", "the fused ops run their torch references")
 
 
 def fused_mode() -> str:

@@ -19,8 +19,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import importlib
-import logging
 import os
 import threading
 from collections.abc import Iterator
@@ -30,10 +28,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from duetserve.model.fused_ops import apply_rope_and_cache, rms_norm, silu_and_mul
+from duetserve.model.fused_ops import apply_rope_and_cache, rms_norm, silu_and_mul, triton_module
 
 DECODE_GEMM_ENV = "DUETSERVE_DECODE_GEMM"
-log = logging.getLogger(__name__)
 
 
 class RMSNorm(nn.Module):
@@ -128,15 +125,10 @@ def graph_kernels_enabled() -> bool:
     return getattr(_recording, "on", False) and decode_gemm_mode() == "triton"
 
 
-@functools.cache
 def _gemm_kernels() -> ModuleType | None:
-    """``duetserve.model.triton_gemm`` (imported on first use: it needs triton), or None where triton
-    does not import (logged once; the layers then stay on cuBLAS, as ``fused_ops`` stays on torch)."""
-    try:
-        return importlib.import_module("duetserve.model.triton_gemm")
-    except ImportError as exc:
-        log.warning("Triton decode GEMM unavailable, linear layers stay on cuBLAS (%s)", exc)
-        return None
+    """``duetserve.model.triton_gemm`` (``fused_ops.triton_module``: imported on first use, as it
+    needs triton)."""
+    return triton_module("duetserve.model.triton_gemm", "linear layers stay on cuBLAS")
 
 
 def use_decode_gemm(x: torch.Tensor, weight: torch.Tensor) -> bool:
