@@ -24,7 +24,7 @@ step() {  # name, timeout seconds, command...
   python3 -c 'import torch, triton, transformers; print("torch", torch.__version__, "triton", triton.__version__, "transformers", transformers.__version__)'
   bash scripts/tree_id.sh; } | tee "$OUT/env.txt"
 step tests 420 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu_engine.py tests/test_gpu_spatial.py \
-  tests/test_partition.py tests/test_triton_attention.py tests/test_fused_ops.py tests/test_triton_gemm.py tests/test_calibrate.py tests/test_decode_stream.py
+  tests/test_partition.py tests/test_triton_attention.py tests/test_fused_ops.py tests/test_triton_gemm.py tests/test_calibrate.py tests/test_decode_stream.py tests/test_triton_sampler.py
 step core-tests 300 python3 -m pytest -q -rP -m gpu -p no:cacheprovider tests/test_gpu_engine.py tests/test_gpu_spatial.py \
   tests/test_partition.py tests/test_fused_ops.py tests/test_triton_gemm.py
 step attention 300 python3 scripts/bench_attention.py --out "$OUT/attention.json" ${ATTENTION_ARGS:-}
