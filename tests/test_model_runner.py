@@ -175,6 +175,29 @@ def test_warm_up_writes_only_the_scratch_block_and_covers_the_prefill_slice_alig
         assert not torch.equal(k[16], k0[16])  # the 2-token prefill's keys went to the scratch slot
 
 
+def test_warm_up_samples_once_with_the_race_kernel_on_aligned_positions(tiny_qwen3_folder):
+    """Where the sampler runs the race kernel, ``warm_up`` samples one row through it with
+    positions at a 16-byte aligned address, as every step's are (Triton compiles a kernel per
+    pointer alignment: a slice 24 bytes into a tensor compiled a variant no step used), and
+    releases the seed it drew."""
+    from duetserve.config import EngineConfig
+    from duetserve.engine.engine import LLMEngine
+
+    runner = LLMEngine(EngineConfig(model=str(tiny_qwen3_folder), num_kv_blocks=16, block_size=8,
+                                    partition_backend="none")).runner
+    calls = []
+
+    def spy(logits, batch, positions=None):
+        calls.append((logits.shape[0], batch.race is not None, positions.tolist(),
+                      positions.data_ptr() % 16 == 0))
+        return torch.zeros(logits.shape[0], dtype=torch.int64)
+
+    runner.sampler.race, runner.sampler.sample = True, spy
+    runner.warm_up()
+    assert calls == [(1, True, [1], True)]
+    assert runner.sampler._seeds == {}
+
+
 def test_stream_timers_end_gap_is_the_time_between_end_marks():
     """``_StreamTimers.end_gap``: seconds from one stream's end mark to another's, from the events'
     ``elapsed_time`` (ms); None unless both streams were marked. Stand-in events at fixed

@@ -60,10 +60,27 @@ def test_a_draw_depends_only_on_the_seed_and_the_position():
     assert len(set(seeds)) > 50  # and for every seed
 
 
+def test_every_column_draws_its_own_number_across_quarters_and_tiles():
+    """Eight columns with equal logits, one at the same offset in each quarter of two tiles: each
+    wins about an eighth of the draws. Had two of them shared a Philox output (a quarter reusing
+    another's, or a tile another tile's counter), their keys would tie every time and the later
+    column would never win."""
+    n, offset, quarter = 320, 100, ts.TILE // 4
+    columns = [tile * ts.TILE + q * quarter + offset for tile in (0, 1) for q in range(4)]
+    logits = torch.full((n, 2 * ts.TILE), float("-inf"))
+    logits[:, columns] = 0.0
+    wins = torch.tensor(race(logits, [1.0] * n, list(range(n)), [9] * n))
+    counts = [(wins == c).sum().item() for c in columns]
+    assert sum(counts) == n and min(counts) >= 20, counts  # 40 expected each
+
+
 def test_bad_shapes_are_refused():
     with pytest.raises(ValueError, match="seeds must be"):
         ts.race_sample(torch.zeros(2, 10), torch.ones(2), torch.ones(3, dtype=torch.int64),
                        torch.ones(2, dtype=torch.int64))
+    with pytest.raises(ValueError, match="positions must be"):
+        ts.race_sample(torch.zeros(2, 10), torch.ones(2), torch.ones(2, dtype=torch.int64),
+                       torch.ones(2, dtype=torch.int32))
     with pytest.raises(ValueError, match="contiguous"):
         ts.race_sample(torch.zeros(10, 2).t(), torch.ones(2), torch.ones(2, dtype=torch.int64),
                        torch.ones(2, dtype=torch.int64))

@@ -266,8 +266,10 @@ class ModelRunner:
             hidden = self.model(torch.zeros(nd + 2, dtype=torch.int64, device=self.device), positions,
                                 self.kv_caches, meta)
             logits = self.model.compute_logits(hidden[-1:])
-        if self.sampler.race:  # the race kernel compiles here, not in the first request's step
-            self.sampler.sample(logits, self.sampler.prepare([-1], [SamplingParams()], logits.shape[-1]), positions[-1:])
+        if self.sampler.race:  # the race kernel compiles here, not in the first request's step; Triton
+            # compiles a variant per pointer alignment, and the steps' positions are 16-byte aligned
+            aligned = positions[-1:].clone()
+            self.sampler.sample(logits, self.sampler.prepare([-1], [SamplingParams()], logits.shape[-1]), aligned)
             self.sampler.release(-1)
 
     def execute(self, out: SchedulerOutput) -> Iterator[Sampled]:

@@ -20,7 +20,7 @@ def _kernels() -> ModuleType | None:
 def use_race_kernel(device: torch.device) -> bool:
     """Whether a ``Sampler`` on ``device`` samples with the Triton race kernel: on CUDA where triton
     imports; ``DUETSERVE_FUSED`` (``duetserve.model.fused_ops``) 0 never, 1 always (on a CPU only
-    under ``TRITON_INTERPRET=1``, for tests).
+    under ``TRITON_INTERPRET=1``, for tests). A ``Sampler`` reads this once, when it is built.
 
     Raises:
         ValueError: a ``DUETSERVE_FUSED`` other than 0, 1, auto.
@@ -107,7 +107,9 @@ class Sampler:
         current stream; call before launching the steps that use them)."""
         race = None
         if self.race and any(not p.greedy for p in params):
-            (temps,) = upload([[0.0 if p.greedy else p.temperature for p in params]], torch.float32, self.device)
+            # rows the torch path samples (top-k, top-p) take the kernel's cheaper argmax, then are overwritten
+            (temps,) = upload([[0.0 if p.greedy or 0 < p.top_k < vocab_size or p.top_p < 1.0 else p.temperature
+                                for p in params]], torch.float32, self.device)
             (seeds,) = upload([[self.seed_for(i, p) for i, p in zip(seq_ids, params)]], torch.int64, self.device)
             race = (temps, seeds)
         rows = [i for i, p in enumerate(params)

@@ -1,10 +1,11 @@
 """Temperature sampling of a whole logits matrix in two Triton launches (the Gumbel-max race).
 
-A row with temperature ``t > 0`` takes ``argmax(z / t + G)``, ``G = -log(-log U)`` a standard
-Gumbel draw per vocabulary entry: the token of the exponential race ``argmax(p / E)`` of
-``duetserve.engine.sampler`` (``E = -log U``), written with ``G = -log E``, which picks token ``i``
-with probability ``softmax(z / t)_i`` (Gumbel 1954; the "Gumbel-max trick", e.g. Maddison et al.
-2014). A row with ``t == 0`` takes ``argmax(z)``, the lowest index among equal maxima, like
+A row with temperature ``t > 0`` takes ``argmax(z / t + G)``, ``G = -log E`` a standard Gumbel
+draw per vocabulary entry (``E ~ Exp(1)``): the token of the exponential race ``argmax(p / E)`` of
+``duetserve.engine.sampler``, which picks token ``i`` with probability ``softmax(z / t)_i``
+(Gumbel 1954; the "Gumbel-max trick", e.g. Maddison et al. 2014). ``E = -log(1 - u)`` for a
+uniform ``u``, computed from ``u``'s small end (a series below 0.01), so the smallest draws, which
+decide the race, keep 31 bits of resolution. A row with ``t == 0`` takes ``argmax(z)``, the lowest index among equal maxima, like
 ``torch.argmax``.
 
 ``U`` comes from Philox-4x32-10 (Salmon et al. 2011, Triton's ``tl.philox``) keyed by the row's
@@ -44,7 +45,12 @@ def _quarter(src, cols, vocab, t, r, best_key, best_col, RACE: tl.constexpr):
     ``z / t`` plus the Gumbel draw made from the Philox outputs ``r``, else ``z``."""
     z = tl.load(src + cols, mask=cols < vocab, other=float("-inf")).to(tl.float32)
     if RACE:
-        z = z / t - tl.log(-tl.log(tl.uint_to_uniform_float(r)))
+        # E = -log(1 - u) ~ Exp(1), taken from u's small end, where u keeps its resolution: the smallest
+        # E decide the race (as -log(U) of a U near 1, float32 would round them to steps of 6e-8 and
+        # tie them). A u of 0 (odds 2^-31) counts as half a step.
+        u = tl.maximum(tl.uint_to_uniform_float(r), 2.3283064e-10)
+        e = tl.where(u < 0.01, u * (1.0 + u * (0.5 + u * (0.33333334 + u * 0.25))), -tl.log(1.0 - u))
+        z = z / t - tl.log(e)
     key = tl.max(z, axis=0)
     return _best(key, tl.min(tl.where(z == key, cols, 2147483647), axis=0), best_key, best_col)
 
@@ -103,14 +109,16 @@ def race_sample(logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.Te
         ``[n]`` int64 token ids, on the logits' device.
 
     Raises:
-        ValueError: shapes that do not match, or a logits row that is not contiguous.
+        ValueError: shapes, dtypes or devices that do not match, or a logits row that is not contiguous.
     """
     n, vocab = logits.shape
     if logits.stride(1) != 1:
         raise ValueError("race_sample needs the logits' last dimension contiguous")
-    for name, t in (("temperature", temperature), ("seeds", seeds), ("positions", positions)):
-        if t.shape != (n,):
-            raise ValueError(f"race_sample: {name} must be [{n}], got {list(t.shape)}")
+    for name, t, dtype in (("temperature", temperature, torch.float32), ("seeds", seeds, torch.int64),
+                           ("positions", positions, torch.int64)):
+        if t.shape != (n,) or t.dtype != dtype or t.device != logits.device:
+            raise ValueError(f"race_sample: {name} must be [{n}] {dtype} on {logits.device}, "
+                             f"got {list(t.shape)} {t.dtype} on {t.device}")
     tiles = triton.cdiv(vocab, TILE)
     keys = torch.empty(n, tiles, dtype=torch.float32, device=logits.device)
     cols = torch.empty(n, tiles, dtype=torch.int32, device=logits.device)
