@@ -44,8 +44,9 @@ class SamplingBatch:
         top_k: ``[m]`` int64 (vocab size where disabled), or None if no row uses top-k.
         top_p: ``[m, 1]`` float32, or None if no row uses top-p.
         generators: ``m`` generators (a seeded request has its own).
-        race: the race kernel's ``([n] float32 temperatures, 0 for greedy rows; [n] int64 seeds)``
-            for all rows (``use_race_kernel``), or None (greedy rows take ``torch.argmax``).
+        race: the race kernel's ``([n] float32 temperatures, 0 (the argmax) for greedy rows and for
+            ``rows``; [n] int64 seeds)`` for all rows (``use_race_kernel``), or None (greedy rows
+            take ``torch.argmax``).
     """
 
     rows: torch.Tensor | None
