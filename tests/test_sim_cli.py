@@ -81,6 +81,17 @@ def test_prediction_error_changes_the_run_and_the_seed_repeats_it(tmp_path, caps
     assert noisy[0]["mean_ttft_ms"] != exact[0]["mean_ttft_ms"]
 
 
+def test_num_decode_steps_reaches_the_simulator(tmp_path, capsys):
+    """``--num-decode-steps 4``, serve's flag: decode-only iterations of up to 4 steps, each
+    counting the host time once, so the same load decodes with shorter token gaps."""
+    def row(*extra):
+        out = tmp_path / f"rows{len(list(tmp_path.iterdir()))}.json"
+        assert main([*SMALL, "--qps", "1", "--policy", "chunked", "--json", str(out), *extra]) == 0
+        return json.loads(out.read_text())[0]
+    single, multi = row(), row("--num-decode-steps", "4")
+    assert multi["p50_tbt_ms"] < single["p50_tbt_ms"]
+
+
 def test_clock_profile_reaches_the_simulator_and_must_match_the_sm_count(tmp_path, capsys):
     """``--clock-profile``: iterations take its times (a clock with 2x the decode interference
     slows duet's splits, so the rows differ, while ``--gpu`` as the clock changes nothing); a
@@ -149,6 +160,9 @@ def test_context_limit_defaults_to_the_models(tmp_path, capsys):
     (["--qps", "2", "--window", "10"], "--window"),
     (["--qps", "2", "--window", "5s:1s"], "--window"),
     (["--qps", "2", "--trim-margin", "1.2"], "--trim-margin"),
+    (["--qps", "2", "--num-decode-steps", "0"], "--num-decode-steps: must be in [1, 256], got '0'"),
+    (["--qps", "2", "--num-decode-steps", "300"], "--num-decode-steps: must be in [1, 256], got '300'"),
+    (["--qps", "2", "--num-decode-steps", "two"], "--num-decode-steps: expected an integer, got 'two'"),
     (["--qps", "2,,4"], "--qps: empty item in '2,,4'"),
     (["--qps", "4,2,2"], "--qps: rate 2 given twice in '4,2,2'"),
     (["--qps", "2", "--policy", "duet,,chunked"], "--policy: empty item in 'duet,,chunked'"),

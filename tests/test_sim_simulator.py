@@ -200,6 +200,36 @@ def test_spatial_iteration_starts_after_the_decodes_host_time(planner):
     assert it.duration_s == pytest.approx(0.002 + 9 * t_d, rel=1e-9) and 9 * t_d > t_p
 
 
+def test_multi_step_decode_counts_the_host_time_once_and_stops_when_a_request_arrives(planner):
+    """``decode_steps`` 4, 2 ms of host time a decode: a decode-only iteration's tokens come at
+    h + i g (g the step's GPU time), the iteration lasts ``CostModel.predict_steps``; the iteration
+    a request arrives in starts no step after the arrival (step j >= 2 starts at h + (j - 1) g)."""
+    profile = dataclasses.replace(planner.profile, host_per_request_s=0.002,
+                                  provenance={**planner.profile.provenance, "host_per_request_s": "measured"})
+    hosted = PlannerConfig(planner.shape, profile, TAU)
+    cm = hosted.cost_model
+    alone = simulate([TraceRequest(0.0, 200, 9)], policy_by_name("chunked", hosted), SimConfig(hosted, decode_steps=4))
+    assert [it.k for it in alone.iterations] == [1, 4, 4]  # the prefill, then 8 decode steps
+    times = np.array(alone.records[0].chunk_times_s)
+    for it, cached in zip(alone.iterations[1:], (200, 204)):
+        g = float(cm.predict_total([(1, cached)], 132, host=False))
+        inside = times[(times > it.start_s + 1e-12) & (times <= it.start_s + it.duration_s + 1e-12)]
+        np.testing.assert_allclose(inside - it.start_s, 0.002 + g * np.arange(1, 5), rtol=1e-9)
+        assert it.duration_s == pytest.approx(float(cm.predict_steps([(1, cached)], 132, 4)), rel=1e-9)
+    # a second request arrives 1.5 steps into the first decode iteration: steps 0-2 start
+    # before it (at h, h and h + g), step 3 (at h + 2 g) does not; then both are decoded
+    start, g = alone.iterations[1].start_s, float(cm.predict_total([(1, 200)], 132, host=False))
+    arrival = start + 0.002 + 1.5 * g
+    both = simulate([TraceRequest(0.0, 200, 9), TraceRequest(arrival, 100, 2)], policy_by_name("chunked", hosted),
+                    SimConfig(hosted, decode_steps=4))
+    first = both.iterations[1]
+    assert first.start_s == pytest.approx(start) and first.k == 4
+    assert first.duration_s == pytest.approx(0.002 + 3 * g, rel=1e-9)
+    assert both.iterations[2].num_prefill_tokens == 100  # the newcomer's prefill comes next
+    with pytest.raises(ValueError, match="decode_steps"):
+        SimConfig(hosted, decode_steps=0)
+
+
 def test_kv_capacity_from_hbm_minus_weights():
     llama = ModelShape.preset("llama3-8b")
     assert weight_bytes(llama) == 2 * 8_030_261_248  # Llama 3 8B's published parameter count

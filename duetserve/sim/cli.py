@@ -23,6 +23,7 @@ from duetserve import argtypes
 from duetserve.argtypes import UsageError, trace_format
 from duetserve.config import BLOCK_SIZES, POLICIES
 from duetserve.engine.policy import policy_by_name
+from duetserve.engine.scheduler import MAX_LOOKAHEAD
 from duetserve.jsonio import dumps
 from duetserve.partition.base import BACKENDS as PARTITION_BACKENDS
 from duetserve.planner.cost_model import ModelShape
@@ -120,6 +121,9 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
                    help="duet: prefer a temporal batch trimmed to FRACTION x the SLO when its predicted token "
                         "rate beats the split (as `serve --trim-margin`; auto, the default: follow the measured "
                         "error, none unless --prediction-error; off: the paper's rule)")
+    s.add_argument("--num-decode-steps", type=argtypes.argtype(_decode_steps), default=1, metavar="N",
+                   help="decode-only iterations run up to N steps back to back, stopping when a request arrives "
+                        "(serve's flag; 1 = off)")
     s.add_argument("--max-num-batched-tokens", type=argtypes.positive_int, default=8192,
                    help="token budget per iteration (default 8192; 2048 suits A100)")
     s.add_argument("--max-num-seqs", type=argtypes.positive_int, default=256,
@@ -199,6 +203,14 @@ def _check_trace_fits(args: argparse.Namespace, config: SimConfig, trace: Sequen
                          f"{of_trace}: the shortest needs {shortest} tokens of prompt and output")
 
 
+def _decode_steps(text: str) -> int:
+    """``--num-decode-steps``: an integer in [1, ``MAX_LOOKAHEAD``]; else "must be in [1, 256], got 'TEXT'"."""
+    value = argtypes.number(text, int)
+    if not 1 <= value <= MAX_LOOKAHEAD:
+        raise ValueError(f"must be in [1, {MAX_LOOKAHEAD}], got {text!r}")
+    return value
+
+
 def _policies(text: str) -> str:
     """``all`` or a comma-separated list of known policies, each once (returned as given, spaces dropped).
 
@@ -232,7 +244,7 @@ def _simulate(args: argparse.Namespace) -> int:
     try:
         config = SimConfig(planner, args.max_num_seqs, args.max_num_batched_tokens, args.block_size,
                            args.kv_cache_tokens, args.gpu_memory_utilization, args.max_model_len,
-                           args.prediction_error, args.seed, args.clock_profile)
+                           args.prediction_error, args.seed, args.clock_profile, args.num_decode_steps)
     except ValueError as exc:  # only the clock profile can be wrong here: the other fields were checked
         raise UsageError(f"--clock-profile: {exc} (--gpu)") from exc
     _check_kv_cache(args, config)

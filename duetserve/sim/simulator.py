@@ -9,6 +9,11 @@ exactly its trace output length (``max_tokens``).
 Iteration time, by plan:
 
 * temporal: ``t_mixed(S)``, the whole batch on all SMs; every token comes at the end;
+* multi-step decode (``SimConfig.decode_steps``, ``serve --num-decode-steps``): a decode-only
+  iteration of ``k`` steps takes the decodes' host time ``h`` once, then steps of the GPU time
+  ``g`` back to back (``CostModel.predict_steps``), token ``i`` at ``h + i g``. As the engine's
+  interrupt does, no step after the first starts once a request has arrived: step ``j >= 2`` starts
+  when step ``j - 2`` ends (two in flight), at ``h + (j - 1) g``, step 1 with step 0;
 * spatial (duet): after the decodes' host time ``h = R host_per_request_s`` (the inputs of
   the first step, ``duetserve.planner.optimizer``), decode runs steps of ``t_d(S_d)`` beside
   the prefill batch's ``t_p(S_p)`` (both with the profile's interference factors,
@@ -56,7 +61,7 @@ from tqdm import tqdm
 from duetserve.bench.client import RequestRecord
 from duetserve.engine.kv_cache import BlockManager
 from duetserve.engine.policy import Policy
-from duetserve.engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
+from duetserve.engine.scheduler import MAX_LOOKAHEAD, ScheduledSeq, Scheduler, SchedulerOutput
 from duetserve.engine.sequence import Sequence as Seq
 from duetserve.planner.cost_model import CostModel, ModelShape
 from duetserve.planner.hardware import HardwareProfile
@@ -117,10 +122,11 @@ class SimConfig:
         seed: seed of those factors.
         clock_profile: the profile whose predictions the simulated iterations take (module
             docstring); None: the planner's.
+        decode_steps: decode-only iterations run up to this many steps (module docstring); 1: off.
 
     Raises:
-        ValueError: ``prediction_error`` outside [0, 1], or a ``clock_profile`` with another SM
-            count than the planner's profile.
+        ValueError: ``prediction_error`` outside [0, 1], a ``clock_profile`` with another SM
+            count than the planner's profile, or ``decode_steps`` outside [1, ``MAX_LOOKAHEAD``].
     """
 
     planner: PlannerConfig
@@ -133,10 +139,13 @@ class SimConfig:
     prediction_error: float = 0.0
     seed: int = 0
     clock_profile: HardwareProfile | None = None
+    decode_steps: int = 1
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.prediction_error <= 1.0:
             raise ValueError(f"prediction_error must be a sigma in [0, 1], got {self.prediction_error}")
+        if not 1 <= self.decode_steps <= MAX_LOOKAHEAD:
+            raise ValueError(f"decode_steps must be in [1, {MAX_LOOKAHEAD}], got {self.decode_steps}")
         clock, planned = self.clock_profile, self.planner.profile
         if clock is not None and clock.num_sms != planned.num_sms:
             raise ValueError(f"the clock profile {clock.name!r} has {clock.num_sms} SMs, the planner's "
@@ -218,7 +227,8 @@ class _Run:
         max_len = config.max_model_len or config.planner.shape.max_positions or \
             max((r.input_len + r.output_len for r in trace), default=2)
         self.blocks = BlockManager(config.kv_blocks(), config.block_size)
-        self.scheduler = Scheduler(policy, self.blocks, config.max_num_seqs, config.max_num_batched_tokens, max_len)
+        self.scheduler = Scheduler(policy, self.blocks, config.max_num_seqs, config.max_num_batched_tokens, max_len,
+                                   decode_steps=config.decode_steps)
         self.records = [RequestRecord(i, r.input_len, r.output_len, r.arrival_s, r.arrival_s)
                         for i, r in enumerate(trace)]
         self.iterations: list[IterationRecord] = []
@@ -258,9 +268,11 @@ class _Run:
             return False
         return True
 
-    def step(self, out: SchedulerOutput) -> list[Seq]:
-        """Run one scheduled iteration on the simulated clock; returns the finished sequences."""
-        duration, decode_times, prefill_time, streams = self._timing(out)
+    def step(self, out: SchedulerOutput, next_arrival_s: float | None = None) -> list[Seq]:
+        """Run one scheduled iteration on the simulated clock; returns the finished sequences.
+        ``next_arrival_s``: the next request's arrival (after ``now``), which stops a multi-step
+        decode; None: no request is left to arrive."""
+        duration, decode_times, prefill_time, streams = self._timing(out, next_arrival_s)
         plan = out.plan
         if not plan.spatial and out.decodes and out.num_prefill_tokens:  # as the engine reports it
             self.scheduler.policy.observe_iteration(plan, duration)
@@ -287,10 +299,19 @@ class _Run:
         rec.chunk_times_s.extend(t - rec.start_s for t in times)
         rec.output_tokens = seq.num_output_tokens
 
-    def _timing(self, out: SchedulerOutput) -> tuple[float, list[float], float | None, tuple[float, float] | None]:
+    def _timing(self, out: SchedulerOutput, next_arrival_s: float | None
+                ) -> tuple[float, list[float], float | None, tuple[float, float] | None]:
         """(iteration seconds, time of each decode step's tokens, time of the prefill's first
         tokens or None while a layer-split prefill is unfinished, a split's ``(t_d, t_p)`` or None)."""
         plan, decode, prefill = out.plan, _reqs(out.decodes), _reqs(out.prefills)
+        if not plan.spatial and plan.k > 1:  # multi-step decode (the scheduler gives it no prefill)
+            gpu = float(self.cm.predict_total(decode, self.total_sms, host=False))
+            host = float(self.cm.predict_total(decode, self.total_sms)) - gpu
+            gpu = self._actual(gpu)
+            steps = 1 + sum(next_arrival_s is None or self.now + host + max(0, j - 1) * gpu < next_arrival_s
+                            for j in range(1, plan.k))
+            end = self.now + host + steps * gpu
+            return end - self.now, [self.now + host + i * gpu for i in range(1, steps + 1)], end, None
         if plan.prefill_layers is not None and prefill:
             return (*self._layer_round(out, decode, prefill), None)
         if plan.spatial:
@@ -357,7 +378,7 @@ def simulate(trace: Sequence[TraceRequest], policy: Policy, config: SimConfig, p
                 if nxt < len(trace):
                     run.now = max(run.now, trace[nxt].arrival_s)
                 continue
-            bar.update(len(run.step(out)))
+            bar.update(len(run.step(out, trace[nxt].arrival_s if nxt < len(trace) else None)))
     ends = [r.arrival_s + r.chunk_times_s[-1] for r in run.records if r.chunk_times_s]
     return SimResult(policy.name, run.records, run.iterations, max(ends, default=0.0), sched.num_preemptions,
                      run.blocks.num_blocks * run.blocks.block_size, time.perf_counter() - start)
