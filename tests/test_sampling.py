@@ -1,6 +1,8 @@
 """Sampler filters and seeds, sampling-parameter validation, duration parsing, detokenizer."""
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -153,6 +155,61 @@ def test_detokenizer_stops_at_the_stop_string_that_ends_first_whatever_the_list_
     # a longer stop string that starts earlier but ends later loses to one inside it
     det = IncrementalDetokenizer(CharTokenizer(), [], stop=["abc", "b"], include_stop=include_stop)
     assert det.add([ord(c) for c in "xabc"]) == ("xab" if include_stop else "xa", True)
+
+
+@pytest.fixture(scope="module", params=["byte-level", "metaspace"])
+def fast_tokenizer(request):
+    """A fast tokenizer (transformers over a ``tokenizers`` BPE trained here, ``<eos>`` special):
+    byte-level (GPT-2, Qwen: emoji, CJK and accents split into byte tokens), or metaspace with
+    byte fallback (Llama, SmolLM: a word's leading space is part of its token, and the decoder
+    drops it at the start of a text, so the first output token needs the prompt as context)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    corpus = ["the capital of France is Paris. the cat sat on the mat."] * 20
+    tk = Tokenizer(models.BPE())
+    if request.param == "byte-level":
+        tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tk.decoder = decoders.ByteLevel()
+        tk.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=300, special_tokens=["<eos>"],
+                                                           initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    else:
+        tk.pre_tokenizer = pre_tokenizers.Metaspace()
+        tk.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                        decoders.Strip(" ", 1, 0)])
+        tk.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=60, special_tokens=["<eos>"]))
+        spec = json.loads(tk.to_str())  # add the 256 byte pieces and turn byte fallback on
+        vocab = spec["model"]["vocab"]
+        vocab.update({f"<0x{b:02X}>": len(vocab) + b for b in range(256)})
+        spec["model"]["byte_fallback"] = True
+        tk = Tokenizer.from_str(json.dumps(spec))
+    return PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="<eos>")
+
+
+class _WindowOnly:
+    """A tokenizer seen without its ``tokenizers`` backend: the detokenizer's window path."""
+
+    def __init__(self, tokenizer):
+        self.decode = tokenizer.decode
+
+
+@pytest.mark.parametrize("text", ["the cat sat on the mat.", " Paris, naïve — 你好 🙂🙂 end", "a\n\n  b\t🙂<eos> c"])
+def test_detokenizer_stream_and_window_give_the_decoded_text_token_by_token(fast_tokenizer, text):
+    """A fast tokenizer streams through ``DecodeStream``; the window path stays for others. Fed one
+    token at a time after a prompt, both emit exactly the text the whole decode adds to the
+    prompt's (special tokens skipped, the first token's leading space kept), and hold a character
+    split over byte tokens back whole."""
+    tok = fast_tokenizer
+    prompt, out = tok("France is")["input_ids"], tok(text)["input_ids"]
+    want = tok.decode(prompt + out, skip_special_tokens=True)[len(tok.decode(prompt)):]
+    if "🙂" in text:  # the emoji's bytes span several tokens
+        assert any(tok.decode(out[:i]).endswith("\ufffd") for i in range(1, len(out)))
+    for tokenizer in (tok, _WindowOnly(tok)):
+        det = IncrementalDetokenizer(tokenizer, prompt, stop=[])
+        assert (det.stream is not None) == (tokenizer is tok)
+        deltas = [det.add([t])[0] for t in out]
+        assert "".join(deltas) + det.finish() == want
+        assert all("\ufffd" not in d for d in deltas)  # no half character ever goes out
 
 
 def test_detokenizer_holds_incomplete_characters():
