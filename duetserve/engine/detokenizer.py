@@ -14,11 +14,11 @@ class IncrementalDetokenizer:
     UTF-8 character back until a later token completes it (``add`` took 1.4 us a token against
     5.0 us with the window below, SmolLM2's tokenizer on a development CPU: at 128 running requests
     0.18 against 0.65 ms of host time a decode step). Any other tokenizer decodes a short window
-    each step: the tokens from
-    ``prefix_offset`` (already emitted, kept for context) to the end, minus the text of the
-    window's emitted part, a delta ending in U+FFFD held back the same way. Stop strings end the
-    text before the stop (after it with ``include_stop``); the last ``len(longest stop) - 1``
-    characters are held back until they cannot start one.
+    each step: the tokens from ``prefix_offset`` (already emitted, kept for context) to the end,
+    minus the text of the window's emitted part, a delta ending in U+FFFD held back the same way.
+    Both start from the prompt's last ``CONTEXT_TOKENS`` tokens. Stop strings end the text before
+    the stop (after it with ``include_stop``); the last ``len(longest stop) - 1`` characters are
+    held back until they cannot start one.
     """
 
     def __init__(self, tokenizer, prompt_ids: list[int], stop: list[str], include_stop: bool = False):
