@@ -107,14 +107,14 @@ class Sampler:
         """Upload the batch's sampling parameters (copies from pinned memory, queued on the
         current stream; call before launching the steps that use them)."""
         race = None
+        filtered = [0 < p.top_k < vocab_size or p.top_p < 1.0 for p in params]  # rows that need the torch path
         if self.race and any(not p.greedy for p in params):
-            # rows the torch path samples (top-k, top-p) take the kernel's cheaper argmax, then are overwritten
-            (temps,) = upload([[0.0 if p.greedy or 0 < p.top_k < vocab_size or p.top_p < 1.0 else p.temperature
-                                for p in params]], torch.float32, self.device)
+            # the torch path's rows take the kernel's cheaper argmax, then are overwritten
+            (temps,) = upload([[0.0 if p.greedy or f else p.temperature for p, f in zip(params, filtered)]],
+                              torch.float32, self.device)
             (seeds,) = upload([[self.seed_for(i, p) for i, p in zip(seq_ids, params)]], torch.int64, self.device)
             race = (temps, seeds)
-        rows = [i for i, p in enumerate(params)
-                if not p.greedy and (race is None or 0 < p.top_k < vocab_size or p.top_p < 1.0)]
+        rows = [i for i, (p, f) in enumerate(zip(params, filtered)) if not p.greedy and (race is None or f)]
         if not rows:
             return SamplingBatch(None, None, None, None, [], race)
         sub = [params[i] for i in rows]

@@ -14,8 +14,9 @@ Needs an sm_90 GPU, ``nvcc`` (the kernel is compiled on first use and cached und
 driver API: module load, launch, the parameter block's copy, all on torch's current stream, so a
 step can be recorded in a CUDA graph). Measured in docs/benchmarks.md (twelfth to fourteenth and
 twentieth H200 sessions) as ``scripts/bench_decode_stream.py``: a step of 1-8 sequences to the logits
-0.18-0.28 ms faster than the engine's decode graphs, with the same bf16 drift from the eager forward
-as builds on weight copies (``serve --decode-stream`` is off by default).
+0.05-0.08 ms faster than the replay of the engine's decode graph, and -0.06 to +0.01 ms in the
+engine's 8-step decode, with the same bf16 drift from the eager forward as builds on weight copies
+(``serve --decode-stream`` is off by default).
 """
 from __future__ import annotations
 
