@@ -351,6 +351,32 @@ def test_multi_step_decode_gives_single_step_tokens_and_stops_for_new_work(tiny_
     assert engine.block_manager.num_free_blocks == 64
 
 
+def test_multi_step_decode_stops_when_a_finished_request_makes_room_for_a_waiting_one(tiny_qwen3_folder):
+    """With every sequence slot taken, a waiting request is admitted once a running one ends: a
+    multi-step decode iteration starts no step after that (``Scheduler.can_admit``), so the
+    request does not wait for the iteration's last step. The runner launches a step before the
+    engine has applied the one before it, so one more step runs after the finish."""
+    config = EngineConfig(model=str(tiny_qwen3_folder), max_num_batched_tokens=64, num_kv_blocks=64, block_size=8,
+                          max_num_seqs=2, num_decode_steps=8)
+    engine = LLMEngine(config)
+    short, long = (SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in (3, 30))
+    engine.add_request("a", list(range(3, 10)), short)
+    engine.add_request("c", list(range(3, 12)), long)
+    engine.step()                                   # both prefills (one token each)
+    engine.add_request("b", list(range(3, 14)), long)
+    assert not engine.scheduler.can_admit()         # two running, two slots
+    outputs = engine.step()                         # a ends at step 1; steps 2 and 3 were queued by then
+    assert engine.last_stats.plan.k == 8 and engine.last_stats.decode_steps == 4
+    assert [o.request_id for o in outputs if o.finished] == ["a"]
+    assert engine.scheduler.can_admit()
+    engine.step()
+    assert engine.last_stats.num_prefill_tokens == 11  # b admitted next
+    engine.set_interrupt(lambda: False)
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.block_manager.num_free_blocks == 64
+
+
 def test_a_seeded_request_aborted_inside_a_lookahead_keeps_no_generator(tiny_qwen3_folder):
     """The decodes' sampling parameters are uploaded once per iteration: a seeded request that
     ends between two look-ahead steps is not given a new generator by the later steps."""

@@ -258,3 +258,24 @@ def test_lookahead_offered_is_capped():
     sched2.postprocess(sched2.schedule(), {0: [7]})
     sched2.schedule()                             # 8 tokens in 2 blocks, 8 free: 7 + k <= 40 -> k = 33
     assert sched2.policy.max_k_seen[-1] == 33
+
+
+def test_can_admit_counts_slots_blocks_and_the_watermark_as_if_ending_sequences_had_finished():
+    """``can_admit``: the first waiting request needs a sequence slot and its prompt's blocks plus
+    the watermark (1% of 100 blocks = 1); ``ending`` counts running sequences as finished."""
+    sched = Scheduler(ChunkedPolicy(), BlockManager(num_blocks=100, block_size=4), max_num_seqs=2,
+                      max_num_batched_tokens=1000, max_model_len=1000)
+    a, b = make_seq(0, 100, 10), make_seq(1, 256, 10)   # 25 and 64 blocks
+    for s in (a, b):
+        sched.add(s)
+    out = sched.schedule()
+    assert [s.seq.seq_id for s in out.prefills] == [0, 1] and sched.blocks.num_free_blocks == 11
+    assert not sched.can_admit()                         # nobody waits
+    c = make_seq(2, 40, 10)                              # 10 blocks: 10 + 1 <= 11 free
+    sched.add(c)
+    assert not sched.can_admit()                         # both slots taken
+    assert sched.can_admit([a]) and sched.can_admit([b])
+    sched.waiting[0] = d = make_seq(3, 44, 10)          # 11 blocks: 11 + 1 > 11 free
+    d.status = SequenceStatus.WAITING
+    sched.max_num_seqs = 3
+    assert not sched.can_admit() and sched.can_admit([a])  # a's 25 blocks back: 36 free

@@ -230,6 +230,24 @@ def test_multi_step_decode_counts_the_host_time_once_and_stops_when_a_request_ar
         SimConfig(hosted, decode_steps=0)
 
 
+def test_multi_step_decode_stops_once_a_finished_request_makes_room_for_a_waiting_one(planner):
+    """As the engine (``LLMEngine._interrupted``): with both sequence slots taken, a decode that ends
+    at step 1 of an 8-step iteration (2 steps applied) lets steps 0-3 run, not 8, and the waiting
+    request's prefill comes next."""
+    config = SimConfig(planner, decode_steps=8, max_num_seqs=2)
+    trace = [TraceRequest(0.0, 200, 3), TraceRequest(0.0, 200, 20), TraceRequest(0.0, 100, 5)]
+    result = simulate(trace, policy_by_name("chunked", planner), config)
+    first, decodes, after = result.iterations[:3]
+    assert (first.num_decodes, first.num_prefill_tokens) == (0, 400)
+    assert (decodes.k, decodes.num_decodes, decodes.num_prefill_tokens) == (8, 2, 0)
+    cm = planner.cost_model
+    assert decodes.duration_s == pytest.approx(float(cm.predict_steps([(1, 200), (1, 200)], 132, 4)), rel=1e-9)
+    assert len(result.records[0].chunk_times_s) == 3 and after.num_prefill_tokens == 100
+    assert after.start_s == pytest.approx(decodes.start_s + decodes.duration_s)
+    alone = simulate(trace[:2], policy_by_name("chunked", planner), config)  # nobody waits: all 8 steps
+    assert alone.iterations[1].duration_s == pytest.approx(float(cm.predict_steps([(1, 200), (1, 200)], 132, 8)))
+
+
 def test_kv_capacity_from_hbm_minus_weights():
     llama = ModelShape.preset("llama3-8b")
     assert weight_bytes(llama) == 2 * 8_030_261_248  # Llama 3 8B's published parameter count

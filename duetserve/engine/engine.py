@@ -146,6 +146,8 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, kv, config.block_size, self.device, self.sampler, self.graphs,
                                   self.partition, split_graphs, scratch_slot=num_blocks * config.block_size,
                                   split_counters=counters)
+        self.runner.interrupt = self._interrupted
+        self._interrupt: Callable[[], bool] | None = None
         start = time.perf_counter()
         self.runner.warm_up()
         log.info("ran the eager passes' kernel variants in %.1f s", time.perf_counter() - start)
@@ -209,7 +211,13 @@ class LLMEngine:
     def set_interrupt(self, check: Callable[[], bool]) -> None:
         """A multi-step decode iteration (``num_decode_steps``) starts no further step once
         ``check()`` is true, e.g. when a new request or an abort is waiting."""
-        self.runner.interrupt = check
+        self._interrupt = check
+
+    def _interrupted(self) -> bool:
+        """Whether a multi-step decode iteration should start no further step: ``set_interrupt``'s
+        check says new work waits, or a request that ended in it made room for the first waiting
+        one (``Scheduler.can_admit``), which would otherwise wait for the iteration's last step."""
+        return (self._interrupt is not None and self._interrupt()) or self.scheduler.can_admit()
 
     def _blocks_from_memory(self) -> int:
         per_block = kv_bytes_per_block(self.model, self.config.block_size, self.dtype)

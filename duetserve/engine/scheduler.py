@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from duetserve.engine.kv_cache import BlockManager
@@ -171,8 +172,19 @@ class Scheduler:
     def _has_prefill_work(self) -> bool:
         if any(not s.is_decode for s in self.running):
             return True
-        return bool(self.waiting) and len(self.running) < self.max_num_seqs and \
-            self.blocks.can_allocate(self.waiting[0], self.waiting[0].num_tokens, self.watermark_blocks)
+        return self.can_admit()
+
+    def can_admit(self, ending: Iterable[Sequence] = ()) -> bool:
+        """Whether the first waiting request would be admitted now: a free sequence slot
+        (``max_num_seqs``) and KV blocks for its prompt above the watermark; with ``ending``
+        (running sequences), as if those had finished and given their blocks back."""
+        if not self.waiting:
+            return False
+        ending = list(ending)
+        first = self.waiting[0]
+        free = self.blocks.num_free_blocks + sum(len(s.block_table) for s in ending)
+        return len(self.running) - len(ending) < self.max_num_seqs and \
+            self.blocks.blocks_needed(first, first.num_tokens) + self.watermark_blocks <= free
 
     def _make_room(self, seq: Sequence, num_tokens: int, preempted: list[Sequence]) -> bool:
         """Preempt lower-priority (later admitted) running sequences until ``seq`` can hold ``num_tokens``.

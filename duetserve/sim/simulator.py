@@ -13,7 +13,8 @@ Iteration time, by plan:
   iteration of ``k`` steps takes the decodes' host time ``h`` once, then steps of the GPU time
   ``g`` back to back (``CostModel.predict_steps``), token ``i`` at ``h + i g``. As the engine's
   interrupt does, no step after the first starts once a request has arrived: step ``j >= 2`` starts
-  when step ``j - 2`` ends (two in flight), at ``h + (j - 1) g``, step 1 with step 0;
+  when step ``j - 2`` ends (two in flight), at ``h + (j - 1) g``, step 1 with step 0; nor once
+  a decode's end has made room for a waiting request (``_room_steps``);
 * spatial (duet): after the decodes' host time ``h = R host_per_request_s`` (the inputs of
   the first step, ``duetserve.planner.optimizer``), decode runs steps of ``t_d(S_d)`` beside
   the prefill batch's ``t_p(S_p)`` (both with the profile's interference factors,
@@ -309,7 +310,7 @@ class _Run:
             host = float(self.cm.predict_total(decode, self.total_sms)) - gpu
             gpu = self._actual(gpu)
             steps = 1 + sum(next_arrival_s is None or self.now + host + max(0, j - 1) * gpu < next_arrival_s
-                            for j in range(1, plan.k))
+                            for j in range(1, self._room_steps(out)))
             end = self.now + host + steps * gpu
             return end - self.now, [self.now + host + i * gpu for i in range(1, steps + 1)], end, None
         if plan.prefill_layers is not None and prefill:
@@ -324,6 +325,18 @@ class _Run:
                     (t_d, t_p))
         duration = self._actual(float(self.cm.predict_total(decode + prefill, self.total_sms)))
         return duration, [self.now + duration], self.now + duration, None
+
+    def _room_steps(self, out: SchedulerOutput) -> int:
+        """Steps of a multi-step decode the engine launches before a decode's end makes room for
+        the first waiting request (``LLMEngine._interrupted``, ``Scheduler.can_admit``): step
+        ``j >= 1`` is launched while the engine has applied the steps before ``j - 2``, so if
+        room appears once ``r`` steps are applied, ``r + 2`` steps run (1 if there is room at the
+        start); ``plan.k`` if no end makes room."""
+        k = out.plan.k
+        for r in sorted({0} | {d.max_steps for d in out.decodes if d.max_steps < k}):
+            if self.scheduler.can_admit([d.seq for d in out.decodes if d.max_steps <= r]):
+                return 1 if r == 0 else min(k, r + 2)
+        return k
 
     def _layer_round(self, out: SchedulerOutput, decode: list[tuple[int, int]],
                      prefill: list[tuple[int, int]]) -> tuple[float, list[float], float | None]:
