@@ -117,9 +117,10 @@ def _add_serve(sub) -> None:
                         "turn authentication off)")
     p.add_argument("--seed", type=non_negative_int, default=0, help="seed for dummy weights and unseeded sampling")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode")
-    p.add_argument("--num-decode-steps", type=int, default=1, metavar="N",
+    p.add_argument("--num-decode-steps", type=int, default=8, metavar="N",
                    help="decode-only iterations run up to N steps back to back, stopping when a request "
-                        "arrives (hides the host time between steps; 1 = off)")
+                        "arrives or one that ended makes room for a waiting one (hides the host time between "
+                        "steps; default 8; 1 = off)")
     p.add_argument("--trim-margin", type=trim_margin, default="auto", metavar="FRACTION|auto|off",
                    help="duet: when a split is planned, run a temporal batch with its prefill trimmed to fit "
                         "FRACTION x --tbt-slo instead if its predicted token rate is higher (e.g. 0.85); auto "

@@ -64,7 +64,8 @@ class EngineConfig:
         enforce_eager: never replay CUDA graphs (decode runs eagerly).
         num_decode_steps: decode-only iterations run up to this many steps back to back (each
             step queued behind the running one, tokens streamed per step; like vLLM's multi-step
-            scheduling), stopping early when a request arrives or is aborted; 1 turns it off.
+            scheduling), stopping early when a request arrives or is aborted, or when one that
+            ended makes room for a waiting one (``Scheduler.can_admit``); 1 turns it off.
         trim_margin: duet: also consider a temporal batch with its prefill trimmed to fit this
             share of ``tbt_slo_s`` and run it instead of a split when its predicted token rate
             is higher (``plan_iteration``); ``"auto"``: a share that follows the measured error
@@ -94,7 +95,7 @@ class EngineConfig:
     seed: int = 0
     attention_backend: str = "auto"
     enforce_eager: bool = False
-    num_decode_steps: int = 1
+    num_decode_steps: int = 8
     trim_margin: float | str | None = "auto"
     decode_stream: bool = False
 

@@ -400,7 +400,8 @@ def test_a_seeded_request_aborted_inside_a_lookahead_keeps_no_generator(tiny_qwe
 def test_abort_returns_the_text_held_back_for_stop_strings(smollm_folder):
     """An aborted request's last output carries the text the detokenizer held back for a stop
     string, so the texts streamed before it and it add up to the decoded tokens."""
-    engine = LLMEngine(EngineConfig(model=str(smollm_folder), max_num_batched_tokens=64, num_kv_blocks=64))
+    engine = LLMEngine(EngineConfig(model=str(smollm_folder), max_num_batched_tokens=64, num_kv_blocks=64,
+                                    num_decode_steps=1))  # a token a step
     stop = "\x01" * 40  # never generated: up to 39 characters are held back
     params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True, stop=[stop])
     engine.add_request("a", engine.tokenizer.encode("The sea is"), params)

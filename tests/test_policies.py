@@ -196,7 +196,7 @@ def test_engine_runs_duet_on_cpu_like_chunked(tiny_qwen3_folder):
     outputs = {}
     for name in ("chunked", "duet"):
         engine = LLMEngine(EngineConfig(model=str(tiny_qwen3_folder), policy=name, max_num_batched_tokens=32,
-                                        num_kv_blocks=64, block_size=8))
+                                        num_kv_blocks=64, block_size=8, num_decode_steps=1))  # every plan predicted
         outputs[name] = engine.generate(prompts, params)
     assert isinstance(engine.scheduler.policy, DuetPolicy)
     assert engine.scheduler.policy.config.shape.layers == 2 and engine.last_stats.plan.predicted_s is not None

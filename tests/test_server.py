@@ -414,11 +414,16 @@ def test_iteration_log_records_every_iteration(server_proc):
     assert r.status_code == 200
     # The engine thread delivers a step's outputs before it logs the step, so the last row may
     # land just after the response.
+    def rows() -> list[dict]:
+        return [json.loads(line) for line in log.read_text().splitlines()[before:]]
+
     deadline = time.time() + 5
-    while len(log.read_text().splitlines()) - before < 6 and time.time() < deadline:
+    while sum(r["steps"] for r in rows()) < 5 and time.time() < deadline:
         time.sleep(0.05)
-    rows = [json.loads(line) for line in log.read_text().splitlines()[before:]]
-    assert len(rows) >= 6  # one prefill iteration, then one per further token (plus other requests' steps)
+    rows = rows()
+    # one prefill iteration, then decode iterations of up to 8 steps (--num-decode-steps) with one
+    # step per further token (plus other requests' steps)
+    assert len(rows) >= 2 and sum(r["steps"] for r in rows if r["num_decodes"]) >= 5
     assert {"t", "spatial", "s_decode", "s_prefill", "k", "predicted_s", "measured_s"} <= set(rows[-1])
     assert all(r["measured_s"] > 0 and r["spatial"] is False for r in rows)  # no partition backend on the CPU
     assert all(0 < r["schedule_s"] < r["measured_s"] for r in rows)  # scheduling is part of the iteration
@@ -431,7 +436,11 @@ def test_iteration_log_records_every_iteration(server_proc):
     assert prompt and prompt[-1][1] == 0  # this prompt's prefill, nothing cached before it
     assert all(r["decode_stream_s"] is None and r["prefill_stream_s"] is None and r["decode_tail_s"] is None
                for r in rows)  # no CUDA events
-    assert all(r["handout_s"] == [] and r["launch_s"] is None for r in rows)  # temporal plans: one part each
+    # temporal plans: one part each; multi-step decodes (temporal, decode-only): one part per step
+    assert all(r["launch_s"] is None and (r["handout_s"] == [] if r["k"] == 1 else
+                                          r["num_prefills"] == 0 and len(r["handout_s"]) == r["steps"] <= r["k"])
+               for r in rows)
+    assert any(r["k"] == 5 for r in rows)  # its 5 tokens after the first (k stops at max_tokens)
     # chunked plans without predicting: the log carries the engine cost model's (h200 profile, no graphs on the CPU)
     assert all(r["prefill_layers"] is None and r["predicted_s"] > 0 and r["cuda_graphs"] is False for r in rows)
 

@@ -82,14 +82,15 @@ def test_prediction_error_changes_the_run_and_the_seed_repeats_it(tmp_path, caps
 
 
 def test_num_decode_steps_reaches_the_simulator(tmp_path, capsys):
-    """``--num-decode-steps 4``, serve's flag: decode-only iterations of up to 4 steps, each
-    counting the host time once, so the same load decodes with shorter token gaps."""
+    """``--num-decode-steps``, serve's flag (default 8): decode-only iterations of up to N steps,
+    each counting the host time once, so the same load decodes with shorter token gaps than
+    with 1 (off)."""
     def row(*extra):
         out = tmp_path / f"rows{len(list(tmp_path.iterdir()))}.json"
         assert main([*SMALL, "--qps", "1", "--policy", "chunked", "--json", str(out), *extra]) == 0
         return json.loads(out.read_text())[0]
-    single, multi = row(), row("--num-decode-steps", "4")
-    assert multi["p50_tbt_ms"] < single["p50_tbt_ms"]
+    single, four, default = row("--num-decode-steps", "1"), row("--num-decode-steps", "4"), row()
+    assert default["p50_tbt_ms"] < four["p50_tbt_ms"] < single["p50_tbt_ms"]
 
 
 def test_clock_profile_reaches_the_simulator_and_must_match_the_sm_count(tmp_path, capsys):

@@ -79,7 +79,7 @@ def test_duet_iterations_last_what_the_policy_predicted(planner, hosted):
         planner = dataclasses.replace(planner, profile=load_profile("h200"))
     trace = load_trace(None, TraceSpec(qps=20, num_requests=150, input_len=UniformLength(1000, 7000),
                                        output_len=UniformLength(10, 100), seed=2))
-    result = simulate(trace, policy_by_name("duet", planner), SimConfig(planner))
+    result = simulate(trace, policy_by_name("duet", planner), SimConfig(planner, decode_steps=1))  # all predicted
     spatial = [it for it in result.iterations if it.spatial]
     assert spatial and any(it.k > 1 for it in spatial)
     for it in result.iterations:
@@ -107,7 +107,7 @@ def test_prediction_error_spreads_iterations_lognormally_and_auto_trim_follows(p
     1, and its scale their median."""
     trace = load_trace(None, TraceSpec(qps=20, num_requests=300, input_len=UniformLength(1000, 7000),
                                        output_len=UniformLength(10, 100), seed=2))
-    config = SimConfig(planner, prediction_error=0.05, seed=7)
+    config = SimConfig(planner, prediction_error=0.05, seed=7, decode_steps=1)  # every iteration predicted
     policy = DuetPolicy(dataclasses.replace(planner, trim_margin=TRIM_AUTO))
     result = simulate(trace, policy, config)
     temporal = [it for it in result.iterations if not it.spatial]

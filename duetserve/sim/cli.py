@@ -121,9 +121,9 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
                    help="duet: prefer a temporal batch trimmed to FRACTION x the SLO when its predicted token "
                         "rate beats the split (as `serve --trim-margin`; auto, the default: follow the measured "
                         "error, none unless --prediction-error; off: the paper's rule)")
-    s.add_argument("--num-decode-steps", type=argtypes.argtype(_decode_steps), default=1, metavar="N",
+    s.add_argument("--num-decode-steps", type=argtypes.argtype(_decode_steps), default=8, metavar="N",
                    help="decode-only iterations run up to N steps back to back, stopping when a request arrives "
-                        "(serve's flag; 1 = off)")
+                        "or one that ended makes room for a waiting one (serve's flag and default, 8; 1 = off)")
     s.add_argument("--max-num-batched-tokens", type=argtypes.positive_int, default=8192,
                    help="token budget per iteration (default 8192; 2048 suits A100)")
     s.add_argument("--max-num-seqs", type=argtypes.positive_int, default=256,

@@ -123,7 +123,8 @@ class SimConfig:
         seed: seed of those factors.
         clock_profile: the profile whose predictions the simulated iterations take (module
             docstring); None: the planner's.
-        decode_steps: decode-only iterations run up to this many steps (module docstring); 1: off.
+        decode_steps: decode-only iterations run up to this many steps (module docstring; serve's
+            default, 8); 1: off.
 
     Raises:
         ValueError: ``prediction_error`` outside [0, 1], a ``clock_profile`` with another SM
@@ -140,7 +141,7 @@ class SimConfig:
     prediction_error: float = 0.0
     seed: int = 0
     clock_profile: HardwareProfile | None = None
-    decode_steps: int = 1
+    decode_steps: int = 8
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.prediction_error <= 1.0:
