@@ -305,9 +305,22 @@ def main(argv: list[str] | None = None) -> int:
                               formatter_class=argparse.RawDescriptionHelpFormatter)
         module.configure_parser(tool)
         tool.set_defaults(func=module.run)
-    args, unknown = parser.parse_known_args(join_negative_values(sys.argv[1:] if argv is None else argv))
+    # Required options are checked after the unknown ones: argparse checks them first, so `simulate
+    # --bogus` said "--qps is required" instead of naming the flag it does not know.
+    required = [a for command in sub.choices.values() for a in command._actions if a.required and a.option_strings]
+    for action in required:
+        action.required = False
+    try:
+        args, unknown = parser.parse_known_args(join_negative_values(sys.argv[1:] if argv is None else argv))
+    finally:
+        for action in required:
+            action.required = True
+    command = sub.choices[args.command]
     if unknown:  # as the subcommand's own parser words it (its usage line and prog), not the top level's
-        sub.choices[args.command].error(f"unrecognized arguments: {' '.join(unknown)}")
+        command.error(f"unrecognized arguments: {' '.join(unknown)}")
+    missing = [a.option_strings[0] for a in required if a in command._actions and getattr(args, a.dest) is None]
+    if missing:
+        command.error(f"the following arguments are required: {', '.join(missing)}")
     logging.basicConfig(level=getattr(args, "log_level", "info").upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.command == "serve":

@@ -517,14 +517,26 @@ def test_version(capsys):
     assert exc.value.code == 0 and capsys.readouterr().out == f"duetserve {version}\n"
 
 
-@pytest.mark.parametrize("argv", [["serve", "--bogus", "x"], ["bench", "--num-requests", "5", "--qps", "2", "--bogus"]])
+@pytest.mark.parametrize("argv", [["serve", "--bogus", "x"], ["bench", "--num-requests", "5", "--qps", "2", "--bogus"],
+                                  ["simulate", "--bogus"], ["calibrate", "--out", "p.json", "--bogus", "1"]])
 def test_an_unknown_flag_gets_the_subcommands_usage(argv, capsys):
+    """Named before a missing required flag (``simulate --qps``, ``calibrate --gpu-name``)."""
     with pytest.raises(SystemExit) as exc:
         main(argv)
     err = capsys.readouterr().err
     assert exc.value.code == 2
     assert err.startswith(f"usage: duetserve {argv[0]} ")
     assert err.endswith(f"duetserve {argv[0]}: error: unrecognized arguments: {' '.join(argv[argv.index('--bogus'):])}\n")
+
+
+@pytest.mark.parametrize("argv,missing", [(["simulate"], "--qps"), (["calibrate"], "--gpu-name, --out"),
+                                          (["calibrate", "--out", "p.json"], "--gpu-name")])
+def test_a_missing_required_flag_is_named(argv, missing, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2
+    assert capsys.readouterr().err.endswith(f"duetserve {argv[0]}: error: the following arguments are required: "
+                                            f"{missing}\n")
 
 
 @pytest.mark.parametrize("flags,expected", [([], "auto"), (["--trim-margin", "off"], None),
