@@ -3,7 +3,8 @@
 Triton's interpreter, which the CPU tests run the kernels under, skips the compiler's type
 checks: a loop-carried variable that changes shape runs there and fails to compile on the GPU
 (it happened: docs/benchmarks.md, seventeenth session). Here each launch variant the engine
-uses is compiled ahead of time to a cubin, in a fresh interpreter (Triton decides at import time
+uses is compiled ahead of time to a cubin, in a fresh interpreter; with programmatic dependent
+launch (PDL), nothing may be stored before the PTX's ``griddepcontrol.wait`` (Triton decides at import time
 whether kernels are interpreted, and the other test modules import it interpreted).
 """
 from __future__ import annotations
@@ -19,11 +20,16 @@ import pytest
 pytest.importorskip("triton")
 
 # decode (bf16: 64-key tiles; 2 warps up to 8 splits, 4 above) and prefill, Qwen3-8B heads
+# (PDL: the decode graphs' launches, programmatic dependent launch on sm_90)
 VARIANTS = [
-    {"DECODE": True, "NUM_SPLITS": 1, "MERGE_CHUNK": 8, "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_SEQS": 128, "warps": 2},
-    {"DECODE": True, "NUM_SPLITS": 8, "MERGE_CHUNK": 8, "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_SEQS": 16, "warps": 2},
-    {"DECODE": True, "NUM_SPLITS": 32, "MERGE_CHUNK": 32, "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_SEQS": 16, "warps": 4},
-    {"DECODE": False, "NUM_SPLITS": 1, "MERGE_CHUNK": 8, "BLOCK_M": 256, "BLOCK_N": 64, "BLOCK_SEQS": 16, "warps": 8},
+    {"DECODE": True, "NUM_SPLITS": 1, "MERGE_CHUNK": 8, "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_SEQS": 128, "warps": 2,
+     "PDL": True},
+    {"DECODE": True, "NUM_SPLITS": 8, "MERGE_CHUNK": 8, "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_SEQS": 16, "warps": 2,
+     "PDL": False},
+    {"DECODE": True, "NUM_SPLITS": 32, "MERGE_CHUNK": 32, "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_SEQS": 16, "warps": 4,
+     "PDL": True},
+    {"DECODE": False, "NUM_SPLITS": 1, "MERGE_CHUNK": 8, "BLOCK_M": 256, "BLOCK_N": 64, "BLOCK_SEQS": 16, "warps": 8,
+     "PDL": False},
 ]
 
 SCRIPT = """
@@ -31,6 +37,7 @@ import json, sys
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource, compile
 import duetserve.model.triton_attention as ta
+from duetserve.model.triton_gemm import accesses_before_wait
 
 kernel = ta._paged_attention_kernel
 pointers = {"q_ptr": "*bf16", "k_cache": "*bf16", "v_cache": "*bf16", "out_ptr": "*bf16", "part_ptr": "*fp32",
@@ -44,6 +51,8 @@ for variant in json.loads(sys.argv[1]):
                     constexprs={(kernel.arg_names.index(n),): v for n, v in const.items()})
     compiled = compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
     assert compiled.asm["cubin"], variant
+    before = accesses_before_wait(compiled.asm["ptx"])
+    assert before["wait"] == variant["PDL"] and (before["stores"] == 0 or not variant["PDL"]), (variant, before)
     print("compiled", variant)
 """
 

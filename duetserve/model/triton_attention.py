@@ -38,12 +38,16 @@ set before this module is imported).
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_wait
 
 from duetserve.model.attention import AttentionMetadata, write_kv
+from duetserve.model.layers import graph_kernels_enabled
+from duetserve.model.triton_gemm import pdl_supported
 
 _LOG2E = 1.4426950408889634
 MAX_SPLITS = 32
@@ -187,7 +191,8 @@ def _paged_attention_kernel(
         num_seqs, qk_scale, stride_qt, stride_qh, stride_ot, stride_oh, stride_kb, stride_ks, stride_kh, stride_bt,
         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr, PAGE: tl.constexpr, NUM_SPLITS: tl.constexpr, DECODE: tl.constexpr,
-        DOT_PRECISION: tl.constexpr, GROUP_P2: tl.constexpr, MERGE_CHUNK: tl.constexpr, BLOCK_SEQS: tl.constexpr):
+        DOT_PRECISION: tl.constexpr, GROUP_P2: tl.constexpr, MERGE_CHUNK: tl.constexpr, BLOCK_SEQS: tl.constexpr,
+        PDL: tl.constexpr):
     """Grid ``(KV head, decode split slot)`` (DECODE) or ``(query-tile slot, KV head)``; see the
     module docstring."""
     kv_head = tl.program_id(0 if DECODE else 1)
@@ -232,6 +237,8 @@ def _paged_attention_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < HEAD_DIM
     q_rows = q_start + tok
+    if PDL:
+        gdc_wait()  # above: context lens and block tables only, uploaded before the graph's first kernel
     q = tl.load(q_ptr + q_rows[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
                 mask=row_ok[:, None] & d_ok[None, :], other=0.0)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -296,6 +303,7 @@ def _launch(q, k_cache, v_cache, out, block_tables, context_lens, query_start_lo
         lse = torch.empty(grid0, hq, dtype=torch.float32, device=q.device)
     block_d = max(16, triton.next_power_of_2(head_dim))  # tl.dot needs K >= 16
     group_p2 = triton.next_power_of_2(hq // hkv)
+    pdl = decode and os.environ.get("DUETSERVE_ATTN_PDL", "1") == "1" and graph_kernels_enabled() and pdl_supported(q)
     _paged_attention_kernel[(hkv, grid0) if decode else (grid0, hkv)](
         q, k_cache, v_cache, out, part, lse, context_lens if counters is None else counters, block_tables,
         context_lens, query_start_loc, context_lens.shape[0], scale * _LOG2E, q.stride(0), q.stride(1),
@@ -304,7 +312,8 @@ def _launch(q, k_cache, v_cache, out, block_tables, context_lens, query_start_lo
         BLOCK_N=block_n, PAGE=k_cache.shape[1], NUM_SPLITS=num_splits, DECODE=decode,
         DOT_PRECISION="tf32x3" if q.dtype == torch.float32 else "tf32", GROUP_P2=group_p2,
         MERGE_CHUNK=merge_chunk(num_splits, num_warps, group_p2, block_d),
-        BLOCK_SEQS=triton.next_power_of_2(max(16, context_lens.shape[0])) if decode else 16, num_warps=num_warps)
+        BLOCK_SEQS=triton.next_power_of_2(max(16, context_lens.shape[0])) if decode else 16, PDL=pdl,
+        num_warps=num_warps, launch_pdl=pdl)
     return out
 
 
