@@ -354,8 +354,8 @@ def test_multi_step_decode_gives_single_step_tokens_and_stops_for_new_work(tiny_
 def test_multi_step_decode_stops_when_a_finished_request_makes_room_for_a_waiting_one(tiny_qwen3_folder):
     """With every sequence slot taken, a waiting request is admitted once a running one ends: a
     multi-step decode iteration starts no step after that (``Scheduler.can_admit``), so the
-    request does not wait for the iteration's last step. The runner launches a step before the
-    engine has applied the one before it, so one more step runs after the finish."""
+    request does not wait for the iteration's last step. On a CPU a step starts after the engine
+    has applied the one before (on CUDA two run ahead, as the simulator's ``_room_steps`` counts)."""
     config = EngineConfig(model=str(tiny_qwen3_folder), max_num_batched_tokens=64, num_kv_blocks=64, block_size=8,
                           max_num_seqs=2, num_decode_steps=8)
     engine = LLMEngine(config)
@@ -365,8 +365,8 @@ def test_multi_step_decode_stops_when_a_finished_request_makes_room_for_a_waitin
     engine.step()                                   # both prefills (one token each)
     engine.add_request("b", list(range(3, 14)), long)
     assert not engine.scheduler.can_admit()         # two running, two slots
-    outputs = engine.step()                         # a ends at step 1; steps 2 and 3 were queued by then
-    assert engine.last_stats.plan.k == 8 and engine.last_stats.decode_steps == 4
+    outputs = engine.step()                         # a ends at step 1: no step 2
+    assert engine.last_stats.plan.k == 8 and engine.last_stats.decode_steps == 2
     assert [o.request_id for o in outputs if o.finished] == ["a"]
     assert engine.scheduler.can_admit()
     engine.step()
@@ -375,6 +375,24 @@ def test_multi_step_decode_stops_when_a_finished_request_makes_room_for_a_waitin
     while engine.has_unfinished():
         engine.step()
     assert engine.block_manager.num_free_blocks == 64
+
+
+def test_a_cpu_multi_step_decode_hands_out_each_step_before_running_the_next(tiny_qwen3_folder, monkeypatch):
+    """On a CPU a launch runs the step at once: queued one step ahead (as on CUDA), a step's tokens
+    waited for the next one to run, and clients got them in bursts. Each part now comes out with
+    exactly the steps run so far."""
+    from duetserve.engine import model_runner
+
+    runs = []
+    sample = model_runner.ModelRunner._sample
+    monkeypatch.setattr(model_runner.ModelRunner, "_sample", lambda self, *a: runs.append(1) or sample(self, *a))
+    engine = LLMEngine(EngineConfig(model=str(tiny_qwen3_folder), max_num_batched_tokens=64, num_kv_blocks=64,
+                                    block_size=8))
+    engine.add_request("a", list(range(3, 15)), SamplingParams(max_tokens=9, temperature=0.0, ignore_eos=True))
+    engine.step()                                   # prefill
+    runs.clear()
+    seen = [len(runs) for part in engine.step_parts() if part]
+    assert seen == [1, 2, 3, 4, 5, 6, 7, 8] and engine.last_stats.decode_steps == 8
 
 
 def test_a_seeded_request_aborted_inside_a_lookahead_keeps_no_generator(tiny_qwen3_folder):

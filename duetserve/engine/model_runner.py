@@ -354,9 +354,11 @@ class ModelRunner:
 
     def _hand_out(self, run: _SpatialRun) -> Sampled:
         """The oldest step in flight's tokens (waits for them); the next step is queued first,
-        if due, before the caller handles these."""
+        if due, before the caller handles these, except in a multi-step decode on a CPU
+        (``_runs_as_launched``), where the tokens would wait for that step to run."""
         tokens = run.inflight.popleft().tolist()
-        self._launch_next_step(run, wait=False)
+        if not self._runs_as_launched(run):
+            self._launch_next_step(run, wait=False)
         return Sampled(dict(zip(run.decode_ids, tokens)), prefills=False, final=False)
 
     @torch.inference_mode()
@@ -421,16 +423,23 @@ class ModelRunner:
         event.record()
         return event
 
+    def _runs_as_launched(self, run: _SpatialRun) -> bool:
+        """A decode-only plan (multi-step decode) off CUDA: each step runs to its end as it is
+        launched, so one queued ahead would hold back the previous step's tokens (clients got
+        them in bursts: two or three tokens at once, then a gap of three steps)."""
+        return self.device.type != "cuda" and not run.out.prefills
+
     @torch.inference_mode()
     def _launch_next_step(self, run: _SpatialRun, wait: bool = True) -> None:
         """Queue the next decode step if one is due: fewer than ``plan.k`` launched, and either
         the prefill still running beside it on a partitioned stream (then only after the
         previous step completed, and see ``_prefill_leaves_a_step``), or, for a decode-only plan
-        (multi-step decode), no ``interrupt`` and fewer than two in flight. ``wait=False``: leave
-        a step that would have to wait for the prefill unlaunched (decided at the next call). Before
-        the prefill's launch begins (``_launch_spatial``), two steps may be queued."""
+        (multi-step decode), no ``interrupt`` and fewer than two in flight (one off CUDA).
+        ``wait=False``: leave a step that would have to wait for the prefill unlaunched (decided at
+        the next call). Before the prefill's launch begins (``_launch_spatial``), two steps may be
+        queued."""
         out = run.out
-        in_flight = 1 if run.beside_prefill else 2
+        in_flight = 1 if run.beside_prefill or self._runs_as_launched(run) else 2
         if len(run.inflight) >= in_flight or run.launched >= out.plan.k or not out.decodes:
             return
         if run.launched > 0 and (not self._prefill_leaves_a_step(run, wait) if run.beside_prefill else
