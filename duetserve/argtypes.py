@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import TypeVar
 
 from duetserve.config import BLOCK_SIZES, parse_duration
+from duetserve.engine.scheduler import MAX_LOOKAHEAD
 from duetserve.traces import (
     TraceFileError,
     TraceFormat,
@@ -173,6 +174,16 @@ def block_size(text: str) -> int:
     value = number(text, int)
     if value not in BLOCK_SIZES:
         raise ValueError(f"must be one of {', '.join(map(str, BLOCK_SIZES))}, got {text!r}")
+    return value
+
+
+@argtype
+def decode_steps(text: str) -> int:
+    """``--num-decode-steps``: an integer in [1, ``scheduler.MAX_LOOKAHEAD``]; else "must be in [1, 256],
+    got 'TEXT'"."""
+    value = number(text, int)
+    if not 1 <= value <= MAX_LOOKAHEAD:
+        raise ValueError(f"must be in [1, {MAX_LOOKAHEAD}], got {text!r}")
     return value
 
 

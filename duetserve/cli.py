@@ -16,6 +16,7 @@ from pathlib import Path
 from duetserve import __version__
 from duetserve.argtypes import (
     block_size,
+    decode_steps,
     exit_on_interrupt,
     join_negative_values,
     non_empty,
@@ -117,7 +118,7 @@ def _add_serve(sub) -> None:
                         "turn authentication off)")
     p.add_argument("--seed", type=non_negative_int, default=0, help="seed for dummy weights and unseeded sampling")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode")
-    p.add_argument("--num-decode-steps", type=int, default=8, metavar="N",
+    p.add_argument("--num-decode-steps", type=decode_steps, default=8, metavar="N",
                    help="decode-only iterations run up to N steps back to back, stopping when a request "
                         "arrives or one that ended makes room for a waiting one (hides the host time between "
                         "steps; default 8; 1 = off)")

@@ -28,8 +28,6 @@ from duetserve.cli import _add_serve, _positive_float, main
     (["--libsmctrl", "/nonexistent.so"], "--libsmctrl"),
     (["--trim-margin", "0"], "--trim-margin"),
     (["--trim-margin", "1.5"], "--trim-margin"),
-    (["--num-decode-steps", "0"], "--num-decode-steps"),
-    (["--num-decode-steps", "300"], "--num-decode-steps"),  # more than the scheduler's MAX_LOOKAHEAD
     (["--host", "999.1.1.1"], "--host 999.1.1.1"),  # named --port before
     (["--iteration-log", "/nonexistent/dir/it.jsonl"], "--iteration-log /nonexistent/dir/it.jsonl: No such file"),
 ])
@@ -55,6 +53,9 @@ def test_bad_serve_flags_exit_2_naming_the_flag(argv, flag, capsys):
      "argument --block-size: must be one of 1, 8, 16, 32, 64, 128, 256, got '1000000'"),
     (["--block-size", "0"], "argument --block-size: must be one of 1, 8, 16, 32, 64, 128, 256, got '0'"),
     (["--block-size", "x"], "argument --block-size: expected an integer, got 'x'"),
+    (["--num-decode-steps", "0"], "argument --num-decode-steps: must be in [1, 256], got '0'"),  # as simulate words it
+    (["--num-decode-steps", "300"], "argument --num-decode-steps: must be in [1, 256], got '300'"),  # MAX_LOOKAHEAD
+    (["--num-decode-steps", "two"], "argument --num-decode-steps: expected an integer, got 'two'"),
     # accepted, while bench, simulate and the API's seed refuse negative seeds
     (["--seed", "-1"], "argument --seed: must be an integer >= 0, got '-1'"),
     # "duetserve serve: error: Overflow when unpacking long long", after binding the port

@@ -23,7 +23,6 @@ from duetserve import argtypes
 from duetserve.argtypes import UsageError, trace_format
 from duetserve.config import BLOCK_SIZES, POLICIES
 from duetserve.engine.policy import policy_by_name
-from duetserve.engine.scheduler import MAX_LOOKAHEAD
 from duetserve.jsonio import dumps
 from duetserve.partition.base import BACKENDS as PARTITION_BACKENDS
 from duetserve.planner.cost_model import ModelShape
@@ -121,7 +120,7 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
                    help="duet: prefer a temporal batch trimmed to FRACTION x the SLO when its predicted token "
                         "rate beats the split (as `serve --trim-margin`; auto, the default: follow the measured "
                         "error, none unless --prediction-error; off: the paper's rule)")
-    s.add_argument("--num-decode-steps", type=argtypes.argtype(_decode_steps), default=8, metavar="N",
+    s.add_argument("--num-decode-steps", type=argtypes.decode_steps, default=8, metavar="N",
                    help="decode-only iterations run up to N steps back to back, stopping when a request arrives "
                         "or one that ended makes room for a waiting one (serve's flag and default, 8; 1 = off)")
     s.add_argument("--max-num-batched-tokens", type=argtypes.positive_int, default=8192,
@@ -201,14 +200,6 @@ def _check_trace_fits(args: argparse.Namespace, config: SimConfig, trace: Sequen
         source = "--kv-cache-tokens" if args.kv_cache_tokens else "--gpu and --gpu-memory-utilization"
         raise UsageError(f"the KV cache of {blocks * args.block_size} tokens (from {source}) holds no request "
                          f"{of_trace}: the shortest needs {shortest} tokens of prompt and output")
-
-
-def _decode_steps(text: str) -> int:
-    """``--num-decode-steps``: an integer in [1, ``MAX_LOOKAHEAD``]; else "must be in [1, 256], got 'TEXT'"."""
-    value = argtypes.number(text, int)
-    if not 1 <= value <= MAX_LOOKAHEAD:
-        raise ValueError(f"must be in [1, {MAX_LOOKAHEAD}], got {text!r}")
-    return value
 
 
 def _policies(text: str) -> str:
