@@ -322,6 +322,7 @@ def test_streamed_completion_sends_no_empty_text_chunks(server):
     assert [(c["choices"][0]["text"], c["choices"][0]["finish_reason"]) for c in chunks[:-1]] == \
         [(" Paris.\n\n", "length")]
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 4
+    assert all(line == json.dumps(c, separators=(",", ":")) for line, c in zip(lines, chunks))  # compact, as bodies
 
 
 def test_default_max_tokens_is_named_when_the_prompt_leaves_no_room_for_it(server):
@@ -563,6 +564,18 @@ def test_chat_fields_this_server_does_not_implement(field, off, on):
     with pytest.raises(ParamError, match=f"{field} is not supported") as err:
         ChatCompletionRequest(messages=messages, **{field: on}).sampling_params(16)
     assert err.value.param == field
+
+
+def test_unknown_fields_are_ignored_with_a_warning(caplog):
+    """A field the API does not know is ignored and named in a warning (vLLM's behaviour); known
+    refused fields at their "off" value are not named."""
+    from duetserve.server.protocol import CompletionRequest
+
+    with caplog.at_level("WARNING", logger="duetserve.server.protocol"):
+        params = CompletionRequest(prompt="hi", foo=1, bar={"x": 2}, echo=False).sampling_params(16)
+    assert params.max_tokens == 16
+    assert [r.getMessage() for r in caplog.records] == [
+        "The following fields were present in the request but ignored: ['bar', 'foo']"]
 
 
 # A value asking for something, for every field in protocol._UNSUPPORTED (a pair: /v1/completions, chat)

@@ -72,7 +72,8 @@ def error_response(status: int, message: str, param: str | None = None, err_type
 
 
 def _sse(payload: dict | str) -> str:
-    return f"data: {payload if isinstance(payload, str) else json.dumps(payload)}\n\n"
+    """One server-sent event; a dict as compact JSON, as the non-streamed bodies are written."""
+    return f"data: {payload if isinstance(payload, str) else json.dumps(payload, separators=(',', ':'))}\n\n"
 
 
 def create_app(engine: AsyncEngine, metrics: ServerMetrics, model_name: str, api_key: str | None = None,

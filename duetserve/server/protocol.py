@@ -1,6 +1,7 @@
 """OpenAI request bodies (pydantic) and their mapping to ``SamplingParams``."""
 from __future__ import annotations
 
+import logging
 from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import (
@@ -17,6 +18,8 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 
 from duetserve.sampling import ParamError, SamplingParams
+
+log = logging.getLogger(__name__)
 
 
 def _json_number(kind: str):
@@ -138,6 +141,9 @@ class _SamplingFields(BaseModel):
                     value == off and isinstance(value, bool) == isinstance(off, bool)
                     for off in self._unsupported[name]):
                 raise ParamError(f"{name} is not supported by this server", name)
+        ignored = sorted(set(self.model_extra or {}) - set(self._unsupported))
+        if ignored:  # as vLLM warns
+            log.warning("The following fields were present in the request but ignored: %s", ignored)
         if self.stream_options is not None and not self.stream:
             raise ParamError("stream_options is only allowed when stream is true", "stream_options")
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
