@@ -5,8 +5,8 @@ draw per vocabulary entry (``E ~ Exp(1)``): the token of the exponential race ``
 ``duetserve.engine.sampler``, which picks token ``i`` with probability ``softmax(z / t)_i``
 (Gumbel 1954; the "Gumbel-max trick", e.g. Maddison et al. 2014). ``E = -log(1 - u)`` for a
 uniform ``u``, computed from ``u``'s small end (a series below 0.01), so the smallest draws, which
-decide the race, keep 31 bits of resolution. A row with ``t == 0`` takes ``argmax(z)``, the lowest index among equal maxima, like
-``torch.argmax``.
+decide the race, keep 31 bits of resolution. A row with ``t == 0`` takes ``argmax(z)``, the lowest
+index among equal maxima, like ``torch.argmax``.
 
 ``U`` comes from Philox-4x32-10 (Salmon et al. 2011, Triton's ``tl.philox``) keyed by the row's
 64-bit seed, with counter ``(column group, position low, position high, 0)``: a request's draw
