@@ -64,3 +64,31 @@ def test_multi_step_decode_on_gpu_equals_hf(tiny_qwen3_folder):
         steps.append(engine.last_stats.decode_steps)
     assert [outputs[str(i)] for i in range(len(prompts))] == hf_greedy_cuda(tiny_qwen3_folder, prompts, 20)
     assert steps == [0, 6, 6, 6, 1]  # the prefill iteration (no decode), then 19 tokens in 6 + 6 + 6 + 1
+
+
+def test_eager_decode_attention_compiles_nothing_after_start(tiny_qwen3_folder):
+    """The engine compiles every eager decode attention variant at start
+    (``TritonAttention.compile_decode_variants``): decode calls over every decode count and block
+    table width then compile nothing. Compiled on first use, each variant held a served iteration
+    1-2 s (docs/benchmarks.md, twenty-third session)."""
+    import duetserve.model.triton_attention as ta
+
+    config = EngineConfig(model=str(tiny_qwen3_folder), device="cuda", dtype="bfloat16", num_kv_blocks=128,
+                          block_size=16, max_num_seqs=40, enforce_eager=True, attention_backend="triton")
+    engine = LLMEngine(config)
+    kernel = ta._paged_attention_kernel
+
+    def variants() -> int:
+        return sum(len(cache[0]) for cache in kernel.device_caches.values())
+
+    compiled = variants()
+    k_cache, v_cache = engine.runner.kv_caches[0]
+    heads, dim = engine.model.dims.num_heads, engine.model.dims.head_dim
+    for n in range(1, 41):
+        for width in (1, 2, 5, 9, 17, 33, 65, 128):
+            q = torch.randn(n, heads, dim, dtype=torch.bfloat16, device="cuda")
+            tables = torch.zeros(n, width, dtype=torch.int32, device="cuda")
+            lens = torch.full((n,), width * 16, dtype=torch.int32, device="cuda")
+            ta.paged_decode_attention(q, k_cache, v_cache, tables, lens, 1.0, counters=engine.runner.split_counters)
+    assert variants() == compiled
+    assert not engine.runner.split_counters.any()

@@ -238,6 +238,28 @@ def test_default_num_splits(num_seqs, max_context, splits):
     assert ta.default_num_splits(num_seqs, 8, max_context, 132) == splits
 
 
+def test_decode_variants_hand_counted():
+    """Qwen3-8B's 8 KV heads on 132 SMs, 64 sequences, a 40960-token table: up to 16 sequences
+    (``BLOCK_SEQS`` 16) take 1-32 splits, 17-32 take 1-2 (17 want 264 / 136 -> 2), 33-64 take 1."""
+    assert ta.decode_variants(64, 8, 40960, 132) == [(1, 1), (1, 2), (1, 4), (1, 8), (1, 16), (1, 32),
+                                                     (17, 1), (17, 2), (33, 1)]
+    with pytest.raises(ValueError, match="max_seqs=0"):
+        ta.decode_variants(0, 8, 40960, 132)
+
+
+@pytest.mark.parametrize("max_seqs,hkv,sms", [(64, 8, 132), (40, 2, 16), (130, 4, 132), (5, 8, 132)])
+def test_decode_variants_cover_every_default_launch(max_seqs, hkv, sms):
+    """Every (``BLOCK_SEQS``, ``num_splits``) a default decode launch takes, for 1 to ``max_seqs``
+    sequences and block tables of 1-200 blocks of 16 tokens, is one the warm-up compiles, and the
+    warm-up compiles no other."""
+    def key(n: int, splits: int) -> tuple[int, int]:
+        return max(16, 1 << (n - 1).bit_length()), splits
+
+    launched = {key(n, ta.default_num_splits(n, hkv, w * 16, sms)) for n in range(1, max_seqs + 1)
+                for w in range(1, 201)}
+    assert {key(n, s) for n, s in ta.decode_variants(max_seqs, hkv, 200 * 16, sms)} == launched
+
+
 # hq, hkv, head_dim, block_size, query lengths, context lengths: a whole prompt, a chunk after
 # a cached prefix, chunks starting either side of a key tile edge (positions 30..33), several
 # sequences (one of a single token), query tiles crossed (fp32 tiles hold 64 rows: 8 tokens

@@ -251,8 +251,10 @@ class ModelRunner:
         0, 1 and 2 decodes give all three alignments those slices can have (``context_lens``
         with ``query_start_loc`` aligned iff ``nd % 4 == 0``; the block tables iff ``nd * width % 4
         == 0``). Compiled on first use instead, each variant held an iteration for 0.8-1.2 s on
-        the H200 (docs/benchmarks.md, fourteenth session). The sampler's race kernel, where it
-        samples, compiles here too."""
+        the H200 (docs/benchmarks.md, fourteenth session). The decode attention's variants for
+        every decode count and block-table width follow (the attention backend's
+        ``compile_decode_variants``, where it has one), and the sampler's race kernel, where it
+        samples."""
         block = self.scratch_slot // self.block_size
         i32 = {"dtype": torch.int32, "device": self.device}
         for nd in range(3):
@@ -266,6 +268,9 @@ class ModelRunner:
             hidden = self.model(torch.zeros(nd + 2, dtype=torch.int64, device=self.device), positions,
                                 self.kv_caches, meta)
             logits = self.model.compute_logits(hidden[-1:])
+        backend = self.model.model.layers[0].self_attn.backend
+        if hasattr(backend, "compile_decode_variants") and self.split_counters is not None:
+            backend.compile_decode_variants(self.model.dims.num_heads, *self.kv_caches[0], block, self.split_counters)
         if self.sampler.race:  # the race kernel compiles here, not in the first request's step; Triton
             # compiles a variant per pointer alignment, and the steps' positions are 16-byte aligned
             aligned = positions[-1:].clone()

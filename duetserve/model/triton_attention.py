@@ -32,14 +32,18 @@ heads, always in the same order (the result does not depend on which split finis
 sets the counter back to 0. No merge kernel is launched, and the counters, zero before and
 after every call, need no memset (in a CUDA graph: no memset node per layer).
 
-In the decode graphs on sm_90 (``layers.graph_kernels_enabled``) decode attention is launched
-with programmatic dependent launch, as the fused ops before it are: its programs start while the
-RoPE and KV-write kernel still runs, find their split from ``context_lens`` (written before the
-graph's first kernel), and wait (``griddepcontrol.wait``) before they read the query, the cache
-or the counters, or write anything. It never signals its own dependents early, so the next
-kernel starts as before. Measured on the H200 (docs/benchmarks.md, twenty-second session), side by
-side: 3-94 us faster an 8-step decode step at every shape of the issue grid, 32 x 2048 from
-1.246 to 1.235 times its floor.
+On sm_90 decode attention is launched with programmatic dependent launch (unless
+``DUETSERVE_DECODE_GEMM=cublas`` asks for plain launches). In the decode graphs, where the fused
+ops before it launch so too, its programs start while the RoPE and KV-write kernel still runs,
+find their split from ``context_lens`` (written before the graph's first kernel), and wait
+(``griddepcontrol.wait``) before they read the query, the cache or the counters, or write
+anything. It never signals its own dependents early, so the next kernel starts as before.
+Measured on the H200 (docs/benchmarks.md, twenty-second session), side by side: 3-94 us faster an
+8-step decode step at every shape of the issue grid. Eager steps launch the same variant (the
+kernel before theirs lets nothing start early, so the wait returns at once): one compile serves
+both, and ``TritonAttention.compile_decode_variants`` compiles every variant before serving.
+Signalling the dependents right after the wait, or loading a split's first cached keys before
+it, was slower or no faster (twenty-third session).
 
 On a machine without a GPU the kernels run under Triton's interpreter (``TRITON_INTERPRET=1``
 set before this module is imported).
@@ -54,7 +58,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_wait
 
 from duetserve.model.attention import AttentionMetadata, write_kv
-from duetserve.model.layers import graph_kernels_enabled
+from duetserve.model.layers import decode_gemm_mode
 from duetserve.model.triton_gemm import pdl_supported
 
 _LOG2E = 1.4426950408889634
@@ -311,7 +315,8 @@ def _launch(q, k_cache, v_cache, out, block_tables, context_lens, query_start_lo
         lse = torch.empty(grid0, hq, dtype=torch.float32, device=q.device)
     block_d = max(16, triton.next_power_of_2(head_dim))  # tl.dot needs K >= 16
     group_p2 = triton.next_power_of_2(hq // hkv)
-    pdl = decode and graph_kernels_enabled() and pdl_supported(q)
+    # Eager decodes launch the graphs' variant too: one compile serves both (decode_variants).
+    pdl = decode and pdl_supported(q) and decode_gemm_mode() == "triton"
     _paged_attention_kernel[(hkv, grid0) if decode else (grid0, hkv)](
         q, k_cache, v_cache, out, part, lse, context_lens if counters is None else counters, block_tables,
         context_lens, query_start_loc, context_lens.shape[0], scale * _LOG2E, q.stride(0), q.stride(1),
@@ -342,6 +347,33 @@ def default_num_splits(num_seqs: int, num_kv_heads: int, max_context: int, num_s
     """
     want = triton.cdiv(2 * num_sms, max(1, num_seqs * num_kv_heads))
     return max(1, min(MAX_SPLITS, triton.next_power_of_2(want), triton.next_power_of_2(triton.cdiv(max_context, 64))))
+
+
+def decode_variants(max_seqs: int, num_kv_heads: int, max_context: int, num_sms: int) -> list[tuple[int, int]]:
+    """``(num_seqs, num_splits)`` pairs whose ``paged_decode_attention`` calls, between them, compile
+    every decode kernel variant its default ``num_splits`` launches for 1 to ``max_seqs`` sequences
+    with block tables of up to ``max_context`` tokens (``k_cache.shape[0] * block_size`` covers all).
+
+    A variant is fixed by ``num_splits`` (``MERGE_CHUNK`` and the warps follow from it) and by the
+    sequence count rounded up to a power of two, at least 16 (``BLOCK_SEQS``). For ``n`` sequences
+    ``default_num_splits`` gives at most ``default_num_splits(n, .., max_context, ..)``, and a block
+    table of ``w`` blocks caps it at ``next_power_of_2(cdiv(w * block_size, 64))``, so every power of
+    two up to that occurs in eager steps. Compiled on first use instead, each variant held a served
+    iteration 1.0-1.9 s on the H200 (docs/benchmarks.md, twenty-third session).
+
+    Raises:
+        ValueError: a size below 1.
+    """
+    if min(max_seqs, num_kv_heads, max_context, num_sms) < 1:
+        raise ValueError(f"sizes must be >= 1, got max_seqs={max_seqs}, num_kv_heads={num_kv_heads}, "
+                         f"max_context={max_context}, num_sms={num_sms}")
+    first: dict[tuple[int, int], tuple[int, int]] = {}
+    for n in range(1, max_seqs + 1):
+        block_seqs = triton.next_power_of_2(max(16, n))
+        top = default_num_splits(n, num_kv_heads, max_context, num_sms)
+        for splits in (1 << i for i in range(top.bit_length())):
+            first.setdefault((block_seqs, splits), (n, splits))
+    return sorted(first.values())
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -465,6 +497,27 @@ class TritonAttention:
     """
 
     cuda_graph_safe = True
+
+    @staticmethod
+    def compile_decode_variants(num_heads: int, k_cache: torch.Tensor, v_cache: torch.Tensor, block: int,
+                                counters: torch.Tensor) -> None:
+        """Compile every decode kernel variant eager steps can launch (``decode_variants``) now, one
+        call each: ``num_heads`` query heads of zeros over one key in cache block ``block``, which is
+        only read; ``counters`` (``[max_seqs * Hkv]`` int32, zero) bounds the sequence count and is
+        zero again after. Nothing to compile off CUDA (the interpreter runs the source).
+
+        Raises:
+            ValueError: as ``paged_decode_attention``.
+        """
+        if not k_cache.is_cuda:
+            return
+        hkv, device = k_cache.shape[2], k_cache.device
+        max_context = k_cache.shape[0] * k_cache.shape[1]
+        for n, splits in decode_variants(counters.numel() // hkv, hkv, max_context, _num_sms(device)):
+            q = torch.zeros(n, num_heads, k_cache.shape[3], dtype=k_cache.dtype, device=device)
+            tables = torch.full((n, 1), block, dtype=torch.int32, device=device)
+            lens = torch.ones(n, dtype=torch.int32, device=device)
+            paged_decode_attention(q, k_cache, v_cache, tables, lens, 1.0, num_splits=splits, counters=counters)
 
     def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         """``q`` ``[T, Hq, D]``, ``k``/``v`` ``[T, Hkv, D]`` (written first) or None (already in the cache);
