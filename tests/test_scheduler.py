@@ -134,6 +134,21 @@ def test_eos_and_max_model_len_finish():
         out = sched.schedule()
         sched.postprocess(out, fake_sample(out))
     assert b.finish_reason == "length" and b.num_tokens == 14
+    assert a.stopped_by_token and not b.stopped_by_token
+
+
+@pytest.mark.parametrize("params, tokens, reason, by_token", [
+    (SamplingParams(max_tokens=9, stop_token_ids=[5]), [7, 5], "stop", True),
+    (SamplingParams(max_tokens=9, stop_token_ids=[5]), [7, EOS], "stop", True),
+    (SamplingParams(max_tokens=2, stop_token_ids=[5]), [7, 8], "length", False),
+    (SamplingParams(max_tokens=2, ignore_eos=True), [7, EOS], "length", False),  # EOS ignored: the length ends it
+])
+def test_stopped_by_token(params, tokens, reason, by_token):
+    """Which finishes come from the last token (the API then leaves its text out, vLLM's rule)."""
+    seq = Sequence(0, [1, 2], 2, params, eos_token_ids=frozenset({EOS}))
+    for t in tokens:
+        seq.finish_reason = seq.append_token(t, 100)
+    assert (seq.finish_reason, seq.stopped_by_token) == (reason, by_token)
 
 
 class _Spatial:

@@ -174,6 +174,14 @@ def test_non_streaming_completion(server):
                    json={"prompt": "1, 2, 3, 4,", "max_tokens": 5, "temperature": 0, "stop": [", 6"],
                          "include_stop_str_in_output": True})
     assert r.json()["choices"][0] == {**r.json()["choices"][0], "text": " 5, 6", "finish_reason": "stop"}
+    # a stop token id ends the text before its own text, unless include_stop_str_in_output (vLLM's
+    # rule); the token counts as generated either way (token 30 is ".")
+    for include, text in ((False, " Paris"), (True, " Paris.")):
+        r = httpx.post(f"{server}/v1/completions", headers=AUTH, timeout=120,
+                       json={"prompt": "The capital of France is", "max_tokens": 10, "temperature": 0,
+                             "stop_token_ids": [30], "include_stop_str_in_output": include})
+        assert r.json()["choices"][0] == {**r.json()["choices"][0], "text": text, "finish_reason": "stop"}
+        assert r.json()["usage"]["completion_tokens"] == 2
     # unsupported OpenAI fields at their "off" values (as client libraries send them) are fine
     r = httpx.post(f"{server}/v1/completions", headers=AUTH, timeout=120,
                    json={"prompt": "The capital of France is", "max_tokens": 5, "temperature": 0, "logprobs": None,

@@ -349,7 +349,10 @@ class LLMEngine:
 
     def _emit(self, req: _Request, new_ids: list[int]) -> RequestOutput:
         seq = req.seq
-        text, hit_stop = req.detok.add(new_ids)
+        shown = new_ids
+        if new_ids and seq.stopped_by_token and not seq.params.include_stop_str_in_output:
+            shown = new_ids[:-1]  # vLLM leaves the stop token's text out (the token is still counted)
+        text, hit_stop = req.detok.add(shown)
         if hit_stop:  # a stop string ends it, even on the token that also reached max_tokens
             self.scheduler.finish(seq, "stop")
             seq.finish_reason = "stop"

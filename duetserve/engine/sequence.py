@@ -76,6 +76,13 @@ class Sequence:
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
 
+    @property
+    def stopped_by_token(self) -> bool:
+        """Finished by its last token: EOS (unless ignored) or one of ``stop_token_ids``."""
+        last = self.token_ids[-1] if self.num_output_tokens else None
+        return self.finish_reason == "stop" and last is not None and (
+            last in self.params.stop_token_ids or (not self.params.ignore_eos and last in self.eos_token_ids))
+
     def append_token(self, token_id: int, max_model_len: int) -> str | None:
         """Append a sampled token and return the finish reason it causes, if any.
 
