@@ -5,6 +5,7 @@ import argparse
 import gc
 import json
 import logging
+import re
 from pathlib import Path
 
 import pytest
@@ -493,6 +494,22 @@ def test_serve_names_real_flags_when_the_kv_cache_is_too_small(flags, message, c
         main(["serve", "--device", "cpu", "--port", "0", *flags])
     assert exc.value.code == 2
     assert capsys.readouterr().err.endswith(f"duetserve serve: error: {message}\n")
+
+
+# SmolLM2-135M in float32 on a CPU: a 16-token block holds 2 x 30 layers x 16 x 3 KV heads x 64 x 4 bytes
+# = 737,280 bytes; with the spare block, 1e11 blocks need 68,664,550.8 GiB. --cpu-kv-cache-gb 100000
+# gives int(0.9 x 100000 GiB) // 737,280 - 1 = 131,071,998 blocks, 90,000.0 GiB with the spare.
+@pytest.mark.parametrize("flags, message", [
+    (["--num-kv-blocks", "100000000000"], "--num-kv-blocks 100000000000: the KV cache needs 68664550.8 GiB"),
+    (["--cpu-kv-cache-gb", "100000"], "--cpu-kv-cache-gb 100000: the KV cache needs 90000.0 GiB"),
+])
+def test_serve_refuses_a_kv_cache_larger_than_the_free_memory(flags, message, capsys):
+    """Refused with the flag named; before, a raw allocator traceback, or the host ran out of memory."""
+    with pytest.raises(SystemExit) as exc:
+        main(["serve", "--device", "cpu", "--port", "0", *flags])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert re.search(rf"duetserve serve: error: {re.escape(message)}, more than the [0-9.]+ GiB free on cpu\n$", err), err
 
 
 @pytest.mark.parametrize("argv", [["serve"], ["bench"], ["simulate", "--qps", "1"],

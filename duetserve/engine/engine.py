@@ -93,6 +93,19 @@ class _Request:
     detok: IncrementalDetokenizer
 
 
+def _available_host_bytes() -> int | None:
+    """Bytes of host memory available to a new allocation (``MemAvailable``), or None where
+    ``/proc/meminfo`` does not say."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
 class LLMEngine:
     """Owns the model, the KV cache and the scheduler; not thread-safe (one loop drives it).
 
@@ -117,6 +130,7 @@ class LLMEngine:
         num_blocks = config.num_kv_blocks or self._blocks_from_memory()
         capacity = num_blocks * config.block_size
         log.info("KV cache: %d blocks of %d tokens (%d tokens)", num_blocks, config.block_size, capacity)
+        self._check_cache_fits(num_blocks)
         if capacity < 2:  # a one-token prompt and its first output token
             raise ValueError(f"the KV cache holds {capacity} token(s) ({num_blocks} blocks of {config.block_size}): "
                              "no request fits; give it more (--num-kv-blocks, --block-size, "
@@ -226,6 +240,25 @@ class LLMEngine:
         else:
             free = self.config.cpu_kv_cache_bytes
         return max(1, int(free * self.config.kv_cache_memory_fraction) // per_block - 1)
+
+    def _check_cache_fits(self, num_blocks: int) -> None:
+        """Raise ValueError, naming the flag, when ``num_blocks`` KV blocks (and the spare one)
+        need more bytes than the device has free: CUDA's free memory, or the host's available
+        memory (``MemAvailable`` of ``/proc/meminfo``, where there is one) on a CPU. Checked before
+        anything is sized by ``num_blocks``, so an oversized cache is refused instead of running the
+        host out of memory."""
+        need = (num_blocks + 1) * kv_bytes_per_block(self.model, self.config.block_size, self.dtype)
+        free = torch.cuda.mem_get_info(self.device)[0] if self.device.type == "cuda" else _available_host_bytes()
+        if free is None or need <= free:
+            return
+        if self.config.num_kv_blocks:
+            flag = f"--num-kv-blocks {self.config.num_kv_blocks}"
+        elif self.device.type != "cuda":
+            flag = f"--cpu-kv-cache-gb {self.config.cpu_kv_cache_bytes / 2**30:g}"
+        else:
+            flag = f"--kv-cache-memory-fraction {self.config.kv_cache_memory_fraction:g}"
+        raise ValueError(f"{flag}: the KV cache needs {need / 2**30:.1f} GiB, more than the {free / 2**30:.1f} GiB "
+                         f"free on {self.device}")
 
     def _eos_ids(self, hf_config) -> frozenset[int]:
         ids = getattr(hf_config, "eos_token_id", None)
