@@ -9,6 +9,7 @@ import logging
 import math
 import os
 import re
+import signal
 import socket
 import sys
 from pathlib import Path
@@ -267,12 +268,24 @@ def _serve_on(sock: socket.socket, args: argparse.Namespace, parser: argparse.Ar
 
     class Server(uvicorn.Server):
         """uvicorn's server; requests still running ``--shutdown-timeout`` after its shutdown
-        begins (at the first exit signal) are ended (``abort_all``), so their responses finish
-        before uvicorn closes the connections ``ABORT_GRACE_S`` later."""
+        begins (at the first exit signal), or at a second Ctrl-C, are ended (``abort_all``), so
+        their responses finish before uvicorn closes the connections ``ABORT_GRACE_S`` later. A
+        third Ctrl-C forces uvicorn out (its second did: streams cut off, tracebacks logged)."""
+
+        loop: asyncio.AbstractEventLoop | None = None  # set once the shutdown has begun
+        ended_early = False
 
         async def shutdown(self, sockets=None) -> None:
-            asyncio.get_running_loop().call_later(args.shutdown_timeout, async_engine.abort_all)
+            self.loop = asyncio.get_running_loop()
+            self.loop.call_later(args.shutdown_timeout, async_engine.abort_all)
             await super().shutdown(sockets=sockets)
+
+        def handle_exit(self, sig: int, frame) -> None:
+            if sig == signal.SIGINT and self.loop is not None and not self.ended_early:
+                self.ended_early = True
+                self.loop.call_soon_threadsafe(async_engine.abort_all)
+                return
+            super().handle_exit(sig, frame)
 
     try:
         Server(uvicorn.Config(app, log_level=args.log_level,

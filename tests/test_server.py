@@ -5,6 +5,7 @@ import asyncio
 import concurrent.futures
 import json
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -89,6 +90,30 @@ def test_sigterm_stops_the_engine_before_the_process_ends(smollm_folder):
     out, _ = proc.communicate(timeout=30)
     assert "Application shutdown complete" in out and "timeout graceful shutdown exceeded" not in out
     assert out.count("engine stopped") == 1, out[-2000:]
+
+
+def test_second_ctrl_c_ends_the_streams_at_once(smollm_folder):
+    """A second SIGINT while the shutdown waits for running requests ends them now, as the
+    timeout would: the stream gets ``finish_reason`` ``abort`` and ``[DONE]``, and the server exits
+    cleanly (uvicorn's own second-signal exit cut streams off and logged tracebacks)."""
+    proc, base = start_server("--num-kv-blocks", "256", "--shutdown-timeout", "60s")
+    body = {"prompt": "Hi", "max_tokens": 3000, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=60) as resp:
+        lines = resp.iter_lines()
+        assert next(lines).startswith("data: ")
+        start = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        time.sleep(1)
+        assert proc.poll() is None  # the first one waits for the stream
+        proc.send_signal(signal.SIGINT)
+        rest = [line for line in lines if line]
+    assert time.monotonic() - start < 15
+    assert rest[-1] == "data: [DONE]"
+    assert json.loads(rest[-2].removeprefix("data: "))["choices"][0]["finish_reason"] == "abort"
+    out, _ = proc.communicate(timeout=30)
+    # as after one Ctrl-C: exit status 130 with one line
+    assert proc.returncode == 130 and out.endswith("duetserve serve: interrupted\n"), out[-3000:]
+    assert "Traceback" not in out and out.count("engine stopped") == 1, out[-3000:]
 
 
 @pytest.fixture(scope="module")
