@@ -424,7 +424,12 @@ def test_api_key_required(server):
 
 
 def test_disconnect_frees_the_request(server):
+    """A client leaving mid-stream aborts its request and frees its KV blocks; its prompt counts
+    in ``vllm:prompt_tokens_total`` as vLLM's does (it was prefilled), not only finished ones'."""
+    prompt_len = httpx.post(f"{server}/v1/completions", headers=AUTH, timeout=60, json={
+        "prompt": "Once upon a time", "max_tokens": 1}).json()["usage"]["prompt_tokens"]
     aborted = metric(server, "vllm:request_success_total", 'finished_reason="abort"')
+    prompts = metric(server, "vllm:prompt_tokens_total")
     body = {"prompt": "Once upon a time", "max_tokens": 2000, "ignore_eos": True, "stream": True}
     with httpx.Client(timeout=60) as client:
         with client.stream("POST", f"{server}/v1/completions", json=body, headers=AUTH) as resp:
@@ -438,6 +443,7 @@ def test_disconnect_frees_the_request(server):
     assert metric(server, "vllm:num_requests_running") == 0
     assert metric(server, "vllm:kv_cache_usage_perc") == 0
     assert metric(server, "vllm:request_success_total", 'finished_reason="abort"') == aborted + 1
+    assert metric(server, "vllm:prompt_tokens_total") == prompts + prompt_len
 
 
 def test_iteration_log_records_every_iteration(server_proc):

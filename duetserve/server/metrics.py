@@ -54,7 +54,8 @@ class ServerMetrics:
         self.running = Gauge("vllm:num_requests_running", "Requests in the running batch.", names, registry=r)
         self.waiting = Gauge("vllm:num_requests_waiting", "Requests waiting to be scheduled.", names, registry=r)
         self.kv_usage = Gauge("vllm:kv_cache_usage_perc", "KV-cache usage, 0 to 1.", names, registry=r)
-        self.prompt_tokens = Counter("vllm:prompt_tokens", "Prompt tokens of finished requests.", names, registry=r)
+        self.prompt_tokens = Counter("vllm:prompt_tokens", "Prompt tokens of the requests that got a first token.",
+                                     names, registry=r)
         self.generation_tokens = Counter("vllm:generation_tokens", "Generated tokens.", names, registry=r)
         self.preemptions = Counter("vllm:num_preemptions", "Preemptions (recompute).", names, registry=r)
         self.success = Counter("vllm:request_success", "Finished requests.", names + ["finished_reason"], registry=r)
@@ -138,12 +139,13 @@ class ServerMetrics:
                 self.generation_tokens.labels(**lab).inc(len(out.new_token_ids))
                 if rid in self._last:
                     self.itl.labels(**lab).observe(now - self._last[rid])
-                elif rid in self._arrival:
-                    self.ttft.labels(**lab).observe(now - self._arrival[rid])
+                else:  # its first token: the prompt is prefilled (vLLM counts it then, aborted or not)
+                    self.prompt_tokens.labels(**lab).inc(out.num_prompt_tokens)
+                    if rid in self._arrival:
+                        self.ttft.labels(**lab).observe(now - self._arrival[rid])
                 self._last[rid] = now
             if out.finished:
                 self.success.labels(finished_reason=out.finish_reason or "abort", **lab).inc()
-                self.prompt_tokens.labels(**lab).inc(out.num_prompt_tokens)
                 if rid in self._arrival:
                     self.e2e.labels(**lab).observe(now - self._arrival[rid])
                 self._drop(rid)
