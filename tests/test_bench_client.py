@@ -181,7 +181,9 @@ def test_a_run_where_every_request_fails_exits_2(tmp_path: Path, capsys: pytest.
 
 def test_well_behaved_server_completions(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     out, png = tmp_path / "r.json", tmp_path / "r.png"
-    args = [*SYNTHETIC, "--goodput", "ttft:1s", "tpot:100", "--tbt-slo", "100ms",
+    # SLOs far above the fake server's 2 ms token gaps: a 2-core CI machine once stalled a gap past
+    # 100 ms (attainment 0.978); here only a bench that mis-measures misses them
+    args = [*SYNTHETIC, "--goodput", "ttft:5s", "tpot:1000", "--tbt-slo", "2s",
             "--result-file", str(out), "--plot", str(png)]
     with serving(fake_app()) as url:
         assert bench(["--base-url", url, *args]) == 0
