@@ -193,7 +193,7 @@ class LLMEngine:
                         ) -> tuple[DecodeGraphs | None, dict[int, DecodeGraphs]]:
         """Decode graphs for all SMs, and one set per split level the policy can pick (recorded
         on that level's decode stream), all in one memory pool, all on ``split_counters``."""
-        backend = self.model.model.layers[0].self_attn.backend
+        backend = self.model.attention_backend
         graphs_ok = self.device.type == "cuda" and not self.config.enforce_eager and getattr(backend, "cuda_graph_safe",
                                                                                             False)
         if self.config.decode_stream and not graphs_ok:
@@ -243,20 +243,20 @@ class LLMEngine:
 
     def _check_cache_fits(self, num_blocks: int) -> None:
         """Raise ValueError, naming the flag, when ``num_blocks`` KV blocks (and the spare one)
-        need more bytes than the device has free: CUDA's free memory, or the host's available
-        memory (``MemAvailable`` of ``/proc/meminfo``, where there is one) on a CPU. Checked before
+        need more bytes than the device has free: CUDA's free memory (for ``--num-kv-blocks``; a
+        cache sized from that memory fits), or the host's available memory (``MemAvailable`` of
+        ``/proc/meminfo``, where there is one) on a CPU. Checked before
         anything is sized by ``num_blocks``, so an oversized cache is refused instead of running the
         host out of memory."""
+        cuda = self.device.type == "cuda"
+        if cuda and not self.config.num_kv_blocks:
+            return  # sized from CUDA's free memory (``_blocks_from_memory``)
         need = (num_blocks + 1) * kv_bytes_per_block(self.model, self.config.block_size, self.dtype)
-        free = torch.cuda.mem_get_info(self.device)[0] if self.device.type == "cuda" else _available_host_bytes()
+        free = torch.cuda.mem_get_info(self.device)[0] if cuda else _available_host_bytes()
         if free is None or need <= free:
             return
-        if self.config.num_kv_blocks:
-            flag = f"--num-kv-blocks {self.config.num_kv_blocks}"
-        elif self.device.type != "cuda":
-            flag = f"--cpu-kv-cache-gb {self.config.cpu_kv_cache_bytes / 2**30:g}"
-        else:
-            flag = f"--kv-cache-memory-fraction {self.config.kv_cache_memory_fraction:g}"
+        flag = (f"--num-kv-blocks {self.config.num_kv_blocks}" if self.config.num_kv_blocks
+                else f"--cpu-kv-cache-gb {self.config.cpu_kv_cache_bytes / 2**30:g}")
         raise ValueError(f"{flag}: the KV cache needs {need / 2**30:.1f} GiB, more than the {free / 2**30:.1f} GiB "
                          f"free on {self.device}")
 

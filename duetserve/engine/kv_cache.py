@@ -40,7 +40,8 @@ class BlockManager:
         return max(0, need - len(seq.block_table))
 
     def can_allocate(self, seq: Sequence, num_tokens: int, reserve: int = 0) -> bool:
-        """Whether ``seq`` can grow to ``num_tokens`` tokens and leave ``reserve`` blocks free."""
+        """Whether ``seq`` can grow to ``num_tokens`` tokens and leave ``reserve`` blocks free (a
+        negative ``reserve``: with that many more blocks free, e.g. those of sequences about to end)."""
         return self.blocks_needed(seq, num_tokens) + reserve <= len(self._free)
 
     def allocate(self, seq: Sequence, num_tokens: int) -> None:

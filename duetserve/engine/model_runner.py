@@ -268,7 +268,7 @@ class ModelRunner:
             hidden = self.model(torch.zeros(nd + 2, dtype=torch.int64, device=self.device), positions,
                                 self.kv_caches, meta)
             logits = self.model.compute_logits(hidden[-1:])
-        backend = self.model.model.layers[0].self_attn.backend
+        backend = self.model.attention_backend
         if hasattr(backend, "compile_decode_variants") and self.split_counters is not None:
             backend.compile_decode_variants(self.model.dims.num_heads, *self.kv_caches[0], block, self.split_counters)
         if self.sampler.race:  # the race kernel compiles here, not in the first request's step; Triton

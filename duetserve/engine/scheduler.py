@@ -181,10 +181,9 @@ class Scheduler:
         if not self.waiting:
             return False
         ending = list(ending)
-        first = self.waiting[0]
-        free = self.blocks.num_free_blocks + sum(len(s.block_table) for s in ending)
+        freed = sum(len(s.block_table) for s in ending)
         return len(self.running) - len(ending) < self.max_num_seqs and \
-            self.blocks.blocks_needed(first, first.num_tokens) + self.watermark_blocks <= free
+            self.blocks.can_allocate(self.waiting[0], self.waiting[0].num_tokens, self.watermark_blocks - freed)
 
     def _make_room(self, seq: Sequence, num_tokens: int, preempted: list[Sequence]) -> bool:
         """Preempt lower-priority (later admitted) running sequences until ``seq`` can hold ``num_tokens``.

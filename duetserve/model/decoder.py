@@ -151,6 +151,11 @@ class CausalLM(nn.Module):
         if self.dims.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
+    @property
+    def attention_backend(self) -> AttentionBackend:
+        """The attention backend every layer shares."""
+        return self.model.layers[0].self_attn.backend
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata) -> torch.Tensor:
         """Hidden states ``[T, hidden]`` of ``input_ids`` ``[T]`` (int64) at ``positions`` ``[T]`` (int64)."""
