@@ -2,14 +2,12 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import errno
 import gc
 import logging
 import math
 import os
 import re
-import signal
 import socket
 import sys
 from pathlib import Path
@@ -227,6 +225,7 @@ def _serve_on(sock: socket.socket, args: argparse.Namespace, parser: argparse.Ar
     from duetserve.engine.engine import LLMEngine
     from duetserve.server.api import create_app
     from duetserve.server.metrics import ServerMetrics
+    from duetserve.server.shutdown import DrainingServer
 
     try:
         engine = LLMEngine(config)
@@ -267,30 +266,10 @@ def _serve_on(sock: socket.socket, args: argparse.Namespace, parser: argparse.Ar
     gc.collect()
     gc.freeze()
 
-    class Server(uvicorn.Server):
-        """uvicorn's server; requests still running ``--shutdown-timeout`` after its shutdown
-        begins (at the first exit signal), or at a second Ctrl-C, are ended (``abort_all``), so
-        their responses finish before uvicorn closes the connections ``ABORT_GRACE_S`` later. A
-        third Ctrl-C forces uvicorn out (its second did: streams cut off, tracebacks logged)."""
-
-        loop: asyncio.AbstractEventLoop | None = None  # set once the shutdown has begun
-        ended_early = False
-
-        async def shutdown(self, sockets=None) -> None:
-            self.loop = asyncio.get_running_loop()
-            self.loop.call_later(args.shutdown_timeout, async_engine.abort_all)
-            await super().shutdown(sockets=sockets)
-
-        def handle_exit(self, sig: int, frame) -> None:
-            if sig == signal.SIGINT and self.loop is not None and not self.ended_early:
-                self.ended_early = True
-                self.loop.call_soon_threadsafe(async_engine.abort_all)
-                return
-            super().handle_exit(sig, frame)
-
     try:
-        Server(uvicorn.Config(app, log_level=args.log_level,
-                              timeout_graceful_shutdown=args.shutdown_timeout + ABORT_GRACE_S)).run(sockets=[sock])
+        DrainingServer(uvicorn.Config(app, log_level=args.log_level,
+                                      timeout_graceful_shutdown=args.shutdown_timeout + ABORT_GRACE_S),
+                       async_engine.abort_all, args.shutdown_timeout).run(sockets=[sock])
     finally:  # not reached on SIGTERM (see create_app): the app's shutdown runs stop()
         gc.unfreeze()
         stop()  # returned without the app's shutdown (a failed start-up): nothing ran it

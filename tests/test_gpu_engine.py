@@ -92,3 +92,17 @@ def test_eager_decode_attention_compiles_nothing_after_start(tiny_qwen3_folder):
             ta.paged_decode_attention(q, k_cache, v_cache, tables, lens, 1.0, counters=engine.runner.split_counters)
     assert variants() == compiled
     assert not engine.runner.split_counters.any()
+
+
+def test_kv_cache_beyond_free_gpu_memory_is_refused(tiny_qwen3_folder):
+    """``--num-kv-blocks`` asking for more than CUDA's free memory is refused before anything is
+    allocated, naming the flag and both sizes (the tiny model's blocks: 2 layers x K and V x 16
+    tokens x 2 KV heads x 32 dims x 4 bytes = 16 KiB a block)."""
+    blocks = 2 ** 40 // (16 << 10)  # 1 TiB of blocks, more than any GPU's memory
+    config = EngineConfig(model=str(tiny_qwen3_folder), device="cuda", dtype="float32", num_kv_blocks=blocks,
+                          block_size=16, max_num_seqs=8)
+    free = torch.cuda.mem_get_info()[0] / 2**30
+    with pytest.raises(ValueError) as info:
+        LLMEngine(config)
+    assert str(info.value).startswith(f"--num-kv-blocks {blocks}: the KV cache needs 1024.0 GiB, more than the ")
+    assert abs(float(str(info.value).split("than the ")[1].split(" GiB")[0]) - free) < 2, (str(info.value), free)

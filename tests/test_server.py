@@ -116,6 +116,31 @@ def test_second_ctrl_c_ends_the_streams_at_once(smollm_folder):
     assert "Traceback" not in out and out.count("engine stopped") == 1, out[-3000:]
 
 
+def test_draining_server_signals():
+    """The first Ctrl-C asks for the shutdown; a second ends the running requests
+    (``abort_all``, on the server's loop) even before uvicorn's loop has begun the shutdown (it
+    looks every 0.1 s; a second one sooner used to force uvicorn out); a third forces the exit."""
+    import uvicorn
+
+    from duetserve.server.shutdown import DrainingServer
+
+    aborted = []
+    server = DrainingServer(uvicorn.Config(app=None), lambda: aborted.append(True), 60.0)
+    loop = asyncio.new_event_loop()
+    try:
+        server.loop = loop  # as startup() sets it
+        server.handle_exit(signal.SIGINT, None)
+        assert server.should_exit and not server.force_exit and not server.ended_early
+        server.handle_exit(signal.SIGINT, None)
+        assert server.ended_early and not server.force_exit
+        loop.run_until_complete(asyncio.sleep(0))
+        assert aborted == [True]
+        server.handle_exit(signal.SIGINT, None)
+        assert server.force_exit and aborted == [True]
+    finally:
+        loop.close()
+
+
 @pytest.fixture(scope="module")
 def server(server_proc):
     return server_proc[0]
