@@ -6,8 +6,11 @@
 cd "$(dirname "$0")/.." || exit 1
 index=$(mktemp -u)
 trap 'rm -f "$index"' EXIT
-# Seeded with the real index, so tracked files that an ignore pattern matches still count.
-real=$(git rev-parse --git-path index 2>/dev/null) && [ -f "$real" ] && cp "$real" "$index"
+# Seeded with the real index, so tracked files that an ignore pattern matches still count. The
+# copy is dated 1 s after the epoch so that git re-reads every file: an entry is trusted by its
+# size and mtime only when older than the index, and a file edited within the filesystem's
+# timestamp granularity of its last `git add`, to the same size, looked unchanged to a fresh copy.
+real=$(git rev-parse --git-path index 2>/dev/null) && [ -f "$real" ] && cp "$real" "$index" && touch -d @1 "$index"
 if tree=$(GIT_INDEX_FILE=$index git add -A 2>/dev/null && GIT_INDEX_FILE=$index git write-tree 2>/dev/null); then
   echo "tree $tree"
 else
