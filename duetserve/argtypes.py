@@ -22,6 +22,7 @@ from typing import TypeVar
 from duetserve.config import BLOCK_SIZES, parse_duration
 from duetserve.engine.scheduler import MAX_LOOKAHEAD
 from duetserve.traces import (
+    CoincidentArrivalsError,
     TraceFileError,
     TraceFormat,
     TraceRequest,
@@ -74,8 +75,8 @@ def read_trace(trace: Path | None, spec: TraceSpec) -> list[TraceRequest]:
 
     Raises:
         UsageError: "--trace PATH[:LINE]: REASON" for a file that cannot be read or is no trace
-            (empty, not UTF-8, malformed), or a selection that holds no request (``--window``,
-            ``--num-requests``).
+            (empty, not UTF-8, malformed), a selection that holds no request (``--window``,
+            ``--num-requests``), or ``--arrival scale`` of requests that all arrive at once.
         ValueError: options that do not go together (see ``traces.TraceSpec``).
     """
     try:
@@ -84,6 +85,9 @@ def read_trace(trace: Path | None, spec: TraceSpec) -> list[TraceRequest]:
         raise UsageError(f"--trace {exc}") from exc
     except OSError as exc:
         raise UsageError(f"--trace {trace}: {exc.strerror or exc}") from exc
+    except CoincidentArrivalsError as exc:
+        raise UsageError("--arrival scale: the selected requests all arrive at the same time, so there is no "
+                         "rate to scale; use --arrival poisson") from exc
     if not requests:
         raise UsageError("the trace selection holds no requests (see --window and --num-requests)")
     return requests

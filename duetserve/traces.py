@@ -152,6 +152,10 @@ class TraceFileError(ValueError):
     path (and the line: ``PATH:LINE: ...``)."""
 
 
+class CoincidentArrivalsError(ValueError):
+    """Arrival ``scale`` asked of requests that all arrive at the same time: no rate to scale."""
+
+
 def _check_lengths(input_len: int, output_len: int, where: str) -> None:
     if input_len < 1 or output_len < 1:
         raise TraceFileError(f"{where}: token lengths must be >= 1, got {input_len}/{output_len}")
@@ -418,7 +422,7 @@ def _rescale(reqs: list[TraceRequest], qps: float) -> list[TraceRequest]:
         return [replace(r, arrival_s=0.0) for r in reqs]
     t0, span = reqs[0].arrival_s, reqs[-1].arrival_s - reqs[0].arrival_s
     if span <= 0:
-        raise ValueError("cannot scale a trace whose arrivals all coincide; use arrival 'poisson'")
+        raise CoincidentArrivalsError("cannot scale a trace whose arrivals all coincide; use arrival 'poisson'")
     stretch = (len(reqs) - 1) / (qps * span)
     return [replace(r, arrival_s=(r.arrival_s - t0) * stretch) for r in reqs]
 

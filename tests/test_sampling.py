@@ -130,8 +130,7 @@ def test_detokenizer_streams_deltas_and_stops():
     deltas = [det.add([ord(c)]) for c in "abcEN"]
     # "END" is 3 characters: the last 2 are held back until they cannot start a stop string.
     assert "".join(d for d, _ in deltas) == "abc"
-    delta, hit = det.add([ord("D")])
-    assert hit and delta == "" and det.text == "abc"
+    assert det.add([ord("D")]) == ("", "END") and det.text == "abc"
 
 
 def test_detokenizer_keeps_the_stop_string_when_asked():
@@ -139,10 +138,10 @@ def test_detokenizer_keeps_the_stop_string_when_asked():
     deltas = [det.add([ord(c)]) for c in "abcEND"]
     # "END" ends the text right after it: held-back characters up to its end are emitted
     assert "".join(d for d, _ in deltas) == "abcEND" and det.text == "abcEND"
-    assert [hit for _, hit in deltas] == [False] * 5 + [True]
+    assert [hit for _, hit in deltas] == [None] * 5 + ["END"]
     # a stop string split over two tokens, the text after it in the same token cut off
     det = IncrementalDetokenizer(CharTokenizer(), [], stop=["N!"], include_stop=True)
-    assert det.add([ord("N")]) == ("", False) and det.add([ord("!"), ord("x")]) == ("N!", True)
+    assert det.add([ord("N")]) == ("", None) and det.add([ord("!"), ord("x")]) == ("N!", "N!")
 
 
 @pytest.mark.parametrize("stop", [["n", "a"], ["a", "n"]])
@@ -151,10 +150,10 @@ def test_detokenizer_stops_at_the_stop_string_that_ends_first_whatever_the_list_
     """One token completing two stop strings ("-an"): the text ends at the earlier one ("a"),
     whichever the list names first; the list order once cut "-an" at "n", leaving "a" in the text."""
     det = IncrementalDetokenizer(CharTokenizer(), [], stop=stop, include_stop=include_stop)
-    assert det.add([ord(c) for c in "-an"]) == (text, True) and det.text == text
+    assert det.add([ord(c) for c in "-an"]) == (text, "a") and det.text == text
     # a longer stop string that starts earlier but ends later loses to one inside it
     det = IncrementalDetokenizer(CharTokenizer(), [], stop=["abc", "b"], include_stop=include_stop)
-    assert det.add([ord(c) for c in "xabc"]) == ("xab" if include_stop else "xa", True)
+    assert det.add([ord(c) for c in "xabc"]) == ("xab" if include_stop else "xa", "b")
 
 
 @pytest.fixture(scope="module", params=["byte-level", "metaspace"])
@@ -214,7 +213,7 @@ def test_detokenizer_stream_and_window_give_the_decoded_text_token_by_token(fast
 
 def test_detokenizer_holds_incomplete_characters():
     det = IncrementalDetokenizer(CharTokenizer(), [], stop=[])
-    assert det.add([0xE000]) == ("", False)      # decodes to U+FFFD: wait for more
+    assert det.add([0xE000]) == ("", None)      # decodes to U+FFFD: wait for more
     delta, _ = det.add([ord("z")])
     assert delta == "\ufffdz"
     assert det.finish() == ""

@@ -116,6 +116,21 @@ def test_second_ctrl_c_ends_the_streams_at_once(smollm_folder):
     assert "Traceback" not in out and out.count("engine stopped") == 1, out[-3000:]
 
 
+def test_chat_text_parts_are_joined_by_newlines():
+    """A message's text parts reach the chat template joined by newlines, as vLLM joins them (they
+    were glued together: "Translate to French:Good morning"); developer messages become system."""
+    from duetserve.server.protocol import ChatCompletionRequest
+
+    request = ChatCompletionRequest(messages=[
+        {"role": "developer", "content": [{"type": "text", "text": "Be brief."}]},
+        {"role": "user", "content": [{"type": "text", "text": "Translate to French:"},
+                                     {"type": "text", "text": "Good morning"}]},
+        {"role": "assistant", "content": None}])
+    assert request.chat_messages() == [{"role": "system", "content": "Be brief."},
+                                       {"role": "user", "content": "Translate to French:\nGood morning"},
+                                       {"role": "assistant", "content": ""}]
+
+
 def test_draining_server_signals():
     """The first Ctrl-C asks for the shutdown; a second ends the running requests
     (``abort_all``, on the server's loop) even before uvicorn's loop has begun the shutdown (it
@@ -210,15 +225,17 @@ def test_non_streaming_completion(server):
     assert body["object"] == "text_completion"
     assert body["choices"][0]["text"].strip().startswith("Paris")
     assert body["usage"]["completion_tokens"] == 5 and body["choices"][0]["finish_reason"] == "length"
+    assert body["choices"][0]["stop_reason"] is None
     # token-id prompt and a stop string
     r = httpx.post(f"{server}/v1/completions", headers=AUTH, timeout=120,
                    json={"prompt": [504, 3575, 282, 4649, 314], "max_tokens": 20, "temperature": 0, "stop": ["."]})
     assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "stop"
-    assert "." not in r.json()["choices"][0]["text"]
+    assert "." not in r.json()["choices"][0]["text"] and r.json()["choices"][0]["stop_reason"] == "."
     # the stop string completes on the last allowed token: "stop", not "length" (vLLM's rule)
     r = httpx.post(f"{server}/v1/completions", headers=AUTH, timeout=120,
                    json={"prompt": "1, 2, 3, 4,", "max_tokens": 5, "temperature": 0, "stop": [", 6"]})
-    assert r.json()["choices"][0] == {**r.json()["choices"][0], "text": " 5", "finish_reason": "stop"}
+    assert r.json()["choices"][0] == {**r.json()["choices"][0], "text": " 5", "finish_reason": "stop",
+                                      "stop_reason": ", 6"}  # vLLM's stop_reason: what it matched
     # vLLM's include_stop_str_in_output: the text ends after the stop string
     r = httpx.post(f"{server}/v1/completions", headers=AUTH, timeout=120,
                    json={"prompt": "1, 2, 3, 4,", "max_tokens": 5, "temperature": 0, "stop": [", 6"],
@@ -230,7 +247,8 @@ def test_non_streaming_completion(server):
         r = httpx.post(f"{server}/v1/completions", headers=AUTH, timeout=120,
                        json={"prompt": "The capital of France is", "max_tokens": 10, "temperature": 0,
                              "stop_token_ids": [30], "include_stop_str_in_output": include})
-        assert r.json()["choices"][0] == {**r.json()["choices"][0], "text": text, "finish_reason": "stop"}
+        assert r.json()["choices"][0] == {**r.json()["choices"][0], "text": text, "finish_reason": "stop",
+                                          "stop_reason": 30}
         assert r.json()["usage"]["completion_tokens"] == 2
     # unsupported OpenAI fields at their "off" values (as client libraries send them) are fine
     r = httpx.post(f"{server}/v1/completions", headers=AUTH, timeout=120,
@@ -381,6 +399,23 @@ def test_streamed_completion_sends_no_empty_text_chunks(server):
         [(" Paris.\n\n", "length")]
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 4
     assert all(line == json.dumps(c, separators=(",", ":")) for line, c in zip(lines, chunks))  # compact, as bodies
+
+
+def test_streamed_stop_reason_comes_with_the_finish(server):
+    """Streamed, ``stop_reason`` is null until the chunk that finishes, which names the stop string
+    (completions) or the stop token id (chat), as vLLM's chunks do."""
+    r = httpx.post(f"{server}/v1/completions", headers=AUTH, timeout=120, json={
+        "prompt": "1, 2, 3, 4,", "max_tokens": 5, "temperature": 0, "stop": [", 6"], "stream": True})
+    choices = [json.loads(line[6:])["choices"][0] for line in r.text.splitlines() if line.startswith("data: {")]
+    assert [(c["finish_reason"], c["stop_reason"]) for c in choices] == [(None, None)] * (len(choices) - 1) + \
+        [("stop", ", 6")]
+    assert "".join(c["text"] for c in choices) == " 5"
+    r = httpx.post(f"{server}/v1/chat/completions", headers=AUTH, timeout=120, json={
+        "messages": [{"role": "user", "content": "What is the capital of France?"}], "max_tokens": 30,
+        "temperature": 0, "stop_token_ids": [30], "stream": True})
+    choices = [json.loads(line[6:])["choices"][0] for line in r.text.splitlines() if line.startswith("data: {")]
+    assert [c["stop_reason"] for c in choices] == [None] * (len(choices) - 1) + [30]
+    assert choices[-1]["finish_reason"] == "stop"
 
 
 def test_default_max_tokens_is_named_when_the_prompt_leaves_no_room_for_it(server):

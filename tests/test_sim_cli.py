@@ -255,6 +255,16 @@ def test_cv_with_arrival_scale_on_a_trace_file_is_refused(tmp_path, capsys):
                                        "file keeps its own gaps (--arrival poisson draws gaps of that CV)\n")
 
 
+def test_arrival_scale_of_coincident_arrivals_is_a_usage_error(tmp_path, capsys):
+    """Requests that all arrive at once have no rate to scale: exit status 2 naming --arrival (it
+    was 1, an "other error", against what --help says of flags that do not fit the trace)."""
+    trace = tmp_path / "trace.csv"
+    trace.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n" + "2023-11-16 18:15:46.6805900,100,10\n" * 3)
+    assert main(["simulate", "--trace", str(trace), "--qps", "2", "--arrival", "scale", "--no-progress"]) == 2
+    assert capsys.readouterr().err == ("duetserve simulate: error: --arrival scale: the selected requests all arrive "
+                                       "at the same time, so there is no rate to scale; use --arrival poisson\n")
+
+
 def test_all_without_partition_backend_leaves_pdmux_out(capsys):
     assert main([*SMALL, "--qps", "3", "--partition-backend", "none"]) == 0
     captured = capsys.readouterr()
@@ -313,6 +323,10 @@ def test_policy_takes_a_comma_separated_list(capsys):
     with pytest.raises(SystemExit) as exc:
         main(["simulate", "--format", "synthetic", "--num-requests", "10", "--qps", "4", "--policy", "duet,fast"])
     assert exc.value.code == 2 and "argument --policy: unknown policy 'fast'" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exc:  # said "unknown policy 'all': use ... or all"
+        main(["simulate", "--format", "synthetic", "--num-requests", "10", "--qps", "4", "--policy", "all,duet"])
+    assert exc.value.code == 2 and "argument --policy: 'all' cannot be listed with other policies: give all " \
+        "alone, or a list of policies" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("args, message", [

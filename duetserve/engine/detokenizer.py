@@ -38,10 +38,10 @@ class IncrementalDetokenizer:
             for t in self.ids:
                 self.stream.step(self.backend, t)
 
-    def add(self, token_ids: list[int]) -> tuple[str, bool]:
-        """Add new tokens; return (text delta to emit, whether a stop string was hit)."""
+    def add(self, token_ids: list[int]) -> tuple[str, str | None]:
+        """Add new tokens; return (text delta to emit, the stop string hit or None)."""
         if self.tokenizer is None:
-            return "", False
+            return "", None
         if self.stream is not None:
             for t in token_ids:
                 if (chunk := self.stream.step(self.backend, t)) is not None:
@@ -55,18 +55,18 @@ class IncrementalDetokenizer:
             self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
         return self._flush(final=False)
 
-    def _flush(self, final: bool) -> tuple[str, bool]:
+    def _flush(self, final: bool) -> tuple[str, str | None]:
         # (end, start) of each stop string found; the one that ends first is the one generation
         # reached first, whatever the order of the list, and no other stop string lies wholly
         # before its end (one token may complete several: "-an" with stop ["n", "a"] is "-")
-        hits = [(at + len(stop), at) for stop in self.stop
+        hits = [(at + len(stop), at, stop) for stop in self.stop
                 if (at := self.text.find(stop, max(0, self.emitted - len(stop) + 1))) != -1]
         if hits:
-            end, start = min(hits)
+            end, start, stop = min(hits)
             self.text = self.text[:end if self.include_stop else start]
-            return self._emit(len(self.text)), True
+            return self._emit(len(self.text)), stop
         end = len(self.text) if final else max(self.emitted, len(self.text) - self.hold)
-        return self._emit(end), False
+        return self._emit(end), None
 
     def finish(self) -> str:
         """Text held back for stop strings, released when the request ends."""

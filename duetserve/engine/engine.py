@@ -47,6 +47,8 @@ class RequestOutput:
         finished: the request ended this iteration.
         finish_reason: ``stop``, ``length`` or ``abort`` when finished.
         num_prompt_tokens / num_output_tokens: usage counts so far, tokens.
+        stop_reason: what a ``stop`` finish matched, as vLLM reports it: the stop string, or the
+            token id from ``stop_token_ids``; None for EOS and any other finish.
     """
 
     request_id: str
@@ -56,6 +58,7 @@ class RequestOutput:
     finish_reason: str | None
     num_prompt_tokens: int
     num_output_tokens: int
+    stop_reason: str | int | None = None
 
 
 @dataclass
@@ -385,16 +388,19 @@ class LLMEngine:
         shown = new_ids
         if new_ids and seq.stopped_by_token and not seq.params.include_stop_str_in_output:
             shown = new_ids[:-1]  # vLLM leaves the stop token's text out (the token is still counted)
-        text, hit_stop = req.detok.add(shown)
-        if hit_stop:  # a stop string ends it, even on the token that also reached max_tokens
+        text, stop_str = req.detok.add(shown)
+        stop_reason = stop_str
+        if stop_str is not None:  # a stop string ends it, even on the token that also reached max_tokens
             self.scheduler.finish(seq, "stop")
             seq.finish_reason = "stop"
+        elif new_ids and seq.stopped_by_token and not seq.stopped_by_eos:
+            stop_reason = new_ids[-1]  # one of stop_token_ids
         if seq.is_finished:
             text += req.detok.finish()
             self._requests.pop(req.request_id, None)
             self.sampler.release(seq.seq_id)
         return RequestOutput(req.request_id, new_ids, text, seq.is_finished, seq.finish_reason,
-                             seq.num_prompt_tokens, seq.num_output_tokens)
+                             seq.num_prompt_tokens, seq.num_output_tokens, stop_reason)
 
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[list[int]]:
         """Run prompts (token ids) to completion together; returns each one's output token ids."""

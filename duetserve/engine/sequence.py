@@ -79,9 +79,14 @@ class Sequence:
     @property
     def stopped_by_token(self) -> bool:
         """Finished by its last token: EOS (unless ignored) or one of ``stop_token_ids``."""
-        last = self.token_ids[-1] if self.num_output_tokens else None
-        return self.finish_reason == "stop" and last is not None and (
-            last in self.params.stop_token_ids or (not self.params.ignore_eos and last in self.eos_token_ids))
+        return self.stopped_by_eos or (self.finish_reason == "stop" and self.num_output_tokens > 0
+                                       and self.token_ids[-1] in self.params.stop_token_ids)
+
+    @property
+    def stopped_by_eos(self) -> bool:
+        """Finished by an EOS token (checked before ``stop_token_ids``, as ``append_token`` does)."""
+        return (self.finish_reason == "stop" and self.num_output_tokens > 0 and not self.params.ignore_eos
+                and self.token_ids[-1] in self.eos_token_ids)
 
     def append_token(self, token_id: int, max_model_len: int) -> str | None:
         """Append a sampled token and return the finish reason it causes, if any.

@@ -261,12 +261,14 @@ def create_app(engine: AsyncEngine, metrics: ServerMetrics, model_name: str, api
                                                     body.continuous_usage), media_type="text/event-stream")
         return await _full_response(request, request_id, created, first, stream, chat)
 
-    def _choice(chat: bool, text: str, finish: str | None, delta: bool) -> dict:
+    def _choice(chat: bool, text: str, out: RequestOutput, delta: bool) -> dict:
+        """A choice of ``text`` with ``out``'s finish (None while running) and vLLM's ``stop_reason``."""
+        finish = {"finish_reason": out.finish_reason, "stop_reason": out.stop_reason}
         if not chat:
-            return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+            return {"index": 0, "text": text, "logprobs": None, **finish}
         key = "delta" if delta else "message"
         msg = {"content": text} if delta else {"role": "assistant", "content": text}
-        return {"index": 0, key: msg, "logprobs": None, "finish_reason": finish}
+        return {"index": 0, key: msg, "logprobs": None, **finish}
 
     def _usage(out: RequestOutput, completion_tokens: int | None = None) -> dict:
         """OpenAI's usage object for ``out`` (``completion_tokens``: instead of ``out``'s count)."""
@@ -285,7 +287,7 @@ def create_app(engine: AsyncEngine, metrics: ServerMetrics, model_name: str, api
         try:
             if chat:
                 role = {**chunk, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
-                                              "logprobs": None, "finish_reason": None}]}
+                                              "logprobs": None, "finish_reason": None, "stop_reason": None}]}
                 if continuous_usage:
                     role["usage"] = _usage(first, completion_tokens=0)  # sent before any token
                 yield _sse(role)
@@ -294,7 +296,7 @@ def create_app(engine: AsyncEngine, metrics: ServerMetrics, model_name: str, api
                 # A completions client sees only text: no chunk for tokens whose text is held back
                 # (a possible stop string, an unfinished UTF-8 character)
                 if (out.new_token_ids if chat else out.new_text) or out.finished:
-                    piece = {**chunk, "choices": [_choice(chat, out.new_text, out.finish_reason, True)]}
+                    piece = {**chunk, "choices": [_choice(chat, out.new_text, out, True)]}
                     if continuous_usage:
                         piece["usage"] = _usage(out)
                     yield _sse(piece)
@@ -328,7 +330,7 @@ def create_app(engine: AsyncEngine, metrics: ServerMetrics, model_name: str, api
             await stream.aclose()  # aborts the request unless it finished as the client left
             return Response(status_code=499)
         body = {"id": request_id, "object": "chat.completion" if chat else "text_completion", "created": created,
-                "model": model_name, "choices": [_choice(chat, "".join(text), out.finish_reason, False)],
+                "model": model_name, "choices": [_choice(chat, "".join(text), out, False)],
                 "usage": _usage(out)}
         return body
 

@@ -204,7 +204,8 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: Int | None = None
 
     def chat_messages(self) -> list[dict[str, str]]:
-        """Messages as plain ``{"role", "content"}`` dicts for the tokenizer's chat template.
+        """Messages as plain ``{"role", "content"}`` dicts for the tokenizer's chat template; a
+        message's text parts joined by newlines, as vLLM joins them.
 
         Raises:
             ParamError: no messages.
@@ -213,6 +214,6 @@ class ChatCompletionRequest(_SamplingFields):
             raise ParamError("messages must not be empty", "messages")
         out = []
         for m in self.messages:
-            content = m.content if isinstance(m.content, str) else "".join(p.text for p in m.content or [])
+            content = m.content if isinstance(m.content, str) else "\n".join(p.text for p in m.content or [])
             out.append({"role": "system" if m.role == "developer" else m.role, "content": content})
         return out

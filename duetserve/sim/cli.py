@@ -205,11 +205,14 @@ def _check_trace_fits(args: argparse.Namespace, config: SimConfig, trace: Sequen
 def _policies(text: str) -> str:
     """``all`` or a comma-separated list of known policies, each once (returned as given, spaces dropped).
 
-    Errors, as ``--qps``'s: "empty item in 'TEXT'", "unknown policy 'X': use ...", "policy 'X' given twice in 'TEXT'".
+    Errors, as ``--qps``'s: "empty item in 'TEXT'", "unknown policy 'X': use ...", "policy 'X' given twice in 'TEXT'",
+    "'all' cannot be listed with other policies".
     """
     if text.strip() == "all":
         return "all"
     names = argtypes.comma_items(text)
+    if "all" in names:
+        raise ValueError("'all' cannot be listed with other policies: give all alone, or a list of policies")
     if bad := [n for n in names if n not in POLICIES]:
         raise ValueError(f"unknown policy {', '.join(map(repr, bad))}: use {', '.join(POLICIES)} or all")
     if repeated := next((n for i, n in enumerate(names) if n in names[:i]), None):
