@@ -165,9 +165,19 @@ class DuetPolicy:
 
     def observe_iteration(self, plan: Plan, measured_s: float) -> None:
         """Wall seconds ``measured_s`` of an iteration with decodes and prefill that ran
-        ``plan``; with ``TRIM_AUTO``, temporal plans with a prediction feed ``trim_margin`` and
-        ``temporal_scale``; anything else is ignored."""
-        if self.config.trim_margin != TRIM_AUTO or plan.spatial or not plan.predicted_s or measured_s <= 0:
+        ``plan``; with ``TRIM_AUTO``, temporal plans predicted at least as long as the shortest
+        trimmed batch (``TRIM_BOUNDS[0]`` of the TBT SLO) feed ``trim_margin`` and
+        ``temporal_scale``; anything else is ignored.
+
+        Beyond the paper: the short ones are host-bound eager passes, whose error is the served
+        host's launch time against the profile's, not the trimmed batches' error. On the H200
+        serving Azure code at QPS 12, iterations with under 1024 prefill tokens (predicted 28 ms)
+        ran 1.14-1.38x their prediction at the median and 1.5-1.74x at p90, those with 1024-4096
+        tokens 0.97-0.99x and 1.05-1.07x; counted in, they held the margin near 0.55 against
+        0.90 without them, so trimmed batches were cut to half the SLO and lost to splits, which
+        delayed queued prompts (docs/benchmarks.md, twenty-fourth session)."""
+        if self.config.trim_margin != TRIM_AUTO or plan.spatial or not plan.predicted_s or measured_s <= 0 \
+                or plan.predicted_s < TRIM_BOUNDS[0] * self.config.tau_s:
             return
         self._temporal_ratios.append(measured_s / plan.predicted_s)
         if len(self._temporal_ratios) >= TRIM_MIN_SAMPLES:
