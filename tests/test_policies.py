@@ -138,15 +138,15 @@ def test_auto_trim_margin_follows_the_measured_error_of_temporal_iterations():
     """``--trim-margin auto``: 0.7 until 32 temporal iterations were measured; then 1 / p99 of
     measured / predicted (94 at 1.0, 4 at 1.1, 2 at 1.2: p99 is 1.2, p95 1.1; margin 1/1.2), within [0.5, 1];
     the trimmed batch's rate is taken at the median ratio. Spatial plans, unpredicted ones and
-    those predicted under half the SLO (the shortest trimmed batch; host-bound eager passes
-    measured 1.5x and more on the H200) are not counted."""
+    untrimmed ones predicted under half the SLO (host-bound eager passes measured 1.5x and more
+    on the H200) are not counted; trimmed batches are, whatever their length."""
     policy = DuetPolicy(dataclasses.replace(planner(0.1), trim_margin=TRIM_AUTO))
     temporal = Plan(predicted_s=0.05)
     for _ in range(31):
         policy.observe_iteration(temporal, 0.05)
     policy.observe_iteration(Plan(spatial=True, s_prefill=124, s_decode=8, predicted_s=0.05), 1.0)
     policy.observe_iteration(Plan(), 1.0)  # no prediction
-    for _ in range(TRIM_MIN_SAMPLES):  # 28 ms predicted, 42 measured: shorter than any trimmed batch
+    for _ in range(TRIM_MIN_SAMPLES):  # 28 ms predicted, 42 measured, untrimmed: not counted
         policy.observe_iteration(Plan(predicted_s=0.028), 0.042)
     assert (policy.trim_margin, policy.temporal_scale) == (TRIM_START, 1.0)
     for ratio in [1.0] * 63 + [1.1] * 4 + [1.2] * 2:
@@ -155,6 +155,12 @@ def test_auto_trim_margin_follows_the_measured_error_of_temporal_iterations():
     for _ in range(TRIM_WINDOW):  # the window forgets: all slow now, the margin stops at 0.5
         policy.observe_iteration(temporal, 0.05 * 3)
     assert policy.trim_margin == 0.5 and policy.temporal_scale == pytest.approx(3.0)
+    # trimmed batches count whatever their length: at margin 0.5 they are predicted just under half
+    # the SLO (49.99 ms at tau 100 ms, 45 with a 10 ms carried wait), and the margin must be able to rise
+    trimmed = Plan(predicted_s=0.045, trim_rates=(1.0, 0.5))
+    for _ in range(TRIM_WINDOW):
+        policy.observe_iteration(trimmed, 0.045)
+    assert policy.trim_margin == 1.0 and policy.temporal_scale == pytest.approx(1.0)
     # a fixed margin is the configured one, and no scale
     fixed = DuetPolicy(dataclasses.replace(planner(0.1), trim_margin=0.85))
     fixed.observe_iteration(temporal, 0.1)

@@ -418,6 +418,21 @@ def test_streamed_stop_reason_comes_with_the_finish(server):
     assert choices[-1]["finish_reason"] == "stop"
 
 
+@pytest.mark.parametrize("extra, stop_reason", [
+    ({}, None),  # EOS (<|im_end|>, id 2) ends the answer: no stop_reason, as vLLM
+    ({"stop_token_ids": [2]}, None),  # EOS is checked first, as vLLM does
+    ({"stop_token_ids": [2], "ignore_eos": True}, 2),  # EOS ignored: the stop token ends it
+])
+def test_stop_reason_of_an_eos_finish(server, tokenizer, extra, stop_reason):
+    assert tokenizer.eos_token_id == 2
+    r = httpx.post(f"{server}/v1/chat/completions", headers=AUTH, timeout=120, json={
+        "messages": [{"role": "user", "content": "What is the capital of France?"}], "max_tokens": 30,
+        "temperature": 0, **extra})
+    choice = r.json()["choices"][0]
+    assert (choice["message"]["content"], choice["finish_reason"], choice["stop_reason"]) == \
+        ("The capital of France is Paris.", "stop", stop_reason)
+
+
 def test_default_max_tokens_is_named_when_the_prompt_leaves_no_room_for_it(server):
     for extra, note in (({}, " (the default for /v1/completions)"), ({"max_tokens": 16}, "")):
         r = httpx.post(f"{server}/v1/completions", headers=AUTH, json={"prompt": [504] * 8185, **extra}, timeout=60)

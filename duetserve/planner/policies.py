@@ -165,19 +165,22 @@ class DuetPolicy:
 
     def observe_iteration(self, plan: Plan, measured_s: float) -> None:
         """Wall seconds ``measured_s`` of an iteration with decodes and prefill that ran
-        ``plan``; with ``TRIM_AUTO``, temporal plans predicted at least as long as the shortest
-        trimmed batch (``TRIM_BOUNDS[0]`` of the TBT SLO) feed ``trim_margin`` and
-        ``temporal_scale``; anything else is ignored.
+        ``plan``; with ``TRIM_AUTO``, trimmed batches (``plan.trim_rates`` set) and other
+        temporal plans predicted at ``TRIM_BOUNDS[0]`` of the TBT SLO or more feed
+        ``trim_margin`` and ``temporal_scale``; anything else is ignored. (A trimmed batch is
+        predicted just under ``trim_margin`` times the first-token budget, so at the lowest margin,
+        or with a carried wait, under that length: it counts whatever its length, or a margin at
+        its floor could never rise.)
 
-        Beyond the paper: the short ones are host-bound eager passes, whose error is the served
-        host's launch time against the profile's, not the trimmed batches' error. On the H200
+        Beyond the paper: the short untrimmed ones are host-bound eager passes, whose error is the
+        served host's launch time against the profile's, not the trimmed batches' error. On the H200
         serving Azure code at QPS 12, iterations with under 1024 prefill tokens (predicted 28 ms)
         ran 1.14-1.38x their prediction at the median and 1.5-1.74x at p90, those with 1024-4096
         tokens 0.97-0.99x and 1.05-1.07x; counted in, they held the margin near 0.55 against
         0.90 without them, so trimmed batches were cut to half the SLO and lost to splits, which
         delayed queued prompts (docs/benchmarks.md, twenty-fourth session)."""
         if self.config.trim_margin != TRIM_AUTO or plan.spatial or not plan.predicted_s or measured_s <= 0 \
-                or plan.predicted_s < TRIM_BOUNDS[0] * self.config.tau_s:
+                or (plan.trim_rates is None and plan.predicted_s < TRIM_BOUNDS[0] * self.config.tau_s):
             return
         self._temporal_ratios.append(measured_s / plan.predicted_s)
         if len(self._temporal_ratios) >= TRIM_MIN_SAMPLES:
