@@ -43,10 +43,11 @@ class AttentionBackend(Protocol):
     """Writes the new K/V into the paged cache (unless the caller did) and computes causal attention."""
 
     def forward(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+                out: torch.Tensor | None = None) -> torch.Tensor:
         """``q``: ``[T, Hq, D]``; ``k``/``v``: ``[T, Hkv, D]``, written at ``meta.slot_mapping`` first, or
         both None when they are already in the caches (the decoder stores them fused with RoPE).
-        Returns ``[T, Hq, D]`` (q's dtype)."""
+        Returns ``[T, Hq, D]`` (q's dtype): ``out`` when given (shaped and typed like q), filled."""
         ...
 
 
@@ -65,10 +66,10 @@ class TorchAttention:
     chunk runs on its own with a causal mask offset by its cached tokens.
     """
 
-    def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float):
+    def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float, out=None):
         if k is not None:
             write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        out = torch.empty_like(q)
+        out = torch.empty_like(q) if out is None else out
         nd = meta.num_decodes
         if nd:
             out[:nd] = self._decode(q[:nd], k_cache, v_cache, meta, scale)

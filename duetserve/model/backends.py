@@ -41,15 +41,17 @@ class FlashAttnBackend:
             raise ValueError(f"--attention-backend flash: flash_attn does not import ({exc})") from exc
         self._varlen = flash_attn_varlen_func
 
-    def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float,
+                out: torch.Tensor | None = None) -> torch.Tensor:
         """``q`` ``[T, Hq, D]``, ``k``/``v`` ``[T, Hkv, D]`` (written first) or None (already in the cache);
-        returns ``[T, Hq, D]`` in q's dtype."""
+        returns ``[T, Hq, D]`` in q's dtype, copied into ``out`` when given."""
         if k is not None:
             write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         cu_seqlens_k = F.pad(meta.context_lens.cumsum(0, dtype=torch.int32), (1, 0))
-        return self._varlen(q, k_cache, v_cache, meta.query_start_loc, cu_seqlens_k, max(meta.query_lens_cpu),
+        o = self._varlen(q, k_cache, v_cache, meta.query_start_loc, cu_seqlens_k, max(meta.query_lens_cpu),
                             max(meta.context_lens_cpu), softmax_scale=scale, causal=True,
                             block_table=meta.block_tables)
+        return o if out is None else out.copy_(o)
 
 
 def _importable(module: str) -> bool:

@@ -95,17 +95,22 @@ class Attention(nn.Module):
         self.backend = backend
         self.scale = hd ** -0.5
 
-    def forward(self, x, positions, kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata):
-        """``x`` ``[T, hidden]`` at ``positions`` ``[T]``: write K/V to ``kv_cache``, return ``[T, hidden]``."""
+    def queries(self, x: torch.Tensor, positions: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
+                slot_mapping: torch.Tensor) -> torch.Tensor:
+        """The QKV projection of ``x`` ``[T, hidden]`` at ``positions`` ``[T]`` (int64): K/V (q/k-normed and
+        rotated) stored at ``slot_mapping`` ``[T]`` of ``kv_cache``; returns the rotated queries ``[T, Hq, D]``."""
         t = x.shape[0]
         q, k, v = self.qkv_proj(x).split(list(self.qkv_proj.parts.values()), dim=-1)
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
         norms = (self.q_norm, self.k_norm) if self.qk_norm else ()
-        q = self.rotary[0](positions, q, k, v, kv_cache, meta.slot_mapping, *norms)  # K/V land in the cache
-        o = self.backend.forward(q, None, None, kv_cache[0], kv_cache[1], meta, self.scale)
-        return self.o_proj(o.reshape(t, -1))
+        return self.rotary[0](positions, q, k, v, kv_cache, slot_mapping, *norms)  # K/V land in the cache
+
+    def attend(self, q: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
+               out: torch.Tensor | None = None) -> torch.Tensor:
+        """The backend's attention of ``q`` ``[T, Hq, D]`` over ``kv_cache``, into ``out`` (same shape) when given."""
+        return self.backend.forward(q, None, None, kv_cache[0], kv_cache[1], meta, self.scale, out=out)
 
 
 class DecoderLayer(nn.Module):
@@ -119,9 +124,19 @@ class DecoderLayer(nn.Module):
     def forward(self, x, residual, positions, kv_cache, meta):
         """``x`` ``[T, hidden]``, the previous layer's output, and ``residual`` (None in layer 0): the
         stream before it. Returns this layer's ``(output, residual)``; the stream is their sum."""
+        q, residual = self.pre_attention(x, residual, positions, kv_cache, meta.slot_mapping)
+        return self.post_attention(self.self_attn.attend(q, kv_cache, meta), residual)
+
+    def pre_attention(self, x, residual, positions, kv_cache, slot_mapping) -> tuple[torch.Tensor, torch.Tensor]:
+        """``forward`` up to attention (input norm, QKV, q/k norm, RoPE, the K/V store): ``(queries
+        [T, Hq, D], residual [T, hidden])``. No attention metadata but ``slot_mapping`` ``[T]``."""
         h, residual = self.input_layernorm(x, residual)
-        h = self.self_attn(h, positions, kv_cache, meta)
-        h, residual = self.post_attention_layernorm(h, residual)
+        return self.self_attn.queries(h, positions, kv_cache, slot_mapping), residual
+
+    def post_attention(self, o: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``forward`` after attention: the output projection of ``o`` ``[T, Hq, D]``, the residual add and
+        norm, the MLP; returns ``(output, residual)``, each ``[T, hidden]``."""
+        h, residual = self.post_attention_layernorm(self.self_attn.o_proj(o.reshape(o.shape[0], -1)), residual)
         return self.mlp(h), residual
 
 

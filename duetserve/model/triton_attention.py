@@ -519,12 +519,13 @@ class TritonAttention:
             lens = torch.ones(n, dtype=torch.int32, device=device)
             paged_decode_attention(q, k_cache, v_cache, tables, lens, 1.0, num_splits=splits, counters=counters)
 
-    def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float,
+                out: torch.Tensor | None = None) -> torch.Tensor:
         """``q`` ``[T, Hq, D]``, ``k``/``v`` ``[T, Hkv, D]`` (written first) or None (already in the cache);
-        returns ``[T, Hq, D]`` in q's dtype."""
+        returns ``[T, Hq, D]`` in q's dtype (``out`` when given, shaped like q)."""
         if k is not None:
             write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        out = torch.empty_like(q)
+        out = torch.empty_like(q) if out is None else out
         nd = meta.num_decodes
         if nd:
             paged_decode_attention(q[:nd], k_cache, v_cache, meta.block_tables[:nd], meta.context_lens[:nd], scale,
