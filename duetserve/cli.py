@@ -117,7 +117,10 @@ def _add_serve(sub) -> None:
                    help="require 'Authorization: Bearer KEY' on /v1 routes (an empty KEY is refused: it would "
                         "turn authentication off)")
     p.add_argument("--seed", type=non_negative_int, default=0, help="seed for dummy weights and unseeded sampling")
-    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode")
+    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (decode and prefill run eagerly)")
+    p.add_argument("--piecewise-cuda-graph-max-tokens", type=non_negative_int, default=1024, metavar="N",
+                   help="on CUDA, iterations with prefill tokens of up to N tokens replay piecewise CUDA graphs "
+                        "(attention eager between them; cuts the host's launch time); 0 = off (default 1024)")
     p.add_argument("--num-decode-steps", type=decode_steps, default=8, metavar="N",
                    help="decode-only iterations run up to N steps back to back, stopping when a request "
                         "arrives or one that ended makes room for a waiting one (hides the host time between "
@@ -191,6 +194,7 @@ def _engine_config(args: argparse.Namespace, parser: argparse.ArgumentParser, de
                             max_model_len=args.max_model_len, policy=args.policy, tbt_slo_s=args.tbt_slo,
                             hardware_profile=args.profile, partition_backend=args.partition_backend,
                             seed=args.seed, enforce_eager=args.enforce_eager,
+                            piecewise_cuda_graph_max_tokens=args.piecewise_cuda_graph_max_tokens,
                             num_decode_steps=args.num_decode_steps, trim_margin=args.trim_margin,
                             decode_stream=args.decode_stream,
                             attention_backend=args.attention_backend)

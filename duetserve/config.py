@@ -61,7 +61,11 @@ class EngineConfig:
             run makes ``LLMEngine`` raise.
         seed: seed for dummy weights and for unseeded sampling, in [0, 2**64).
         attention_backend: one of ``ATTENTION_BACKENDS`` (see ``duetserve.model.backends``).
-        enforce_eager: never replay CUDA graphs (decode runs eagerly).
+        enforce_eager: never replay CUDA graphs (decode and prefill run eagerly).
+        piecewise_cuda_graph_max_tokens: on CUDA, temporal iterations with prefill tokens of up to
+            this many tokens (capped at ``max_num_batched_tokens``) replay piecewise CUDA graphs,
+            attention launched eagerly between them (``duetserve.engine.piecewise_graphs``); 0 runs
+            them eagerly. SGLang's ``--piecewise-cuda-graph-max-tokens``.
         num_decode_steps: decode-only iterations run up to this many steps back to back (each
             step queued behind the running one, tokens streamed per step; like vLLM's multi-step
             scheduling), stopping early when a request arrives or is aborted, or when one that
@@ -95,6 +99,7 @@ class EngineConfig:
     seed: int = 0
     attention_backend: str = "auto"
     enforce_eager: bool = False
+    piecewise_cuda_graph_max_tokens: int = 1024
     num_decode_steps: int = 8
     trim_margin: float | str | None = "auto"
     decode_stream: bool = False
@@ -109,6 +114,7 @@ class EngineConfig:
              "must be auto, float32, float16 or bfloat16"),
             (self.max_num_seqs >= 1, "--max-num-seqs", "must be >= 1"),
             (self.max_num_batched_tokens >= 1, "--max-num-batched-tokens", "must be >= 1"),
+            (self.piecewise_cuda_graph_max_tokens >= 0, "--piecewise-cuda-graph-max-tokens", "must be >= 0"),
             (1 <= self.num_decode_steps <= 256, "--num-decode-steps", "must be in [1, 256]"),
             (self.trim_margin in (None, "auto") or (not isinstance(self.trim_margin, str) and 0 < self.trim_margin <= 1),
              "--trim-margin", "must be in (0, 1], auto or None (off)"),

@@ -4,7 +4,8 @@ Decode: batch 1/8/32/64/128 x context 512/2048/8192, with CUDA graphs and eagerl
 the floor ``bytes(weights + KV read) / 4.19 TB/s`` (docs/design.md section 5's measured copy rate).
 Every request samples at temperature 1 (the API's default); on CUDA the 8-step decode is also timed
 with the torch sampler in place of the race kernel (``multi_step_torch_sampler_ms``, the column
-``torch-smp``). Prefill: 8192 tokens as 1 x 8192 and 8 x 1024, TFLOP/s over useful (causal) FLOPs against
+``torch-smp``). Mixed batches (decodes beside one prompt, ``MIXED``): the piecewise graphs against
+eager in the same engine. Prefill: 8192 tokens as 1 x 8192 and 8 x 1024, TFLOP/s over useful (causal) FLOPs against
 797 TFLOP/s. ``graphs`` runs the engine's default (in the decode graphs, the Triton decode GEMM
 for batches of up to ``triton_gemm.MAX_M`` rows on weights of up to ``triton_gemm.MAX_N`` rows, and
 programmatic dependent launch; ``layers``), ``eager`` runs without graphs (cuBLAS, plain launches);
@@ -33,6 +34,7 @@ from duetserve.engine.scheduler import SchedulerOutput
 
 COPY_BW = 4.19e12
 MULTI_STEP = 8  # steps of the multi-step decode variant
+MIXED = ((5, 64), (5, 256), (5, 539), (5, 1019), (32, 480))  # (decodes, prompt tokens) of the mixed batches
 GEMM_RATE = 797e12
 # child env: the default variants never inherit the switch from the caller
 VARIANT_ENV = {"graphs": {"DUETSERVE_DECODE_GEMM": "triton"}, "eager": {"DUETSERVE_DECODE_GEMM": "triton"},
@@ -52,6 +54,23 @@ def time_step(engine: LLMEngine, out: SchedulerOutput, iters: int) -> float:
         times.append(time.perf_counter() - t)
     times.sort()
     return times[len(times) // 2]
+
+
+def time_mixed(engine: LLMEngine, decodes: int, prompt: int, iters: int) -> dict:
+    """One temporal iteration of ``decodes`` decodes (context 1024) beside a ``prompt``-token prefill,
+    replayed from the piecewise graphs and run eagerly (``runner.piecewise`` off), ms."""
+    seqs = make_batch(engine, decodes, 1024, 1), make_batch(engine, 1, prompt, prompt)
+    out = SchedulerOutput(*seqs, Plan(), [])
+    row = {"decodes": decodes, "prompt": prompt, "piecewise_ms": time_step(engine, out, iters) * 1e3}
+    graphs, engine.runner.piecewise = engine.runner.piecewise, None
+    try:
+        row["eager_ms"] = time_step(engine, out, iters) * 1e3
+    finally:
+        engine.runner.piecewise = graphs
+    for s in seqs[0] + seqs[1]:
+        engine.block_manager.free(s.seq)
+    print(row, flush=True)
+    return row
 
 
 def weight_bytes(engine: LLMEngine) -> int:
@@ -102,6 +121,9 @@ def run_variant(eager: bool, backend: str, iters: int, decode_stream: bool = Fal
             print(row, flush=True)
             for s in seqs:
                 engine.block_manager.free(s.seq)
+    if engine.piecewise is not None:  # mixed batches: piecewise graphs against eager, side by side
+        results["piecewise_mib"] = engine.piecewise.memory_bytes / 2**20
+        results["mixed"] = [time_mixed(engine, nd, p, iters) for nd, p in MIXED]
     for n, length in ((1, 8192), (8, 1024)):
         seqs = make_batch(engine, n, length, length)
         t = time_step(engine, SchedulerOutput([], seqs, Plan(), []), max(3, iters // 4))
@@ -158,6 +180,13 @@ def main() -> int:
               f"{e['ms'] / r['ms']:7.2f} {r['multi_step_ms']:11.2f} {r['multi_step_ratio']:6.2f} "
               f"{r.get('multi_step_torch_sampler_ms', float('nan')):9.2f}"
               + "".join(f" {t['ms']:8.2f} {t['ratio']:6.2f} {t['multi_step_ratio']:6.2f}" for t in rest))
+    if base.get("mixed"):
+        print(f"\nmixed batch (decodes at context 1024 + one prompt), ms: piecewise graphs "
+              f"({base['piecewise_mib']:.0f} MiB) against eager, one engine")
+        print(f"{'decodes':>7} {'prompt':>6} {'piecewise':>9} {'eager':>8} {'speedup':>7}")
+        for r in base["mixed"]:
+            print(f"{r['decodes']:>7} {r['prompt']:>6} {r['piecewise_ms']:9.2f} {r['eager_ms']:8.2f} "
+                  f"{r['eager_ms'] / r['piecewise_ms']:7.2f}")
     print("\nprefill (graphs build)")
     for r in base["prefill"]:
         print(f"{r['shape']:>8} {r['ms']:8.1f} ms {r['tflops']:6.0f} TFLOP/s  {100 * r['frac_of_797']:5.1f}% of 797")

@@ -40,8 +40,15 @@ def test_tiny_qwen3_on_gpu_equals_hf(tiny_qwen3_folder, backend, eager):
     engine = LLMEngine(config)
     if not eager and backend == "triton":
         assert engine.graphs is not None
+    assert (engine.piecewise is None) == eager
+    replayed = []  # token counts of the batches replayed from piecewise graphs
+    if not eager:  # the 64-token budget caps the default 1024
+        assert engine.piecewise.buckets == [16, 32, 64]
+        run = engine.piecewise.run
+        engine.piecewise.run = lambda ids, *rest: replayed.append(ids.shape[0]) or run(ids, *rest)
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     assert engine.generate(prompts, params) == hf_greedy_cuda(tiny_qwen3_folder, prompts, 24)
+    assert eager or replayed[0] == 64  # the first iteration: the budget's worth of prompt tokens
 
 
 def test_multi_step_decode_on_gpu_equals_hf(tiny_qwen3_folder):

@@ -12,6 +12,7 @@ import torch
 
 from duetserve.config import EngineConfig
 from duetserve.engine.cuda_graphs import DecodeGraphs
+from duetserve.engine.piecewise_graphs import PiecewiseGraphs
 from duetserve.engine.detokenizer import IncrementalDetokenizer
 from duetserve.engine.kv_cache import BlockManager
 from duetserve.engine.model_runner import (
@@ -156,13 +157,14 @@ class LLMEngine:
         # decode attention calls run at once (allocate_split_counters says why).
         counters = allocate_split_counters(self.model, config.max_num_seqs, self.device)
         self.graphs, split_graphs = self._capture_graphs(kv, num_blocks, policy, counters)
+        self.piecewise = self._capture_piecewise(kv, num_blocks * config.block_size)
         # The served model's cost model on the configured profile, whatever the policy: the
         # iteration log's predictions for policies that do not plan with one (chunked).
         self.cost_model = CostModel(ModelShape.from_hf_config(loaded.config.to_dict()),
                                     load_profile(config.hardware_profile), cuda_graphs=self.graphs is not None)
         self.runner = ModelRunner(self.model, kv, config.block_size, self.device, self.sampler, self.graphs,
                                   self.partition, split_graphs, scratch_slot=num_blocks * config.block_size,
-                                  split_counters=counters)
+                                  split_counters=counters, piecewise=self.piecewise)
         self.runner.interrupt = self._interrupted
         self._interrupt: Callable[[], bool] | None = None
         start = time.perf_counter()
@@ -224,6 +226,17 @@ class LLMEngine:
         full = record()
         levels = (getattr(policy, "decode_levels", None) or self.partition.levels)() if self.partition.granularity else []
         return full, {s: record(self.partition.pair(s).decode) for s in levels}
+
+    def _capture_piecewise(self, kv, scratch_slot: int) -> PiecewiseGraphs | None:
+        """Piecewise CUDA graphs for temporal iterations with prefill tokens, up to
+        ``piecewise_cuda_graph_max_tokens`` tokens (at most the token budget); None off CUDA, with
+        ``enforce_eager`` or a limit of 0."""
+        limit = min(self.config.piecewise_cuda_graph_max_tokens, self.config.max_num_batched_tokens)
+        if self.device.type != "cuda" or self.config.enforce_eager or limit < 1:
+            return None
+        graphs = PiecewiseGraphs(self.model, kv, limit, scratch_slot, self.device)
+        graphs.capture()
+        return graphs
 
     def set_interrupt(self, check: Callable[[], bool]) -> None:
         """A multi-step decode iteration (``num_decode_steps``) starts no further step once

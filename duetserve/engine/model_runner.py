@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from duetserve.engine.cuda_graphs import DecodeGraphs
+from duetserve.engine.piecewise_graphs import PiecewiseGraphs
 from duetserve.engine.sampler import Sampler, SamplingBatch
 from duetserve.engine.scheduler import ScheduledSeq, SchedulerOutput
 from duetserve.engine.upload import upload
@@ -213,13 +214,16 @@ class ModelRunner:
         split_counters: decode attention's split counters (``allocate_split_counters``), put into
             every batch's ``AttentionMetadata``, the same buffer as the graphs'; None: allocated
             per attention call.
+        piecewise: piecewise graphs (on all SMs) replayed for temporal batches with prefill tokens
+            that fit one of their buckets; others run eagerly.
     """
 
     def __init__(self, model: CausalLM, kv_caches, block_size: int, device: torch.device, sampler: Sampler,
                  graphs: DecodeGraphs | None = None, partition: PartitionBackend | None = None,
                  split_graphs: dict[int, DecodeGraphs] | None = None, scratch_slot: int = 0,
-                 split_counters: torch.Tensor | None = None):
+                 split_counters: torch.Tensor | None = None, piecewise: PiecewiseGraphs | None = None):
         self.split_counters = split_counters
+        self.piecewise = piecewise
         self.split_graphs = split_graphs or {}
         self.scratch_slot = scratch_slot  # a KV slot no sequence owns (look-ahead steps past a request's end)
         self.model = model
@@ -588,12 +592,16 @@ class ModelRunner:
 
     def _sample(self, inputs: StepInputs, graphs: DecodeGraphs | None) -> torch.Tensor:
         """Forward pass (writes the K/V) and sampling; returns the sampled tokens ``[n]`` on the device
-        (empty when no row samples, e.g. a prefill chunk in the middle of its prompt)."""
+        (empty when no row samples, e.g. a prefill chunk in the middle of its prompt). Decode-only
+        batches replay ``graphs`` where a bucket holds them; batches with prefill tokens (temporal
+        plans only: ``piecewise`` runs on all SMs) replay the piecewise graphs where one holds them."""
         n = inputs.input_ids.shape[0]
         decode_only = inputs.meta.num_decodes == n
         if decode_only and graphs is not None and graphs.bucket(n):
             return self.sampler.sample(graphs.run(inputs.input_ids, inputs.positions, inputs.meta), inputs.sampling,
                                        inputs.positions)
+        if not decode_only and self.piecewise is not None and self.piecewise.bucket(n):
+            return self._head(self.piecewise.run(inputs.input_ids, inputs.positions, inputs.meta), inputs)
         return self._head(self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta), inputs)
 
     def _head(self, hidden: torch.Tensor, inputs: StepInputs) -> torch.Tensor:
