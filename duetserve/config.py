@@ -104,6 +104,12 @@ class EngineConfig:
     trim_margin: float | str | None = "auto"
     decode_stream: bool = False
 
+    @property
+    def piecewise_tokens(self) -> int:
+        """Largest batch, tokens, the engine replays from piecewise CUDA graphs on CUDA:
+        ``piecewise_cuda_graph_max_tokens`` capped at the token budget; 0 with ``enforce_eager``."""
+        return 0 if self.enforce_eager else min(self.piecewise_cuda_graph_max_tokens, self.max_num_batched_tokens)
+
     def __post_init__(self) -> None:
         checks = [
             (self.policy in POLICIES, "--policy", f"must be one of {', '.join(POLICIES)}"),

@@ -118,3 +118,29 @@ def test_runner_samples_mixed_batches_through_the_piecewise_graphs(engine):
         assert got == want and len(got) == len(specs) and calls == used
         for s in batch:
             engine.block_manager.free(s.seq)
+
+
+def test_collection_paused_collects_dead_cycles_first_and_none_inside():
+    """Graph captures run with the cyclic collector off, after one collection: a dead earlier
+    engine (a reference cycle holding graphs) must not be freed in the middle of a capture."""
+    import gc
+    import weakref
+
+    from duetserve.engine.cuda_graphs import collection_paused
+
+    class Node:
+        pass
+
+    def cycle():
+        a, b = Node(), Node()
+        a.other, b.other = b, a
+        return weakref.ref(a)
+
+    dead = cycle()
+    assert gc.isenabled() and dead() is not None  # only the collector frees a cycle
+    with collection_paused():
+        assert dead() is None and not gc.isenabled()
+        inside = cycle()
+        kept = [Node() for _ in range(10_000)]  # allocations that would trigger automatic collections
+        assert inside() is not None and len(kept) == 10_000
+    assert gc.isenabled()

@@ -99,6 +99,34 @@ def test_eager_is_the_slower_of_gpu_and_host(gpu):
     assert float(cm.predict_total(PREFILL, 100, graphs=True)) == pytest.approx(r + 2.64e-4)
 
 
+def test_piecewise_iterations_launch_their_own_count_from_the_host(gpu):
+    """``piecewise_tokens`` 64 and a piecewise count of 20 a layer + 10 (50 host launches against
+    132): a 20-token mixed batch (roofline 0.138 ms, GPU 0.138 + 132 x 2 us = 0.402 ms) is host
+    bound at 50 x 10 us = 0.5 ms, no longer 1.32 ms; on 10 SMs its GPU time (0.691 + 0.264 ms)
+    wins instead. 65 tokens, a forced-eager or spatial prefill, and a profile without the count
+    stay eager; decode-only batches keep their graphs."""
+    counts = with_overheads(gpu, kernels_per_layer={"decode": 50, "prefill": 60, "piecewise": 20},
+                            kernels_per_forward={"decode": 10, "prefill": 12, "piecewise": 10})
+    assert counts.kernel_count("piecewise", 2) == 50
+    cm, roof = CostModel(SHAPE, counts, piecewise_tokens=64), CostModel(SHAPE, gpu)
+    small = DECODE + [(16, 0)]  # 20 tokens
+    assert float(roof.predict_total(small, 100)) == pytest.approx(1.38103296e-4)
+    assert float(cm.predict_total(small, 100)) == pytest.approx(0.5e-3)
+    assert float(cm.predict_total(small, 10)) == pytest.approx(6.9051648e-4 + 132 * 2e-6)
+    assert float(cm.predict_total(DECODE + [(61, 0)], 100)) == pytest.approx(1.32e-3)  # 65 tokens: eager
+    assert float(cm.predict_total(small, 100, graphs=False)) == pytest.approx(1.32e-3)
+    assert float(CostModel(SHAPE, with_overheads(gpu), piecewise_tokens=64).predict_total(small, 100)) \
+        == pytest.approx(1.32e-3)
+    assert cm.predict(DECODE, 100).overhead == pytest.approx(110 * 2e-6)
+    _, t_p = cm.predict_spatial(DECODE, [(16, 0)], [20, 50], 100)  # a split's prefill runs eagerly
+    np.testing.assert_allclose(t_p, 1.32e-3 * cm.profile.prefill_interference)
+    # the variants (trimming): 16 and 61 more tokens beside the 4 decodes
+    t = cm.predict_variants(DECODE, np.array([[16, 61]]), np.array([0]), 100)
+    np.testing.assert_allclose(t, [0.5e-3, 1.32e-3])
+    with pytest.raises(ValueError, match="piecewise_tokens must be >= 0"):
+        CostModel(SHAPE, counts, piecewise_tokens=-1)
+
+
 def test_host_time_per_request_and_eager_iteration(gpu):
     """``R h_r + e h_e`` on top of the per-kernel model: h_r = 0.2 ms, h_e = 16 ms."""
     base = CostModel(SHAPE, with_overheads(gpu))
@@ -199,6 +227,8 @@ def test_profile_round_trip_with_overheads(tmp_path):
     ({"kernels_per_forward": {"decode": 1, "prefill": 2, "mixed": 3}}, "kernels_per_forward maps"),
     ({"kernels_per_layer": {"decode": 1.5, "prefill": 2}}, "kernel counts >= 0"),
     ({"narrow_decode_batch": 16}, "'narrow_decode' count exactly when narrow_decode_batch > 0"),
+    ({"kernels_per_layer": {"decode": 50, "prefill": 60, "piecewise": 3}},
+     "'piecewise' count goes in both kernels_per_layer and kernels_per_forward"),
     ({"narrow_decode_batch": -1}, "narrow_decode_batch must be an integer >= 0"),
     ({"kernels_per_layer": {"decode": 50, "prefill": 60, "narrow_decode": 40}},
      "'narrow_decode' count exactly when narrow_decode_batch > 0 \\(it is 0\\)"),

@@ -140,7 +140,8 @@ class CudaBench:
 
     def load_model(self, folder: Path, load_format: str) -> Capacity:
         """Build the engine (bf16, CUDA graphs, KV cache filled with random values) for ``folder``,
-        on this bench's partition backend (decode graphs recorded per split level, as serve does),
+        on this bench's partition backend (decode graphs recorded per split level, as serve does;
+        no piecewise graphs: prefill shapes measure the eager passes the cost model's launch term fits),
         with room for ``MAX_CONTEXT`` tokens a sequence or the model's own limit if smaller (the
         shapes beyond it are then skipped, ``Capacity.misfit``)."""
         from transformers import AutoConfig
@@ -155,6 +156,7 @@ class CudaBench:
                               max_num_seqs=max(DECODE_BATCHES),
                               max_num_batched_tokens=max(b * n for b, n in PREFILLS),
                               kv_cache_memory_fraction=0.75, max_model_len=min(MAX_CONTEXT, limit),
+                              piecewise_cuda_graph_max_tokens=0,
                               attention_backend=self.attention_backend, partition_backend=self.backend.name)
         self.engine = LLMEngine(config)
         for k, v in self.engine.runner.kv_caches:

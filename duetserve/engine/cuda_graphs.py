@@ -7,7 +7,10 @@ scratch block that no sequence owns and attend to one token of it.
 """
 from __future__ import annotations
 
+import contextlib
+import gc
 import logging
+from collections.abc import Iterator
 
 import torch
 
@@ -16,6 +19,24 @@ from duetserve.model.decoder import CausalLM
 from duetserve.model.layers import graph_kernels
 
 log = logging.getLogger(__name__)
+
+
+@contextlib.contextmanager
+def collection_paused() -> Iterator[None]:
+    """Within: Python's cyclic garbage collector is off, after one full collection on entry.
+
+    For recording CUDA graphs: a dead object found by a collection in the middle of a capture (an
+    earlier engine in a reference cycle, with its own graphs) frees CUDA memory and graphs, which
+    invalidates the capture ("operation failed due to a previous error during capture"), and
+    ``torch.cuda.graph`` no longer collects before a capture (torch 2.11)."""
+    gc.collect()
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def graph_buckets(max_batch: int) -> list[int]:
@@ -96,11 +117,12 @@ class DecodeGraphs:
                 for b in reversed(self.buckets):
                     self._step(b)  # warm-up: compiles kernels, sizes workspaces
             torch.cuda.current_stream().wait_stream(side)
-            for b in reversed(self.buckets):
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool, stream=self.stream):
-                    self.logits[b] = self._step(b)
-                self.graphs[b] = graph
+            with collection_paused():
+                for b in reversed(self.buckets):
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph, pool=pool, stream=self.stream):
+                        self.logits[b] = self._step(b)
+                    self.graphs[b] = graph
         torch.cuda.synchronize()
         self.memory_bytes = torch.cuda.memory_allocated() - before
         log.info("recorded %d decode CUDA graphs (batch %s)%s, %.1f MiB", len(self.graphs), self.buckets,

@@ -161,7 +161,8 @@ class LLMEngine:
         # The served model's cost model on the configured profile, whatever the policy: the
         # iteration log's predictions for policies that do not plan with one (chunked).
         self.cost_model = CostModel(ModelShape.from_hf_config(loaded.config.to_dict()),
-                                    load_profile(config.hardware_profile), cuda_graphs=self.graphs is not None)
+                                    load_profile(config.hardware_profile), cuda_graphs=self.graphs is not None,
+                                    piecewise_tokens=self.piecewise.buckets[-1] if self.piecewise else 0)
         self.runner = ModelRunner(self.model, kv, config.block_size, self.device, self.sampler, self.graphs,
                                   self.partition, split_graphs, scratch_slot=num_blocks * config.block_size,
                                   split_counters=counters, piecewise=self.piecewise)
@@ -229,10 +230,9 @@ class LLMEngine:
 
     def _capture_piecewise(self, kv, scratch_slot: int) -> PiecewiseGraphs | None:
         """Piecewise CUDA graphs for temporal iterations with prefill tokens, up to
-        ``piecewise_cuda_graph_max_tokens`` tokens (at most the token budget); None off CUDA, with
-        ``enforce_eager`` or a limit of 0."""
-        limit = min(self.config.piecewise_cuda_graph_max_tokens, self.config.max_num_batched_tokens)
-        if self.device.type != "cuda" or self.config.enforce_eager or limit < 1:
+        ``EngineConfig.piecewise_tokens`` tokens; None off CUDA, with ``enforce_eager`` or a limit of 0."""
+        limit = self.config.piecewise_tokens
+        if self.device.type != "cuda" or limit < 1:
             return None
         graphs = PiecewiseGraphs(self.model, kv, limit, scratch_slot, self.device)
         graphs.capture()

@@ -28,6 +28,7 @@ from collections.abc import Callable
 
 import torch
 
+from duetserve.engine.cuda_graphs import collection_paused
 from duetserve.model.attention import AttentionMetadata
 from duetserve.model.decoder import CausalLM
 
@@ -132,12 +133,13 @@ class PiecewiseGraphs:
                     for piece in self._pieces(b):
                         res = piece(res)[0]
             torch.cuda.current_stream().wait_stream(side)
-        for b in reversed(self.buckets):
-            replays, res = [], None
-            for piece in self._pieces(b):
-                replay, (res,) = record(lambda piece=piece, res=res: piece(res))
-                replays.append(replay)
-            self.replays[b], self.hidden[b] = replays, res
+        with collection_paused():
+            for b in reversed(self.buckets):
+                replays, res = [], None
+                for piece in self._pieces(b):
+                    replay, (res,) = record(lambda piece=piece, res=res: piece(res))
+                    replays.append(replay)
+                self.replays[b], self.hidden[b] = replays, res
         if cuda:
             torch.cuda.synchronize()
             self.memory_bytes = torch.cuda.memory_allocated() - before

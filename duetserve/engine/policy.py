@@ -121,7 +121,7 @@ def make_policy(config, model_config: Mapping[str, object] | None = None) -> Pol
         shape = ModelShape.from_hf_config(model_config or _read_model_config(config.model))
         planner = PlannerConfig(shape, load_profile(config.hardware_profile), config.tbt_slo_s,
                                 config.partition_backend, cuda_graphs=not config.enforce_eager,
-                                trim_margin=config.trim_margin)
+                                trim_margin=config.trim_margin, piecewise_tokens=config.piecewise_tokens)
     return policy_by_name(config.policy, planner)
 
 

@@ -49,7 +49,11 @@ an iteration whose requests all have ``q <= 1`` counts as graph-replayed with th
 ``"decode"`` kernel count (the ``"narrow_decode"`` count when it has at most the profile's
 ``narrow_decode_batch`` requests: those graphs record fewer kernels, see
 ``HardwareProfile.iteration_kernels``), any other as eager with the ``"prefill"`` count; ``cuda_graphs=False``
-(an engine with ``enforce_eager``) makes every iteration eager, and ``predict`` /
+(an engine with ``enforce_eager``) makes every iteration eager. With ``piecewise_tokens`` > 0, an
+iteration with prefill tokens of at most that many tokens (and ``graphs`` None) is replayed from
+piecewise CUDA graphs (``duetserve.engine.piecewise_graphs``): its GPU runs the ``"prefill"``
+count, its host launches only the profile's ``"piecewise"`` count (``hardware.PIECEWISE``; a
+profile without one prices it eager), ``t = max(roofline + n g, n_pw h)``. ``predict`` /
 ``predict_total`` take ``graphs`` to say it per call. The counts are measured at the
 calibrated TP degree; all-reduce kernels added by other degrees are not counted. With the
 default profile (both constants 0) ``t`` is exactly the roofline. The overheads are the
@@ -76,7 +80,7 @@ from typing import Literal
 import numpy as np
 from numpy.typing import ArrayLike
 
-from duetserve.planner.hardware import HardwareProfile
+from duetserve.planner.hardware import PIECEWISE, HardwareProfile
 
 Request = tuple[int, int]
 """One request in a batch: (q new/query tokens, c cached tokens). q=1 decode, c=0 prefill."""
@@ -220,6 +224,8 @@ class CostModel:
             decode starves prefill, overestimating only wastes a little decode time).
         cuda_graphs: whether the engine replays decode-only iterations from CUDA graphs
             (False for ``enforce_eager``); decides the default of ``graphs`` (module docstring).
+        piecewise_tokens: >= 0, the engine replays iterations with prefill tokens of up to this
+            many tokens from piecewise CUDA graphs (module docstring; 0: none).
         prefill_scale: > 0, multiplies the prefill's GPU time in spatial plans on top of the
             profile's ``prefill_interference`` (``DuetPolicy.observe`` sets it from measurements).
 
@@ -229,7 +235,7 @@ class CostModel:
 
     Raises:
         ValueError: on non-positive sizes, heads not divisible by ``tp``, an unknown
-            ``lm_head`` mode, ``decode_margin < 1`` or ``prefill_scale <= 0``.
+            ``lm_head`` mode, ``decode_margin < 1``, ``prefill_scale <= 0`` or ``piecewise_tokens < 0``.
 
     Rates for every integer S in 1..num_sms are computed once here, so predictions only
     index arrays; ``predict_total`` evaluates many S at once for the optimizer.
@@ -237,7 +243,8 @@ class CostModel:
 
     def __init__(self, shape: ModelShape, profile: HardwareProfile, dtype_bytes: int = 2, tp: int = 1,
                  causal: bool = True, lm_head: Literal["last", "all"] = "last",
-                 decode_margin: float = 1.0, cuda_graphs: bool = True, prefill_scale: float = 1.0) -> None:
+                 decode_margin: float = 1.0, cuda_graphs: bool = True, prefill_scale: float = 1.0,
+                 piecewise_tokens: int = 0) -> None:
         if dtype_bytes <= 0 or tp <= 0:
             raise ValueError("dtype_bytes and tp must be positive")
         if (why := shape.tp_split_error(tp)) is not None:
@@ -248,9 +255,11 @@ class CostModel:
             raise ValueError("decode_margin must be >= 1")
         if prefill_scale <= 0:
             raise ValueError("prefill_scale must be positive")
+        if piecewise_tokens < 0:
+            raise ValueError("piecewise_tokens must be >= 0")
         self.shape, self.profile, self.tp = shape, profile, tp
         self.dtype_bytes, self.causal, self.lm_head, self.decode_margin = dtype_bytes, causal, lm_head, decode_margin
-        self.cuda_graphs, self.prefill_scale = cuda_graphs, prefill_scale
+        self.cuda_graphs, self.prefill_scale, self.piecewise_tokens = cuda_graphs, prefill_scale, piecewise_tokens
         self.decode_level_scale = np.ones(profile.num_sms + 1)
 
         b, d, dh = dtype_bytes, shape.hidden, shape.head_dim
@@ -337,13 +346,14 @@ class CostModel:
         Decode is scaled by the profile's ``decode_interference`` times ``decode_margin`` times
         ``decode_level_scale[s_decode]``, prefill by ``prefill_interference`` times ``prefill_scale`` (docs/design.md section 5); decode is replayed from graphs
         when ``cuda_graphs`` (the engine records them per split level) and its steps carry no
-        host time (module docstring); the prefill carries its host time unscaled. Returns (t_decode,
+        host time (module docstring); the prefill runs eagerly (no piecewise graphs on a split)
+        and carries its host time unscaled. Returns (t_decode,
         t_prefill), arrays shaped like ``s_decode``. Raises ValueError as ``predict``.
         """
         s_d = np.asarray(s_decode)
         t_d = self.predict_total(decode_reqs, s_d, host=False) * (self.profile.decode_interference * self.decode_margin
                                                                    * self.decode_level_scale[s_d])
-        t_p = self.predict_total(prefill_reqs, total_sms - s_d, host=False) * (self.profile.prefill_interference *
+        t_p = self.predict_total(prefill_reqs, total_sms - s_d, graphs=False, host=False) * (self.profile.prefill_interference *
                                                                                self.prefill_scale)
         prefill = _columns(prefill_reqs)[0]
         if len(prefill):  # the prefill's host time (eager), not scaled by the GPU's interference
@@ -375,21 +385,27 @@ class CostModel:
         roofline = np.vstack([linear, attention, norm_act, communication, lm_head])
         decode_only = sum(np.count_nonzero(q > 1, axis=0) for q, _ in groups) == 0
         requests = sum(np.count_nonzero(q, axis=0) for q, _ in groups)
-        overhead = self._overhead(roofline.sum(axis=0), decode_only, requests, graphs, host)
+        overhead = self._overhead(roofline.sum(axis=0), decode_only, requests, n, graphs, host)
         return np.vstack([roofline, overhead])
 
-    def _overhead(self, roofline: np.ndarray, decode_only: np.ndarray, requests: np.ndarray,
+    def _overhead(self, roofline: np.ndarray, decode_only: np.ndarray, requests: np.ndarray, tokens: np.ndarray,
                   graphs: bool | None, host: bool) -> np.ndarray:
         """Seconds the per-kernel and host model adds to each column's ``roofline`` seconds
-        (module docstring): ``n g`` replayed from graphs, ``max(roofline + n g, n h) - roofline``
+        (module docstring): ``n g`` replayed from graphs, ``max(roofline + n g, n' h) - roofline``
         eager, with ``n`` the column's count (``HardwareProfile.iteration_kernels``: graph
-        decodes of at most ``narrow_decode_batch`` requests have their own), plus with ``host``
-        the host time of the column's ``requests``; an empty column launches nothing."""
+        decodes of at most ``narrow_decode_batch`` requests have their own) and ``n'`` its host
+        launches (``n``, or the ``"piecewise"`` count for a column of at most ``piecewise_tokens``
+        ``tokens`` with prefill), plus with ``host`` the host time of the column's ``requests``; an
+        empty column launches nothing."""
         p = self.profile
         replayed = decode_only & self.cuda_graphs if graphs is None else np.full(decode_only.shape, graphs)
         kernels = p.iteration_kernels(self.shape.layers, decode_only, replayed, requests) * (requests > 0)
+        launches = kernels
+        if graphs is None and self.piecewise_tokens and PIECEWISE in p.kernels_per_layer:
+            piecewise = ~decode_only & (tokens <= self.piecewise_tokens)
+            launches = np.where(piecewise, p.kernel_count(PIECEWISE, self.shape.layers), kernels) * (requests > 0)
         gpu = roofline + kernels * p.kernel_gpu_s
-        launch = np.where(replayed, gpu, np.maximum(gpu, kernels * p.launch_cpu_s)) - roofline
+        launch = np.where(replayed, gpu, np.maximum(gpu, launches * p.launch_cpu_s)) - roofline
         served = requests * host
         return launch + (served * p.host_per_request_s + ~replayed * p.host_eager_s) * (served > 0)
 

@@ -65,6 +65,11 @@ NARROW_DECODE = "narrow_decode"
 """Optional third key: a decode-only iteration of at most ``narrow_decode_batch`` sequences
 replayed from CUDA graphs. Such graphs take the Triton decode GEMM (``layers.graph_kernels``),
 which needs no split-K reduce kernels: on the H200, Qwen3-8B, 10 kernels a layer against 12."""
+PIECEWISE = "piecewise"
+"""Optional fourth key: the host launches (graph replays, attention launched between them, input
+copies, sampling) of an iteration with prefill tokens replayed from piecewise CUDA graphs
+(``duetserve.engine.piecewise_graphs``); its GPU still runs the ``"prefill"`` count of kernels.
+Without it such iterations are priced as eager ones."""
 
 
 @dataclass(frozen=True)
@@ -85,7 +90,8 @@ class HardwareProfile:
     per-kernel overhead model (module docstring); nonzero constants need counts for both kinds.
     ``narrow_decode_batch`` (sequences, >= 0; 0: none) goes with counts for ``NARROW_DECODE`` in
     both maps: graph-replayed decodes of at most that many sequences count those instead of
-    ``"decode"``'s (``iteration_kernels``).
+    ``"decode"``'s (``iteration_kernels``); counts for ``PIECEWISE`` (optional, in both maps) are the
+    host launches of iterations replayed from piecewise CUDA graphs.
     ``host_per_request_s`` and ``host_eager_s`` (seconds, >= 0): the serving host time of a
     temporal iteration (module docstring).
 
@@ -173,7 +179,7 @@ class HardwareProfile:
         if min(self.kernel_gpu_s, self.launch_cpu_s, self.host_per_request_s, self.host_eager_s) < 0:
             raise ValueError(f"{self.name}: kernel_gpu_s, launch_cpu_s, host_per_request_s and host_eager_s "
                              f"must be >= 0 seconds")
-        kinds = (*ITERATION_KINDS, NARROW_DECODE)
+        kinds = (*ITERATION_KINDS, NARROW_DECODE, PIECEWISE)
         if int(self.narrow_decode_batch) != self.narrow_decode_batch or self.narrow_decode_batch < 0:
             raise ValueError(f"{self.name}: narrow_decode_batch must be an integer >= 0, got {self.narrow_decode_batch}")
         for label in ("kernels_per_layer", "kernels_per_forward"):
@@ -186,6 +192,9 @@ class HardwareProfile:
             if (NARROW_DECODE in counts) != (self.narrow_decode_batch > 0):
                 raise ValueError(f"{self.name}: {label} has a {NARROW_DECODE!r} count exactly when "
                                  f"narrow_decode_batch > 0 (it is {self.narrow_decode_batch})")
+        if (PIECEWISE in self.kernels_per_layer) != (PIECEWISE in self.kernels_per_forward):
+            raise ValueError(f"{self.name}: a {PIECEWISE!r} count goes in both kernels_per_layer and "
+                             "kernels_per_forward, or in neither")
 
     def iteration_kernels(self, layers: int, decode_only: ArrayLike, replayed: ArrayLike,
                           batch: ArrayLike) -> np.ndarray:
@@ -200,7 +209,7 @@ class HardwareProfile:
 
     def kernel_count(self, kind: str, layers: int) -> int:
         """Kernels of one forward of a ``layers``-layer model in an iteration of ``kind``
-        (``ITERATION_KINDS`` or ``NARROW_DECODE``): ``layers * kernels_per_layer +
+        (``ITERATION_KINDS``, ``NARROW_DECODE`` or ``PIECEWISE``): ``layers * kernels_per_layer +
         kernels_per_forward``; 0 where the profile has no counts."""
         return layers * self.kernels_per_layer.get(kind, 0) + self.kernels_per_forward.get(kind, 0)
 

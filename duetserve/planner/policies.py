@@ -70,6 +70,8 @@ class PlannerConfig:
         trim_margin: duet only: ``plan_iteration``'s ``trim_margin`` (None: off), or ``TRIM_AUTO``
             to follow the measured error of temporal iterations (``DuetPolicy.trim_margin``) and
             of spatial plans' decode steps (``DuetPolicy.decode_spread``).
+        piecewise_tokens: the engine replays temporal iterations with prefill tokens of up to this
+            many tokens from piecewise CUDA graphs (``CostModel``'s ``piecewise_tokens``; 0: none).
 
     Raises:
         ValueError: ``tau_s <= 0``, ``trim_margin`` neither ``TRIM_AUTO`` nor in (0, 1], or a backend that is not in
@@ -84,6 +86,7 @@ class PlannerConfig:
     tp: int = 1
     cuda_graphs: bool = True
     trim_margin: float | str | None = None
+    piecewise_tokens: int = 0
 
     def __post_init__(self) -> None:
         if self.tau_s <= 0:
@@ -110,7 +113,8 @@ class PlannerConfig:
     def cost_model(self) -> CostModel:
         """The cost model of ``shape`` on ``profile`` (bf16, ``tp`` GPUs): the roofline plus the
         profile's per-kernel overheads, so TBT predictions include them."""
-        return CostModel(self.shape, self.profile, tp=self.tp, cuda_graphs=self.cuda_graphs)
+        return CostModel(self.shape, self.profile, tp=self.tp, cuda_graphs=self.cuda_graphs,
+                         piecewise_tokens=self.piecewise_tokens)
 
 
 LOOKAHEAD_SLACK = 2  # KV slots reserved for up to this many times the optimizer's k
@@ -358,7 +362,7 @@ class PdmuxPolicy:
             return Plan(False, total, total, 1, t, t, t)
         n = prefill_layers_per_round(sum(q for q, _ in prefill_reqs), layers, self.config.pdmux)
         if not decode_reqs:
-            t_p = float(cm.predict_total(prefill_reqs, total))
+            t_p = float(cm.predict_total(prefill_reqs, total, graphs=False))  # layer rounds run eagerly
             return Plan(False, total, 0, 1, t_p * n / layers, None, t_p, prefill_layers=n)
         s_p, s_d = self.groups[choose_group(len(self.groups), len(decode_reqs), True, self.config.pdmux)]
         t_d, t_p = (float(x) for x in cm.predict_spatial(decode_reqs, prefill_reqs, s_d, total))

@@ -123,6 +123,10 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
     s.add_argument("--num-decode-steps", type=argtypes.decode_steps, default=8, metavar="N",
                    help="decode-only iterations run up to N steps back to back, stopping when a request arrives "
                         "or one that ended makes room for a waiting one (serve's flag and default, 8; 1 = off)")
+    s.add_argument("--piecewise-cuda-graph-max-tokens", type=argtypes.non_negative_int, default=1024, metavar="N",
+                   help="iterations with prefill tokens of up to N tokens (capped at --max-num-batched-tokens) "
+                        "replay piecewise CUDA graphs, launching fewer kernels from the host (serve's flag and "
+                        "default, 1024; 0 = off)")
     s.add_argument("--max-num-batched-tokens", type=argtypes.positive_int, default=8192,
                    help="token budget per iteration (default 8192; 2048 suits A100)")
     s.add_argument("--max-num-seqs", type=argtypes.positive_int, default=256,
@@ -229,7 +233,8 @@ def _simulate(args: argparse.Namespace) -> int:
         names.remove("pdmux")
         print("duetserve simulate: pdmux left out: --partition-backend none", file=sys.stderr)
     planner = PlannerConfig(args.model_config, args.gpu, args.tbt_slo, args.partition_backend, tp=args.tp,
-                            trim_margin=args.trim_margin)
+                            trim_margin=args.trim_margin,
+                            piecewise_tokens=min(args.piecewise_cuda_graph_max_tokens, args.max_num_batched_tokens))
     try:
         for name in names:
             policy_by_name(name, planner)

@@ -224,7 +224,8 @@ class _Run:
     def __init__(self, trace: Sequence[TraceRequest], policy: Policy, config: SimConfig) -> None:
         self.trace, self.config = trace, config
         p, clock = config.planner, config.clock_profile  # the clock: what iterations take
-        self.cm = p.cost_model if clock is None else CostModel(p.shape, clock, tp=p.tp, cuda_graphs=p.cuda_graphs)
+        self.cm = p.cost_model if clock is None else CostModel(p.shape, clock, tp=p.tp, cuda_graphs=p.cuda_graphs,
+                                                               piecewise_tokens=p.piecewise_tokens)
         self.total_sms = config.planner.profile.num_sms
         max_len = config.max_model_len or config.planner.shape.max_positions or \
             max((r.input_len + r.output_len for r in trace), default=2)
@@ -348,7 +349,7 @@ class _Run:
             t_d, t_p = self._spatial(decode, prefill, plan.s_decode)
         if self.split is None or not self.split.holds(out.prefills):
             if not plan.spatial:
-                t_p = self._actual(float(self.cm.predict_total(prefill, self.total_sms)))
+                t_p = self._actual(float(self.cm.predict_total(prefill, self.total_sms, graphs=False)))
             self.split = _LayerSplit(out.prefills, t_p / layers, layers, self.now)
         split = self.split
         submitted = min(plan.prefill_layers, split.layers_left)
