@@ -47,7 +47,50 @@ def graph_buckets(max_batch: int) -> list[int]:
     return sorted(sizes)
 
 
-class DecodeGraphs:
+class StaticInputs:
+    """Token-level input buffers of graphs recorded per bucket: ``input_ids``, ``positions`` and
+    ``slot_mapping``, each ``[largest bucket]`` int64; a batch of ``n`` rows goes in the first
+    ``n`` rows of the smallest recorded bucket ``>= n``, its padding rows write their K/V to
+    ``scratch_slot`` (their ids and positions are whatever an earlier batch left: valid values).
+
+    Args:
+        buckets: sorted row counts to record.
+        scratch_slot: a KV slot no sequence owns.
+        device: where the buffers live.
+    """
+
+    def __init__(self, buckets: list[int], scratch_slot: int, device: torch.device):
+        self.buckets, self.scratch_slot = buckets, scratch_slot
+        n = buckets[-1]
+        self.input_ids = torch.zeros(n, dtype=torch.int64, device=device)
+        self.positions = torch.zeros(n, dtype=torch.int64, device=device)
+        self.slot_mapping = torch.full((n,), scratch_slot, dtype=torch.int64, device=device)
+        self.recorded = False  # set once the buckets are recorded
+
+    def bucket(self, n: int) -> int | None:
+        """Smallest recorded bucket holding ``n`` rows, or None (none does, or nothing is recorded)."""
+        return next((b for b in self.buckets if b >= n), None) if self.recorded else None
+
+    def stage(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
+              what: str, unit: str) -> tuple[int, int]:
+        """Copy ``n`` rows of inputs (each ``[n]`` int64) into the buffers, the padding rows' slots
+        to the scratch slot; returns ``(n, bucket)``.
+
+        Raises:
+            ValueError: no recorded bucket holds ``n`` rows ("no {what} holds {n} {unit}").
+        """
+        n = input_ids.shape[0]
+        b = self.bucket(n)
+        if b is None:
+            raise ValueError(f"no {what} holds {n} {unit}")
+        self.input_ids[:n].copy_(input_ids)
+        self.positions[:n].copy_(positions)
+        self.slot_mapping[:n].copy_(slot_mapping)
+        self.slot_mapping[n:b].fill_(self.scratch_slot)
+        return n, b
+
+
+class DecodeGraphs(StaticInputs):
     """Records and replays decode steps.
 
     Args:
@@ -75,14 +118,10 @@ class DecodeGraphs:
         self.decode_stream = decode_stream
         self.split_counters = split_counters
         self.model, self.kv_caches = model, kv_caches
-        self.buckets = graph_buckets(max_batch)
-        self.scratch_slot = scratch_slot
+        super().__init__(graph_buckets(max_batch), scratch_slot, device)
         self.max_blocks = max_blocks
         n = self.buckets[-1]
-        i32 = dict(dtype=torch.int32, device=device)
-        self.input_ids = torch.zeros(n, dtype=torch.int64, device=device)
-        self.positions = torch.zeros(n, dtype=torch.int64, device=device)
-        self.slot_mapping = torch.full((n,), scratch_slot, dtype=torch.int64, device=device)
+        i32 = {"dtype": torch.int32, "device": device}
         self.context_lens = torch.ones(n, **i32)
         self.block_tables = torch.zeros(n, max_blocks, **i32)
         self.query_start_loc = torch.arange(n + 1, **i32)
@@ -123,14 +162,11 @@ class DecodeGraphs:
                     with torch.cuda.graph(graph, pool=pool, stream=self.stream):
                         self.logits[b] = self._step(b)
                     self.graphs[b] = graph
+        self.recorded = True
         torch.cuda.synchronize()
         self.memory_bytes = torch.cuda.memory_allocated() - before
         log.info("recorded %d decode CUDA graphs (batch %s)%s, %.1f MiB", len(self.graphs), self.buckets,
                  "" if self.stream is None else " on a partitioned stream", self.memory_bytes / 2**20)
-
-    def bucket(self, n: int) -> int | None:
-        """Smallest recorded batch size holding ``n`` decodes, or None (run eagerly)."""
-        return next((b for b in self.buckets if b >= n), None) if self.graphs else None
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """Replay the decode step for ``n`` rows; returns logits ``[n, vocab]`` (the model's dtype, a view of a static buffer).
@@ -138,18 +174,10 @@ class DecodeGraphs:
         Raises:
             ValueError: ``n`` is larger than the largest bucket.
         """
-        n = input_ids.shape[0]
-        b = self.bucket(n)
-        if b is None:
-            raise ValueError(f"no decode graph holds {n} sequences")
-        self.input_ids[:n].copy_(input_ids)
-        self.positions[:n].copy_(positions)
-        self.slot_mapping[:n].copy_(meta.slot_mapping)
+        n, b = self.stage(input_ids, positions, meta.slot_mapping, "decode graph", "sequences")
         self.context_lens[:n].copy_(meta.context_lens)
         width = meta.block_tables.shape[1]
         self.block_tables[:n, :width].copy_(meta.block_tables)
-        # Padding rows: scratch slot, one token of context.
-        self.slot_mapping[n:b].fill_(self.scratch_slot)
-        self.context_lens[n:b].fill_(1)
+        self.context_lens[n:b].fill_(1)  # padding rows: one token of context
         self.graphs[b].replay()
         return self.logits[b][:n]

@@ -15,8 +15,9 @@ bucket of ``T`` records ``L + 1`` graphs for an ``L``-layer model:
 
 Between pieces the attention backend runs eagerly on the batch's own metadata, reading the queries
 a piece left in a static buffer and writing its output into another that the next piece reads. A
-batch of ``T`` tokens replays the smallest bucket ``>= T``: its padding tokens (token 0 at position
-0) write their K/V to a scratch slot no sequence owns, and no real token attends to them.
+batch of ``T`` tokens replays the smallest bucket ``>= T``: its padding tokens (whatever ids and
+positions an earlier batch left, or zeros) write their K/V to a scratch slot no sequence owns, and no real
+token attends to them.
 
 A graph keeps the SM restriction of the stream it was recorded on (docs/design.md section 5), so
 these, recorded on all SMs, serve temporal iterations only; a spatial plan's prefill runs eagerly.
@@ -28,7 +29,7 @@ from collections.abc import Callable
 
 import torch
 
-from duetserve.engine.cuda_graphs import collection_paused
+from duetserve.engine.cuda_graphs import StaticInputs, collection_paused
 from duetserve.model.attention import AttentionMetadata
 from duetserve.model.decoder import CausalLM
 
@@ -63,7 +64,7 @@ def cuda_recorder(pool) -> Recorder:
     return record
 
 
-class PiecewiseGraphs:
+class PiecewiseGraphs(StaticInputs):
     """Records and replays forward passes of up to ``max_tokens`` tokens (module docstring).
 
     Args:
@@ -76,15 +77,11 @@ class PiecewiseGraphs:
 
     def __init__(self, model: CausalLM, kv_caches, max_tokens: int, scratch_slot: int, device: torch.device):
         self.model, self.kv_caches = model, kv_caches
-        self.buckets = piecewise_buckets(max_tokens)
-        if not self.buckets:
+        if max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
-        self.scratch_slot = scratch_slot
+        super().__init__(piecewise_buckets(max_tokens), scratch_slot, device)
         n, dims = self.buckets[-1], model.dims
         dtype = model.lm_head.weight.dtype
-        self.input_ids = torch.zeros(n, dtype=torch.int64, device=device)
-        self.positions = torch.zeros(n, dtype=torch.int64, device=device)
-        self.slot_mapping = torch.full((n,), scratch_slot, dtype=torch.int64, device=device)
         self.queries = torch.zeros(n, dims.num_heads, dims.head_dim, dtype=dtype, device=device)
         self.attention = torch.zeros_like(self.queries)
         self.replays: dict[int, list[Callable[[], None]]] = {}
@@ -140,15 +137,12 @@ class PiecewiseGraphs:
                     replay, (res,) = record(lambda piece=piece, res=res: piece(res))
                     replays.append(replay)
                 self.replays[b], self.hidden[b] = replays, res
+        self.recorded = True
         if cuda:
             torch.cuda.synchronize()
             self.memory_bytes = torch.cuda.memory_allocated() - before
         log.info("recorded piecewise CUDA graphs for %d token buckets (%s), %d pieces each, %.1f MiB",
                  len(self.buckets), self.buckets, len(self.model.model.layers) + 1, self.memory_bytes / 2**20)
-
-    def bucket(self, n: int) -> int | None:
-        """Smallest recorded bucket holding ``n`` tokens, or None (run eagerly)."""
-        return next((b for b in self.buckets if b >= n), None) if self.replays else None
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """The forward pass of ``input_ids`` ``[T]`` (int64) at ``positions`` ``[T]`` (int64): hidden
@@ -158,16 +152,7 @@ class PiecewiseGraphs:
         Raises:
             ValueError: ``T`` is larger than the largest bucket.
         """
-        n = input_ids.shape[0]
-        b = self.bucket(n)
-        if b is None:
-            raise ValueError(f"no piecewise graph holds {n} tokens")
-        self.input_ids[:n].copy_(input_ids)
-        self.positions[:n].copy_(positions)
-        self.slot_mapping[:n].copy_(meta.slot_mapping)
-        self.input_ids[n:b].zero_()
-        self.positions[n:b].zero_()
-        self.slot_mapping[n:b].fill_(self.scratch_slot)
+        n, b = self.stage(input_ids, positions, meta.slot_mapping, "piecewise graph", "tokens")
         replays, layers = self.replays[b], self.model.model.layers
         for i, layer in enumerate(layers):
             replays[i]()
