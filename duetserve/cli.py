@@ -119,8 +119,10 @@ def _add_serve(sub) -> None:
     p.add_argument("--seed", type=non_negative_int, default=0, help="seed for dummy weights and unseeded sampling")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (decode and prefill run eagerly)")
     p.add_argument("--piecewise-cuda-graph-max-tokens", type=non_negative_int, default=1024, metavar="N",
-                   help="on CUDA, iterations with prefill tokens of up to N tokens replay piecewise CUDA graphs "
-                        "(attention eager between them; cuts the host's launch time); 0 = off (default 1024)")
+                   help="on CUDA, temporal iterations with prefill whose batch (decode tokens included) has at "
+                        "most N tokens, capped at --max-num-batched-tokens, replay piecewise CUDA graphs "
+                        "(attention eager between them; cuts the host's launch time); --enforce-eager or 0 = off "
+                        "(default 1024)")
     p.add_argument("--num-decode-steps", type=decode_steps, default=8, metavar="N",
                    help="decode-only iterations run up to N steps back to back, stopping when a request "
                         "arrives or one that ended makes room for a waiting one (hides the host time between "

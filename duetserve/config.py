@@ -62,8 +62,9 @@ class EngineConfig:
         seed: seed for dummy weights and for unseeded sampling, in [0, 2**64).
         attention_backend: one of ``ATTENTION_BACKENDS`` (see ``duetserve.model.backends``).
         enforce_eager: never replay CUDA graphs (decode and prefill run eagerly).
-        piecewise_cuda_graph_max_tokens: on CUDA, temporal iterations with prefill tokens of up to
-            this many tokens (capped at ``max_num_batched_tokens``) replay piecewise CUDA graphs,
+        piecewise_cuda_graph_max_tokens: on CUDA, temporal iterations with prefill whose batch
+            (decode tokens included) has at most this many tokens (capped at
+            ``max_num_batched_tokens``; none with ``enforce_eager``) replay piecewise CUDA graphs,
             attention launched eagerly between them (``duetserve.engine.piecewise_graphs``); 0 runs
             them eagerly. SGLang's ``--piecewise-cuda-graph-max-tokens``.
         num_decode_steps: decode-only iterations run up to this many steps back to back (each

@@ -13,11 +13,16 @@ def test_buckets():
     assert piecewise_buckets(300) == [16, 32, 64, 128, 256, 300]
     assert piecewise_buckets(100) == [16, 32, 64, 100]
     assert piecewise_buckets(10) == [10]
+    assert piecewise_buckets(700) == [16, 32, 64, 128, 256, 384, 512, 640, 700]
     assert piecewise_buckets(0) == []
 
 
 def eager_recorder(fn):
-    """Records ``fn`` as a CUDA graph would behave: replay leaves new outputs in the first call's tensors."""
+    """Records ``fn`` as a CUDA graph would behave: replay leaves new outputs in the first call's
+    tensors. Recording must run with the cyclic garbage collector paused (``collection_paused``)."""
+    import gc
+
+    assert not gc.isenabled()
     outputs = fn()
 
     def replay():
@@ -72,6 +77,7 @@ def test_replayed_pieces_equal_the_forward_and_write_only_real_and_scratch_slots
     scratch = runner.scratch_slot // runner.block_size
     for (k, v), (k0, v0) in zip(runner.kv_caches, before):  # recording wrote the scratch block only
         assert torch.equal(k[:scratch], k0[:scratch]) and not torch.equal(k[scratch], k0[scratch])
+        assert torch.equal(v[:scratch], v0[:scratch]) and not torch.equal(v[scratch], v0[scratch])
     assert [graphs.bucket(n) for n in (1, 13, 16, 17, 33, 40, 41)] == [16, 16, 16, 32, 40, 40, None]
     for specs, bucket in (([(6, 1), (0, 24)], 32), ([(4, 1), (11, 1), (3, 7), (0, 11)], 32),
                           ([(4, 1), (11, 1), (3, 7), (0, 4)], 16)):

@@ -3,7 +3,8 @@
 A decode step launches hundreds of small kernels; replaying a recorded graph removes their
 launch gaps. Inputs live in static buffers: a batch of ``n`` decodes is copied into the
 first ``n`` rows of the smallest bucket ``>= n``; the padding rows write their K/V into a
-scratch block that no sequence owns and attend to one token of it.
+scratch block that no sequence owns and attend to one token (context length 1) through whatever
+block table an earlier batch left in their rows (reads only; their outputs are dropped).
 """
 from __future__ import annotations
 

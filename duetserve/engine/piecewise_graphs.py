@@ -1,8 +1,9 @@
 """Forward passes with prefill tokens replayed from piecewise CUDA graphs (vLLM's and SGLang's
 piecewise graphs), attention launched eagerly between the pieces.
 
-An eager pass launches about a dozen kernels a layer, each costing the host 40-90 us on the lent
-H200's hosts, so passes of up to about a thousand tokens took the host longer than the GPU
+An eager pass launches about a dozen kernels a layer, each costing the host 10-63 us on the lent
+H200's hosts (57 us on average over a pass), so passes of up to about a thousand tokens took the
+host longer than the GPU
 (docs/benchmarks.md, twenty-fourth session: a 539-token prefill beside 5 decodes took 29 ms).
 Attention cannot be recorded once for every batch of ``T`` tokens: its grid and what it reads
 depend on how the tokens split into sequences. Everything else depends on ``T`` alone, so each
@@ -35,8 +36,8 @@ from duetserve.model.decoder import CausalLM
 
 log = logging.getLogger(__name__)
 
-SMALL_BUCKETS = (16, 32, 64, 128, 256)  # token counts recorded below BUCKET_STEP multiples
-BUCKET_STEP = 128  # tokens between buckets above 256
+SMALL_BUCKETS = (16, 32, 64, 128, 256)  # the smallest buckets, tokens
+BUCKET_STEP = 128  # tokens between buckets above the last small one
 
 # Records one piece: runs ``fn`` (which returns the piece's output tensors) into a graph and returns
 # ``(replay, outputs)``; replaying leaves the piece's new outputs in those same tensors.
@@ -49,7 +50,7 @@ def piecewise_buckets(max_tokens: int) -> list[int]:
     if max_tokens < 1:
         return []
     sizes = {b for b in SMALL_BUCKETS if b <= max_tokens}
-    sizes.update(range(2 * SMALL_BUCKETS[-1] - BUCKET_STEP, max_tokens + 1, BUCKET_STEP))
+    sizes.update(range(SMALL_BUCKETS[-1] + BUCKET_STEP, max_tokens + 1, BUCKET_STEP))
     sizes.add(max_tokens)
     return sorted(sizes)
 
@@ -93,23 +94,25 @@ class PiecewiseGraphs(StaticInputs):
         (None for piece 0) and returns its outputs: ``(residual,)``, the last one ``(hidden,)``.
         Queries go to ``self.queries``; pieces after the first read ``self.attention``."""
         layers, kv = self.model.model.layers, self.kv_caches
+        # every buffer bound now, as a graph binds addresses when it records
         ids, pos, slots = self.input_ids[:b], self.positions[:b], self.slot_mapping[:b]
+        queries, attention = self.queries[:b], self.attention[:b]
 
         def first(_):
             q, res = layers[0].pre_attention(self.model.model.embed_tokens(ids), None, pos, kv[0], slots)
-            self.queries[:b].copy_(q)
+            queries.copy_(q)
             return (res,)
 
         def middle(i):
             def piece(res):
-                x, res = layers[i - 1].post_attention(self.attention[:b], res)
+                x, res = layers[i - 1].post_attention(attention, res)
                 q, res = layers[i].pre_attention(x, res, pos, kv[i], slots)
-                self.queries[:b].copy_(q)
+                queries.copy_(q)
                 return (res,)
             return piece
 
         def last(res):
-            return (self.model.final_norm(layers[-1].post_attention(self.attention[:b], res)),)
+            return (self.model.final_norm(layers[-1].post_attention(attention, res)),)
 
         return [first] + [middle(i) for i in range(1, len(layers))] + [last]
 
@@ -150,7 +153,7 @@ class PiecewiseGraphs(StaticInputs):
         call), the K/V written at ``meta.slot_mapping``, as ``CausalLM.forward``.
 
         Raises:
-            ValueError: ``T`` is larger than the largest bucket.
+            ValueError: ``T`` is larger than the largest bucket, or nothing is recorded yet.
         """
         n, b = self.stage(input_ids, positions, meta.slot_mapping, "piecewise graph", "tokens")
         replays, layers = self.replays[b], self.model.model.layers

@@ -124,9 +124,9 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
                    help="decode-only iterations run up to N steps back to back, stopping when a request arrives "
                         "or one that ended makes room for a waiting one (serve's flag and default, 8; 1 = off)")
     s.add_argument("--piecewise-cuda-graph-max-tokens", type=argtypes.non_negative_int, default=1024, metavar="N",
-                   help="iterations with prefill tokens of up to N tokens (capped at --max-num-batched-tokens) "
-                        "replay piecewise CUDA graphs, launching fewer kernels from the host (serve's flag and "
-                        "default, 1024; 0 = off)")
+                   help="temporal iterations with prefill whose batch (decode tokens included) has at most N "
+                        "tokens, capped at --max-num-batched-tokens, replay piecewise CUDA graphs, launching fewer "
+                        "kernels from the host (serve's flag and default, 1024; 0 = off)")
     s.add_argument("--max-num-batched-tokens", type=argtypes.positive_int, default=8192,
                    help="token budget per iteration (default 8192; 2048 suits A100)")
     s.add_argument("--max-num-seqs", type=argtypes.positive_int, default=256,
