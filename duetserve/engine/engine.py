@@ -12,7 +12,6 @@ import torch
 
 from duetserve.config import EngineConfig
 from duetserve.engine.cuda_graphs import DecodeGraphs
-from duetserve.engine.piecewise_graphs import PiecewiseGraphs
 from duetserve.engine.detokenizer import IncrementalDetokenizer
 from duetserve.engine.kv_cache import BlockManager
 from duetserve.engine.model_runner import (
@@ -21,6 +20,7 @@ from duetserve.engine.model_runner import (
     allocate_split_counters,
     kv_bytes_per_block,
 )
+from duetserve.engine.piecewise_graphs import PiecewiseGraphs
 from duetserve.engine.policy import Plan, make_policy
 from duetserve.engine.sampler import Sampler
 from duetserve.engine.scheduler import ScheduledSeq, Scheduler
