@@ -20,19 +20,24 @@ from duetserve.planner.hardware import load_profile
 H200 = load_profile("h200")
 
 
-def log_records(h_r: float, h_e: float, h_r0: float = 0.0, h_e0: float = 0.0, noise: float = 0.0):
-    """Iterations whose measured time is a GPU time plus ``R h_r + e h_e``, logged with
-    predictions made with ``h_r0``, ``h_e0``; plus rows the fit must skip."""
+def log_records(h_r: float, h_e: float, h_r0: float = 0.0, h_e0: float = 0.0, noise: float = 0.0,
+                h_pw: float | None = None, h_pw0: float = 0.0):
+    """Iterations whose measured time is a GPU time plus ``R h_r + e h_e`` (``+ w h_pw`` with
+    ``h_pw``: then a third of them are 256-token prefills beside their decodes, at most 1024
+    tokens in all, replayed from piecewise graphs by a server logging ``piecewise_tokens`` 1024),
+    logged with predictions made with ``h_r0``, ``h_e0``, ``h_pw0``; plus rows the fit must skip."""
     rng = np.random.default_rng(0)
     recs = []
     for i in range(200):
         decodes, prefills = int(rng.integers(1, 64)), int(i % 3 == 0)
-        gpu = 0.01 + 0.001 * decodes + 0.03 * prefills
-        requests = decodes + prefills
-        recs.append({"spatial": False, "k": 1, "num_decodes": decodes, "num_prefills": prefills,
-                     "num_prefill_tokens": 2048 * prefills,
-                     "predicted_s": gpu + requests * h_r0 + prefills * h_e0,
-                     "measured_s": gpu + requests * h_r + prefills * h_e + noise * rng.normal()})
+        piecewise = int(h_pw is not None and i % 3 == 1)
+        gpu = 0.01 + 0.001 * decodes + 0.03 * prefills + 0.005 * piecewise
+        requests = decodes + prefills + piecewise
+        rec = {"spatial": False, "k": 1, "num_decodes": decodes, "num_prefills": prefills + piecewise,
+               "num_prefill_tokens": 2048 * prefills + 256 * piecewise,
+               "predicted_s": gpu + requests * h_r0 + prefills * h_e0 + piecewise * h_pw0,
+               "measured_s": gpu + requests * h_r + prefills * h_e + piecewise * (h_pw or 0.0) + noise * rng.normal()}
+        recs.append(rec if h_pw is None else {**rec, "piecewise_tokens": 1024})
     recs += [{"spatial": True, "k": 8, "num_decodes": 9, "num_prefill_tokens": 8000, "predicted_s": 0.2,
               "measured_s": 9.0},  # spatial: left out
              {"spatial": False, "k": 4, "num_decodes": 9, "num_prefill_tokens": 0, "predicted_s": 0.04,
@@ -47,7 +52,26 @@ def test_fit_recovers_the_host_terms():
                                                                             host_eager_s=0.0))
     assert fit.rows == 200
     assert fit.host_per_request_s == pytest.approx(3e-4) and fit.host_eager_s == pytest.approx(0.012)
+    assert fit.host_piecewise_s is None  # no piecewise iterations logged: not fitted
     assert fit.median_error_before > 0.1 and fit.median_error_after == pytest.approx(0.0, abs=1e-9)
+
+
+def test_fit_recovers_the_piecewise_term_beside_the_others():
+    """Piecewise iterations (256 prefill tokens + decodes <= 1024) get ``h_pw`` 2.5 ms, eager ones
+    (2048 tokens) ``h_e`` 12 ms, predicted with 0.2 / 9.6 / 9.6 ms (the profile's piecewise term
+    was ``host_eager_s``): all three come back."""
+    base = dataclasses.replace(H200, host_per_request_s=2e-4, host_eager_s=0.0096, host_piecewise_s=None)
+    recs = log_records(3e-4, 0.012, 2e-4, 0.0096, h_pw=0.0025, h_pw0=0.0096)
+    rows = temporal_rows(recs, base)
+    assert rows[:, 2].sum() == 67 and rows[:, 1].sum() == 67 and not (rows[:, 1] * rows[:, 2]).any()
+    assert rows[1, 5:].tolist() == [2e-4, 0.0096, 0.0096]  # no logged terms: the profile's (piecewise: h_e)
+    fit = fit_host_overheads(recs, base)
+    assert fit.host_per_request_s == pytest.approx(3e-4) and fit.host_eager_s == pytest.approx(0.012)
+    assert fit.host_piecewise_s == pytest.approx(0.0025)
+    assert fit.median_error_after == pytest.approx(0.0, abs=1e-9)
+    # the same iterations logged by a server without piecewise graphs (piecewise_tokens 0) are eager
+    assert temporal_rows([{**r, "piecewise_tokens": 0} for r in recs[:3]], base)[:, 1:3].tolist() == \
+        [[1.0, 0.0], [1.0, 0.0], [0.0, 0.0]]
 
 
 def test_fit_adds_to_the_terms_the_log_was_predicted_with():
@@ -61,6 +85,11 @@ def test_a_negative_term_is_clamped_and_the_other_refitted():
     fit = fit_host_overheads(log_records(3e-4, -0.005), dataclasses.replace(H200, host_per_request_s=0.0,
                                                                             host_eager_s=0.0))
     assert fit.host_eager_s == 0.0 and 0.0 < fit.host_per_request_s < 3e-4  # refitted alone, pulled down
+    # with three terms only the negative one is clamped: the other two are refitted together
+    fit = fit_host_overheads(log_records(3e-4, 0.012, h_pw=-0.004), dataclasses.replace(
+        H200, host_per_request_s=0.0, host_eager_s=0.0, host_piecewise_s=0.0,
+        provenance={**H200.provenance, "host_piecewise_s": "measured"}))
+    assert fit.host_piecewise_s == 0.0 and fit.host_eager_s > 0.01 and 0.0 < fit.host_per_request_s < 3e-4
 
 
 def test_rows_of_an_older_log_count_one_prefill_chunk():
@@ -68,14 +97,14 @@ def test_rows_of_an_older_log_count_one_prefill_chunk():
                           {"num_decodes": 5, "num_prefill_tokens": 0, "predicted_s": 0.1, "measured_s": 0.12},
                           {"num_decodes": 5, "num_prefill_tokens": 900, "prefill_layers": 4, "predicted_s": 0.1,
                            "measured_s": 0.12}], H200)  # a pdmux round: left out
-    assert rows[:, 0].tolist() == [6, 5] and rows[:, 1].tolist() == [1.0, 0.0]
-    assert rows[0, 4:].tolist() == [H200.host_per_request_s, H200.host_eager_s]  # no logged terms: the profile's
+    assert rows[:, 0].tolist() == [6, 5] and rows[:, 1].tolist() == [1.0, 0.0] and not rows[:, 2].any()
+    assert rows[0, 5:].tolist() == [H200.host_per_request_s, H200.host_eager_s, H200.piecewise_host_s]
     eager = temporal_rows([{"num_decodes": 5, "num_prefill_tokens": 0, "predicted_s": 0.1, "measured_s": 0.12,
                             "cuda_graphs": False}], H200)
     assert eager[0, 1] == 1.0  # decode-only on a server without CUDA graphs runs eagerly
     nulls = temporal_rows([{"num_decodes": 5, "num_prefill_tokens": None, "num_prefills": None, "predicted_s": 0.1,
                             "measured_s": 0.12}], H200)  # null counts were a TypeError: they count as none
-    assert nulls[:, :2].tolist() == [[5, 0.0]]
+    assert nulls[:, :3].tolist() == [[5, 0.0, 0.0]]
 
 
 def test_the_terms_logged_with_each_record_are_the_baseline():
@@ -91,7 +120,7 @@ def test_the_terms_logged_with_each_record_are_the_baseline():
 
 def test_logs_that_cannot_be_fitted_raise():
     decode_only = [r for r in log_records(3e-4, 0.01) if r["num_prefill_tokens"] == 0]
-    with pytest.raises(ValueError, match="need both decode-only and eager"):
+    with pytest.raises(ValueError, match="need both decode-only and eager or piecewise"):
         fit_host_overheads(decode_only, H200)
     with pytest.raises(ValueError, match="0 temporal iterations"):
         fit_host_overheads([], H200)
@@ -108,10 +137,20 @@ def test_calibrate_iteration_log_writes_the_profile(tmp_path, capsys):
     assert capsys.readouterr().err == ("duetserve calibrate: error: --plot, --quick measure on a GPU: not with "
                                        "--iteration-log\n") and not out.exists()
     assert main(["calibrate", "--gpu-name", "lab", "--out", str(out), "--iteration-log", str(log)]) == 0
-    assert "host_per_request_s 0.300 ms, host_eager_s 12.00 ms" in capsys.readouterr().out
+    assert ("host_per_request_s 0.300 ms, host_eager_s 12.00 ms, host_piecewise_s not fitted (no such "
+            "iterations)") in capsys.readouterr().out
     p = load_profile(out)
     assert p.name == "lab" and p.host_per_request_s == pytest.approx(3e-4) and p.host_eager_s == pytest.approx(0.012)
     assert p.compute_points == H200.compute_points and p.provenance["host_eager_s"] == "measured"
+    assert p.host_piecewise_s is None and "host_piecewise_s" not in p.provenance  # not in the log: not written
+    log.write_text("\n".join(json.dumps(r) for r in log_records(3e-4, 0.012, H200.host_per_request_s,
+                                                                 H200.host_eager_s, h_pw=0.0025,
+                                                                 h_pw0=H200.piecewise_host_s)) + "\n")
+    assert main(["calibrate", "--gpu-name", "lab", "--out", str(out), "--iteration-log", str(log)]) == 0
+    assert "host_eager_s 12.00 ms, host_piecewise_s 2.50 ms" in capsys.readouterr().out
+    p = load_profile(out)
+    assert p.host_piecewise_s == pytest.approx(0.0025) and p.provenance["host_piecewise_s"] == "measured"
+    assert p.piecewise_host_s == pytest.approx(0.0025) and p.host_eager_s == pytest.approx(0.012)
     log.write_text('{"spatial": false}\nnot json\n')
     assert main(["calibrate", "--gpu-name", "lab", "--out", str(out), "--iteration-log", str(log)]) == 1
     assert "line 2: not JSON" in capsys.readouterr().err

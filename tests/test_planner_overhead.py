@@ -153,6 +153,27 @@ def test_host_time_per_request_and_eager_iteration(gpu):
     assert np.allclose(v, vb + [8e-4, 1e-3 + 0.016])
 
 
+def test_piecewise_iterations_take_their_own_host_term(gpu):
+    """``host_piecewise_s`` 3 ms in place of ``host_eager_s`` 16 ms for the piecewise 20-token batch
+    above (0.5 ms host-bound launches + 5 x 0.2 ms + 3 ms); the 65-token eager batch, a split's
+    prefill and a forced-eager one keep the 16 ms; without the term (None) the piecewise batch pays
+    the 16 ms as before."""
+    fields = {"kernels_per_layer": {"decode": 50, "prefill": 60, "piecewise": 20},
+              "kernels_per_forward": {"decode": 10, "prefill": 12, "piecewise": 10},
+              "host_per_request_s": 2e-4, "host_eager_s": 0.016}
+    cm = CostModel(SHAPE, with_overheads(gpu, **fields, host_piecewise_s=0.003), piecewise_tokens=64)
+    old = CostModel(SHAPE, with_overheads(gpu, **fields), piecewise_tokens=64)
+    assert old.profile.piecewise_host_s == 0.016 and cm.profile.piecewise_host_s == 0.003
+    small = DECODE + [(16, 0)]
+    assert float(cm.predict_total(small, 100)) == pytest.approx(0.5e-3 + 1e-3 + 0.003)
+    assert float(old.predict_total(small, 100)) == pytest.approx(0.5e-3 + 1e-3 + 0.016)
+    assert float(cm.predict_total(small, 100, graphs=False)) == pytest.approx(1.32e-3 + 1e-3 + 0.016)
+    assert float(cm.predict_total(DECODE + [(61, 0)], 100)) == pytest.approx(1.32e-3 + 1e-3 + 0.016)
+    _, t_p = cm.predict_spatial(DECODE, [(16, 0)], [20, 50], 100)
+    np.testing.assert_allclose(t_p, 1.32e-3 * cm.profile.prefill_interference + 2e-4 + 0.016)
+    assert cm.predict(DECODE, 100).overhead == pytest.approx(110 * 2e-6 + 8e-4)  # decode-only: no term
+
+
 def test_multi_step_decode_pays_the_host_time_once(gpu):
     """``predict_steps``: every step's GPU time, the 4 x 0.2 ms of host time once."""
     base = CostModel(SHAPE, with_overheads(gpu))
@@ -230,6 +251,9 @@ def test_profile_round_trip_with_overheads(tmp_path):
     ({"kernels_per_layer": {"decode": 50, "prefill": 60, "piecewise": 3}},
      "'piecewise' count goes in both kernels_per_layer and kernels_per_forward"),
     ({"narrow_decode_batch": -1}, "narrow_decode_batch must be an integer >= 0"),
+    ({"host_piecewise_s": -1e-3}, "host_piecewise_s must be a finite number of seconds >= 0 or null"),
+    ({"host_piecewise_s": float("nan")}, "host_piecewise_s must be a finite number"),
+    ({"host_piecewise_s": True}, "host_piecewise_s must be a finite number"),
     ({"kernels_per_layer": {"decode": 50, "prefill": 60, "narrow_decode": 40}},
      "'narrow_decode' count exactly when narrow_decode_batch > 0 \\(it is 0\\)"),
 ])

@@ -560,7 +560,7 @@ def test_iteration_log_records_every_iteration(server_proc):
     assert all(r["prefill_layers"] is None and r["predicted_s"] > 0 and r["cuda_graphs"] is False for r in rows)
 
 
-def _logging_metrics(tmp_path, cuda_graphs: bool = False):
+def _logging_metrics(tmp_path, cuda_graphs: bool = False, piecewise_tokens: int = 0):
     """ServerMetrics writing an iteration log, watching a stand-in engine whose cost model is
     Qwen3-8B on the h200 profile; returns (metrics, log path, cost model)."""
     from types import SimpleNamespace
@@ -569,7 +569,8 @@ def _logging_metrics(tmp_path, cuda_graphs: bool = False):
     from duetserve.planner.hardware import load_profile
     from duetserve.server.metrics import ServerMetrics
 
-    cost_model = CostModel(ModelShape.preset("qwen3-8b"), load_profile("h200"), cuda_graphs=cuda_graphs)
+    cost_model = CostModel(ModelShape.preset("qwen3-8b"), load_profile("h200"), cuda_graphs=cuda_graphs,
+                           piecewise_tokens=piecewise_tokens)
     log = tmp_path / "it.jsonl"
     metrics = ServerMetrics("m", str(log))
     metrics.watch_engine(SimpleNamespace(scheduler=SimpleNamespace(running=[], waiting=[]),
@@ -588,7 +589,8 @@ def test_iteration_log_carries_the_planning_host_terms(tmp_path):
     rec = json.loads(log.read_text())
     h200 = cost_model.profile
     assert (rec["host_per_request_s"], rec["host_eager_s"]) == (h200.host_per_request_s, h200.host_eager_s)
-    assert rec["cuda_graphs"] is False  # an engine without recorded graphs (eager)
+    assert rec["cuda_graphs"] is False and rec["piecewise_tokens"] == 0  # an engine without recorded graphs
+    assert rec["host_piecewise_s"] == h200.piecewise_host_s  # the term in force (host_eager_s without one)
     assert (rec["num_decodes"], rec["num_prefills"], rec["num_prefill_tokens"], rec["prefill_layers"]) == (3, 1, 100, None)
     assert rec["predicted_s"] == 0.05
     assert rec["decode_margin"] is None
@@ -606,7 +608,7 @@ def test_iteration_log_predicts_plans_without_a_prediction(tmp_path):
     from duetserve.engine.scheduler import ScheduledSeq
     from duetserve.planner.optimizer import Plan
 
-    metrics, log, cost_model = _logging_metrics(tmp_path, cuda_graphs=True)
+    metrics, log, cost_model = _logging_metrics(tmp_path, cuda_graphs=True, piecewise_tokens=1024)
     mixed = [ScheduledSeq(None, 1, 700), ScheduledSeq(None, 1, 3000), ScheduledSeq(None, 2048, 1024)]
     metrics.on_step(StepStats(Plan(), 2, 2048, 0.07, 0, num_prefills=1, scheduled=mixed), [], 1.0)
     decodes = [ScheduledSeq(None, 1, 700), ScheduledSeq(None, 1, 3000)]
@@ -622,7 +624,7 @@ def test_iteration_log_predicts_plans_without_a_prediction(tmp_path):
     # a plan that carries a prediction (duet's) is predicted the same way for a multi-step decode
     metrics.on_step(StepStats(Plan(k=4, predicted_s=1.0), 2, 0, 0.03, 0, decode_steps=3, scheduled=decodes), [], 3.0)
     assert json.loads(log.read_text().splitlines()[-1])["predicted_s"] == pytest.approx(multi["predicted_s"])
-    assert multi["cuda_graphs"] is True
+    assert multi["cuda_graphs"] is True and multi["piecewise_tokens"] == 1024
 
 
 def test_null_fields_take_their_defaults(server):

@@ -11,9 +11,9 @@ before the fit, the calibrated profile after it, the held-out shapes before and 
 on the other shapes, and the base profile; ``--plot`` draws predicted against measured.
 
 ``--iteration-log LOG [LOG ...]`` instead fits the serving host time (``host_per_request_s``,
-``host_eager_s``; ``duetserve.calibrate.host``) to the iteration logs (pooled; ``.gz`` read
-gzipped) of servers that planned with ``--base``, needs no GPU, and writes ``--base`` with those
-two terms replaced.
+``host_eager_s``, ``host_piecewise_s``; ``duetserve.calibrate.host``) to the iteration logs
+(pooled; ``.gz`` read gzipped) of servers that planned with ``--base``, needs no GPU, and writes
+``--base`` with the terms the logs' iterations fit replaced.
 
 Exit status: 0 on success (failed single measurements are listed); 2 on bad usage: a bad flag,
 or flags that do not go together (the message names the flag); 1 on any other error (no GPU, an
@@ -141,6 +141,10 @@ def report(result: Calibration, base: HardwareProfile) -> str:
     return "\n".join(parts)
 
 
+def _ms(seconds: float | None, name: str) -> str:
+    return f"{name} {seconds * 1e3:.2f} ms" if seconds is not None else f"{name} not fitted (no such iterations)"
+
+
 def fit_host(args: argparse.Namespace) -> int:
     """``--iteration-log``: fit the host terms, write the profile; 0, or 1 on an error."""
     logs = " ".join(map(str, args.iteration_log))
@@ -149,7 +153,8 @@ def fit_host(args: argparse.Namespace) -> int:
     except (ValueError, OSError) as exc:
         print(f"duetserve calibrate: error: --iteration-log {logs}: {exc}", file=sys.stderr)
         return 1
-    fields = {"host_per_request_s": fit.host_per_request_s, "host_eager_s": fit.host_eager_s}
+    fields = {k: v for k, v in (("host_per_request_s", fit.host_per_request_s), ("host_eager_s", fit.host_eager_s),
+                                ("host_piecewise_s", fit.host_piecewise_s)) if v is not None}
     profile = dataclasses.replace(args.base, name=args.gpu_name, **fields,
                                   provenance={**args.base.provenance, **dict.fromkeys(fields, "measured")})
     try:
@@ -158,7 +163,8 @@ def fit_host(args: argparse.Namespace) -> int:
         print(f"duetserve calibrate: error: {exc}", file=sys.stderr)
         return 1
     print(f"host time fitted on {fit.rows} temporal iterations of {logs}: "
-          f"host_per_request_s {fit.host_per_request_s * 1e3:.3f} ms, host_eager_s {fit.host_eager_s * 1e3:.2f} ms\n"
+          f"host_per_request_s {fit.host_per_request_s * 1e3:.3f} ms, {_ms(fit.host_eager_s, 'host_eager_s')}, "
+          f"{_ms(fit.host_piecewise_s, 'host_piecewise_s')}\n"
           f"median |pred - meas| / meas: {100 * fit.median_error_before:.1f}% as logged, "
           f"{100 * fit.median_error_after:.1f}% with the fitted terms\nprofile: {args.out}")
     return 0

@@ -3,16 +3,18 @@ paper; ``duetserve.planner.cost_model``, "Host time").
 
 ``duetserve serve --iteration-log LOG`` writes one JSON line per iteration with the plan's
 ``predicted_s`` and the ``measured_s`` wall time of the whole engine step. For a temporal
-iteration of ``R`` requests the cost model adds ``R h_r + e h_e`` seconds of host time
-(``e = 1`` when the iteration runs eagerly: it has prefill tokens, or the server records no
-CUDA graphs, ``cuda_graphs`` false in the log). The log's predictions were made with terms ``h_r0``, ``h_e0`` (each record carries
-them; older logs: the profile's), so ``measured - predicted + R h_r0 + e h_e0`` is
-``R h_r + e h_e`` plus noise. The fit minimises the sum of relative errors ``|pred - meas| /
-meas`` (L1, by iteratively reweighted least squares: robust to a stray slow iteration such as
-a kernel compile, and aimed at the median error it reports), each term clamped at 0 (the other
-refitted alone when one is clamped). Spatial iterations,
-multi-step decodes (``k > 1``) and pdmux rounds (``prefill_layers``) are left out: their host
-work overlaps the GPU.
+iteration of ``R`` requests the cost model adds ``R h_r + e h_e + w h_pw`` seconds of host time:
+``w = 1`` when the iteration replays piecewise CUDA graphs (it has prefill tokens and at most the
+log's ``piecewise_tokens`` tokens in all), else ``e = 1`` when it runs eagerly (it has prefill
+tokens, or the server records no CUDA graphs, ``cuda_graphs`` false in the log). The log's
+predictions were made with terms ``h_r0``, ``h_e0``, ``h_pw0`` (each record carries them; older
+logs: the profile's), so ``measured - predicted + R h_r0 + e h_e0 + w h_pw0`` is ``R h_r + e h_e +
+w h_pw`` plus noise. The fit minimises the sum of relative errors ``|pred - meas| / meas`` (L1,
+by iteratively reweighted least squares: robust to a stray slow iteration such as a kernel
+compile, and aimed at the median error it reports), each term clamped at 0 (the most negative
+one set to 0 and the others refitted, until none is negative). A term no logged iteration
+carries (no piecewise iterations, say) is not fitted. Spatial iterations, multi-step decodes
+(``k > 1``) and pdmux rounds (``prefill_layers``) are left out: their host work overlaps the GPU.
 """
 from __future__ import annotations
 
@@ -32,11 +34,14 @@ from duetserve.planner.hardware import HardwareProfile
 
 @dataclass(frozen=True)
 class HostFit:
-    """Fitted host terms (seconds) and the log's median relative error ``|pred - meas| / meas``
-    over the ``rows`` iterations used, with the log's predictions and with the fitted terms."""
+    """Fitted host terms (seconds; ``host_eager_s`` / ``host_piecewise_s`` None when no logged
+    iteration ran eagerly / from piecewise graphs) and the log's median relative error
+    ``|pred - meas| / meas`` over the ``rows`` iterations used, with the log's predictions and
+    with the fitted terms."""
 
     host_per_request_s: float
-    host_eager_s: float
+    host_eager_s: float | None
+    host_piecewise_s: float | None
     rows: int
     median_error_before: float
     median_error_after: float
@@ -73,53 +78,66 @@ def read_iteration_log(path: str | Path) -> list[dict[str, Any]]:
 
 
 _NUMERIC = ("k", "predicted_s", "measured_s", "num_decodes", "num_prefills", "num_prefill_tokens",
-            "host_per_request_s", "host_eager_s")
+            "host_per_request_s", "host_eager_s", "host_piecewise_s", "piecewise_tokens")
+_TERMS = ("host_per_request_s", "host_eager_s", "host_piecewise_s")
 
 
 def temporal_rows(records: Iterable[Mapping[str, Any]], profile: HardwareProfile) -> np.ndarray:
-    """``(N, 6)`` array of the temporal single-step iterations with both times, columns ``R``
+    """``(N, 8)`` array of the temporal single-step iterations with both times, columns ``R``
     (decodes plus prefill chunks; logs without ``num_prefills`` count one chunk when there are
-    prefill tokens), ``e`` (1.0 eager: prefill tokens, or a server without CUDA graphs),
-    ``predicted_s``, ``measured_s`` and the two host terms
-    the prediction used (the record's, else ``profile``'s)."""
+    prefill tokens), ``e`` (1.0 eager: prefill tokens beyond the record's ``piecewise_tokens``,
+    or a server without CUDA graphs), ``w`` (1.0 replayed from piecewise graphs: prefill tokens,
+    at most ``piecewise_tokens`` tokens with the decodes), ``predicted_s``, ``measured_s`` and the
+    three host terms the prediction used (the record's, else ``profile``'s)."""
+    defaults = (profile.host_per_request_s, profile.host_eager_s, profile.piecewise_host_s)
     rows = []
     for r in records:
         pred, meas = r.get("predicted_s"), r.get("measured_s")
         if r.get("spatial") or r.get("k", 1) != 1 or r.get("prefill_layers") is not None or not pred or not meas:
             continue
-        prefill = (r.get("num_prefill_tokens") or 0) > 0  # null: none logged
-        requests = (r.get("num_decodes") or 0) + (r.get("num_prefills") if r.get("num_prefills") is not None
-                                                  else int(prefill))
-        eager = prefill or not r.get("cuda_graphs", True)  # without graphs every iteration is eager
+        prefill_tokens = r.get("num_prefill_tokens") or 0  # null: none logged
+        decodes = r.get("num_decodes") or 0
+        requests = decodes + (r.get("num_prefills") if r.get("num_prefills") is not None else int(prefill_tokens > 0))
+        graphs = r.get("cuda_graphs", True)
+        piecewise = graphs and prefill_tokens > 0 and decodes + prefill_tokens <= (r.get("piecewise_tokens") or 0)
+        eager = (prefill_tokens > 0 or not graphs) and not piecewise  # without graphs every iteration is eager
+        used = [r[k] if r.get(k) is not None else d for k, d in zip(_TERMS, defaults, strict=True)]
         if requests:
-            rows.append((requests, float(eager), pred, meas, r.get("host_per_request_s", profile.host_per_request_s),
-                         r.get("host_eager_s", profile.host_eager_s)))
-    return np.array(rows, dtype=float).reshape(-1, 6)
+            rows.append((requests, float(eager), float(piecewise), pred, meas, *used))
+    return np.array(rows, dtype=float).reshape(-1, 8)
 
 
 def fit_host_overheads(records: Iterable[Mapping[str, Any]], profile: HardwareProfile) -> HostFit:
-    """Fit ``host_per_request_s`` and ``host_eager_s`` to ``records`` (an iteration log made
-    by a server planning with ``profile``, whose terms count for records that do not carry
-    their own); module docstring.
+    """Fit ``host_per_request_s``, ``host_eager_s`` and ``host_piecewise_s`` to ``records`` (an
+    iteration log made by a server planning with ``profile``, whose terms count for records that
+    do not carry their own); module docstring.
 
     Raises ValueError when fewer than 2 temporal iterations with predictions are logged (logs
     written before every policy's records carried one: chunked's had none), or when they hold no
-    decode-only or no eager iteration (the two terms cannot be told apart).
+    decode-only iteration or none with prefill (the terms cannot be told apart).
     """
     rows = temporal_rows(records, profile)
-    x, pred, meas, used = rows[:, :2], rows[:, 2], rows[:, 3], rows[:, 4:]
-    if len(pred) < 2 or x[:, 1].all() or not x[:, 1].any():
-        raise ValueError(f"{len(pred)} temporal iterations with predictions ({int(x[:, 1].sum())} eager): "
-                         "need both decode-only and eager ones (a log of a server that both decoded alone and prefilled)")
-    host = meas - pred + (x * used).sum(axis=1)  # the host time by the model: R h_r + e h_e
-    new = _l1_fit(x, host, 1.0 / meas)
-    for i in (0, 1):  # a negative term: clamp it at 0 and refit the other alone
-        if new[i] < 0:
-            j = 1 - i
-            new[i] = 0.0
-            new[j] = max(0.0, float(_l1_fit(x[:, j:j + 1], host, 1.0 / meas)[0]))
+    x, pred, meas, used = rows[:, :3], rows[:, 3], rows[:, 4], rows[:, 5:]
+    with_prefill = x[:, 1:].any(axis=1)
+    if len(pred) < 2 or with_prefill.all() or not with_prefill.any():
+        raise ValueError(f"{len(pred)} temporal iterations with predictions ({int(with_prefill.sum())} eager or "
+                         "piecewise): need both decode-only and eager or piecewise ones (a log of a server that "
+                         "both decoded alone and prefilled)")
+    host = meas - pred + (x * used).sum(axis=1)  # the host time by the model: R h_r + e h_e + w h_pw
+    fitted = [i for i in range(3) if x[:, i].any()]
+    new = np.zeros(3)  # a term no row carries (x's column all 0) changes no prediction
+    active = list(fitted)
+    while active:
+        coef = _l1_fit(x[:, active], host, 1.0 / meas)
+        new[active] = coef
+        if coef.min() >= 0:
+            break
+        worst = active[int(np.argmin(coef))]  # the most negative term: clamp it at 0, refit the others
+        new[worst] = 0.0
+        active.remove(worst)
     after = pred + (x * (new - used)).sum(axis=1)
-    return HostFit(float(new[0]), float(new[1]), len(pred), float(np.median(np.abs(pred - meas) / meas)),
+    eager, piecewise = (float(new[i]) if i in fitted else None for i in (1, 2))
+    return HostFit(float(new[0]), eager, piecewise, len(pred), float(np.median(np.abs(pred - meas) / meas)),
                    float(np.median(np.abs(after - meas) / meas)))
 
 

@@ -53,7 +53,8 @@ an iteration whose requests all have ``q <= 1`` counts as graph-replayed with th
 iteration with prefill tokens of at most that many tokens (and ``graphs`` None) is replayed from
 piecewise CUDA graphs (``duetserve.engine.piecewise_graphs``): its GPU runs the ``"prefill"``
 count, its host launches only the profile's ``"piecewise"`` count (``hardware.PIECEWISE``; a
-profile without one prices it eager), ``t = max(roofline + n g, n_pw h)``. ``predict`` /
+profile without one prices it eager), ``t = max(roofline + n g, n_pw h)``, and its host time
+(below) takes ``host_piecewise_s`` in place of ``host_eager_s``. ``predict`` /
 ``predict_total`` take ``graphs`` to say it per call. The counts are measured at the
 calibrated TP degree; all-reduce kernels added by other degrees are not counted. With the
 default profile (both constants 0) ``t`` is exactly the roofline. The overheads are the
@@ -63,7 +64,8 @@ the rest (conservative on both sides).
 Host time (beyond the paper, measured on the serving engine): an iteration of ``R`` requests
 also costs ``R h_r + e h_e`` seconds of host work that no GPU work hides (scheduling, inputs,
 the token read, detokenizing and streaming), with ``h_r = host_per_request_s``, ``h_e =
-host_eager_s`` and ``e = 1`` for an eager iteration. On the H200 serving Azure code through
+host_eager_s`` and ``e = 1`` for an eager iteration (``h_pw = host_piecewise_s`` in place of
+``h_e`` for one replayed from piecewise graphs, when the profile has it). On the H200 serving Azure code through
 the HTTP server (docs/benchmarks.md, fourth H200 session) temporal iterations took 1.26-1.30x
 their prediction without it (median error 22.5%) and 5.3% with the fitted terms. The decode
 steps of a spatial plan leave it out: each step's host work runs while the next step is on
@@ -395,11 +397,13 @@ class CostModel:
         eager, with ``n`` the column's count (``HardwareProfile.iteration_kernels``: graph
         decodes of at most ``narrow_decode_batch`` requests have their own) and ``n'`` its host
         launches (``n``, or the ``"piecewise"`` count for a column of at most ``piecewise_tokens``
-        ``tokens`` with prefill), plus with ``host`` the host time of the column's ``requests``; an
-        empty column launches nothing."""
+        ``tokens`` with prefill), plus with ``host`` the host time of the column's ``requests``
+        (``host_piecewise_s`` in place of ``host_eager_s`` for such a piecewise column); an empty
+        column launches nothing."""
         p = self.profile
         replayed = decode_only & self.cuda_graphs if graphs is None else np.full(decode_only.shape, graphs)
         kernels = p.iteration_kernels(self.shape.layers, decode_only, replayed, requests) * (requests > 0)
+        piecewise = np.zeros(decode_only.shape, dtype=bool)
         launches = kernels
         if graphs is None and self.piecewise_tokens and PIECEWISE in p.kernels_per_layer:
             piecewise = ~decode_only & (tokens <= self.piecewise_tokens)
@@ -407,7 +411,8 @@ class CostModel:
         gpu = roofline + kernels * p.kernel_gpu_s
         launch = np.where(replayed, gpu, np.maximum(gpu, launches * p.launch_cpu_s)) - roofline
         served = requests * host
-        return launch + (served * p.host_per_request_s + ~replayed * p.host_eager_s) * (served > 0)
+        eager_host = np.where(piecewise, p.piecewise_host_s, p.host_eager_s) * ~replayed
+        return launch + (served * p.host_per_request_s + eager_host) * (served > 0)
 
     def _attention_time(self, q: np.ndarray, c: np.ndarray, pi: np.ndarray, bw: np.ndarray) -> np.ndarray:
         """One layer: the sum over requests (rows) of max(F_r/Pi, B_r/BW), per column.

@@ -93,7 +93,9 @@ class HardwareProfile:
     ``"decode"``'s (``iteration_kernels``); counts for ``PIECEWISE`` (optional, in both maps) are the
     host launches of iterations replayed from piecewise CUDA graphs.
     ``host_per_request_s`` and ``host_eager_s`` (seconds, >= 0): the serving host time of a
-    temporal iteration (module docstring).
+    temporal iteration (module docstring); ``host_piecewise_s`` (seconds, >= 0, or None: the
+    ``host_eager_s`` term) replaces ``host_eager_s`` for an iteration replayed from piecewise CUDA
+    graphs (``piecewise_host_s``).
 
     ``attention_efficiency`` (in (0, 1], default 1): the share of ``Pi(S)`` that the engine's
     prefill attention kernel reaches on attention FLOPs (a GEMM-rate roofline is optimistic for
@@ -136,6 +138,7 @@ class HardwareProfile:
     host_per_request_s: float = 0.0
     host_eager_s: float = 0.0
     narrow_decode_batch: int = 0
+    host_piecewise_s: float | None = None
 
     def __post_init__(self) -> None:
         for f in fields(self):  # numbers first: NaN passes every comparison below (and hung simulate)
@@ -179,6 +182,9 @@ class HardwareProfile:
         if min(self.kernel_gpu_s, self.launch_cpu_s, self.host_per_request_s, self.host_eager_s) < 0:
             raise ValueError(f"{self.name}: kernel_gpu_s, launch_cpu_s, host_per_request_s and host_eager_s "
                              f"must be >= 0 seconds")
+        pw = self.host_piecewise_s
+        if pw is not None and (isinstance(pw, bool) or not isinstance(pw, (int, float)) or not 0 <= pw < math.inf):
+            raise ValueError(f"{self.name}: host_piecewise_s must be a finite number of seconds >= 0 or null, got {pw!r}")
         kinds = (*ITERATION_KINDS, NARROW_DECODE, PIECEWISE)
         if int(self.narrow_decode_batch) != self.narrow_decode_batch or self.narrow_decode_batch < 0:
             raise ValueError(f"{self.name}: narrow_decode_batch must be an integer >= 0, got {self.narrow_decode_batch}")
@@ -195,6 +201,12 @@ class HardwareProfile:
         if (PIECEWISE in self.kernels_per_layer) != (PIECEWISE in self.kernels_per_forward):
             raise ValueError(f"{self.name}: a {PIECEWISE!r} count goes in both kernels_per_layer and "
                              "kernels_per_forward, or in neither")
+
+    @property
+    def piecewise_host_s(self) -> float:
+        """Seconds of serving host time an iteration replayed from piecewise CUDA graphs adds
+        (``host_piecewise_s``, else ``host_eager_s``)."""
+        return self.host_eager_s if self.host_piecewise_s is None else self.host_piecewise_s
 
     def iteration_kernels(self, layers: int, decode_only: ArrayLike, replayed: ArrayLike,
                           batch: ArrayLike) -> np.ndarray:
@@ -267,7 +279,8 @@ class HardwareProfile:
 
 
 _OPTIONAL_PROVENANCE_FIELDS = ("kernel_gpu_s", "launch_cpu_s", "kernels_per_layer", "kernels_per_forward",
-                               "attention_efficiency", "host_per_request_s", "host_eager_s", "narrow_decode_batch")
+                               "attention_efficiency", "host_per_request_s", "host_eager_s", "narrow_decode_batch",
+                               "host_piecewise_s")
 _PROVENANCE_FIELDS = tuple(
     f.name
     for f in fields(HardwareProfile)
@@ -343,4 +356,4 @@ def roofline_only(profile: HardwareProfile) -> HardwareProfile:
     provenance = {k: v for k, v in profile.provenance.items() if k not in _OPTIONAL_PROVENANCE_FIELDS}
     return replace(profile, kernel_gpu_s=0.0, launch_cpu_s=0.0, kernels_per_layer={}, kernels_per_forward={},
                    attention_efficiency=1.0, host_per_request_s=0.0, host_eager_s=0.0, narrow_decode_batch=0,
-                   provenance=provenance)
+                   host_piecewise_s=None, provenance=provenance)

@@ -40,12 +40,13 @@ class ServerMetrics:
         # (Plan.decode_margin: duet's learned factor on the split's decode prediction), "requests"
         # ([new tokens, cached tokens] of each scheduled sequence, decodes first: the cost
         # model's (q, c), to refit it from a served run), the profile's
-        # "host_per_request_s" / "host_eager_s" the predictions include and whether decode-only
-        # batches replay CUDA graphs, "cuda_graphs" (calibrate --iteration-log)}
+        # "host_per_request_s" / "host_eager_s" / "host_piecewise_s" the predictions include, whether
+        # decode-only batches replay CUDA graphs, "cuda_graphs", and the most tokens an iteration
+        # with prefill replays from piecewise graphs, "piecewise_tokens" (calibrate --iteration-log)}
         # (`duetserve bench --iteration-log` marks spatial iterations with it). Policies that
         # plan without a prediction (chunked, prefill-first) get the engine's cost model's.
         self._iteration_log = open(iteration_log, "a", buffering=1) if iteration_log else None  # noqa: SIM115
-        self._planning: dict[str, float | bool] = {}  # host terms and CUDA graphs the predictions assume
+        self._planning: dict[str, float | bool] = {}  # host terms and graphs the predictions assume
         self._cost_model: CostModel | None = None  # predicts iterations whose plan has no prediction
         self.registry = CollectorRegistry()
         r, label = self.registry, {"model_name": model_name}
@@ -89,7 +90,8 @@ class ServerMetrics:
         self._cost_model = engine.cost_model
         profile = self._cost_model.profile
         self._planning = {"host_per_request_s": profile.host_per_request_s, "host_eager_s": profile.host_eager_s,
-                          "cuda_graphs": self._cost_model.cuda_graphs}
+                          "host_piecewise_s": profile.piecewise_host_s, "cuda_graphs": self._cost_model.cuda_graphs,
+                          "piecewise_tokens": self._cost_model.piecewise_tokens}
         lab = self._label
         self.running.labels(**lab).set_function(lambda: len(engine.scheduler.running))
         self.waiting.labels(**lab).set_function(lambda: len(engine.scheduler.waiting))
