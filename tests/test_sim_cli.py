@@ -93,6 +93,20 @@ def test_num_decode_steps_reaches_the_simulator(tmp_path, capsys):
     assert default["p50_tbt_ms"] < four["p50_tbt_ms"] < single["p50_tbt_ms"]
 
 
+def test_graph_flags_reach_the_simulator(tmp_path, capsys):
+    """``--enforce-eager`` prices every iteration eager (decode graphs off too), and
+    ``--piecewise-cuda-graph-max-tokens 0`` only the piecewise ones: on the h200 profile each
+    step off lengthens the same load's token gaps (eager decodes launch ~400 kernels from the
+    host) and its time to first token (mixed iterations up to 1024 tokens lose their graphs)."""
+    def row(*extra):
+        out = tmp_path / f"rows{len(list(tmp_path.iterdir()))}.json"
+        assert main([*SMALL, "--qps", "1", "--policy", "chunked", "--json", str(out), *extra]) == 0
+        return json.loads(out.read_text())[0]
+    default, no_piecewise, eager = row(), row("--piecewise-cuda-graph-max-tokens", "0"), row("--enforce-eager")
+    assert default["mean_ttft_ms"] < no_piecewise["mean_ttft_ms"] < eager["mean_ttft_ms"]
+    assert default["p50_tbt_ms"] == pytest.approx(no_piecewise["p50_tbt_ms"]) and default["p50_tbt_ms"] * 2 < eager["p50_tbt_ms"]
+
+
 def test_clock_profile_reaches_the_simulator_and_must_match_the_sm_count(tmp_path, capsys):
     """``--clock-profile``: iterations take its times (a clock with 2x the decode interference
     slows duet's splits, so the rows differ, while ``--gpu`` as the clock changes nothing); a
