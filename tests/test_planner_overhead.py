@@ -117,6 +117,9 @@ def test_piecewise_iterations_launch_their_own_count_from_the_host(gpu):
     assert float(cm.predict_total(small, 100, graphs=False)) == pytest.approx(1.32e-3)
     assert float(CostModel(SHAPE, with_overheads(gpu), piecewise_tokens=64).predict_total(small, 100)) \
         == pytest.approx(1.32e-3)
+    # an engine without CUDA graphs (--enforce-eager) records no piecewise ones either
+    assert float(CostModel(SHAPE, counts, cuda_graphs=False, piecewise_tokens=64).predict_total(small, 100)) \
+        == pytest.approx(1.32e-3)
     assert cm.predict(DECODE, 100).overhead == pytest.approx(110 * 2e-6)
     _, t_p = cm.predict_spatial(DECODE, [(16, 0)], [20, 50], 100)  # a split's prefill runs eagerly
     np.testing.assert_allclose(t_p, 1.32e-3 * cm.profile.prefill_interference)

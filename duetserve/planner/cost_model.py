@@ -50,7 +50,7 @@ an iteration whose requests all have ``q <= 1`` counts as graph-replayed with th
 ``narrow_decode_batch`` requests: those graphs record fewer kernels, see
 ``HardwareProfile.iteration_kernels``), any other as eager with the ``"prefill"`` count; ``cuda_graphs=False``
 (an engine with ``enforce_eager``) makes every iteration eager. With ``piecewise_tokens`` > 0, an
-iteration with prefill tokens of at most that many tokens (and ``graphs`` None) is replayed from
+iteration with prefill tokens of at most that many tokens (``graphs`` None, ``cuda_graphs`` on) is replayed from
 piecewise CUDA graphs (``duetserve.engine.piecewise_graphs``): its GPU runs the ``"prefill"``
 count, its host launches only the profile's ``"piecewise"`` count (``hardware.PIECEWISE``; a
 profile without one prices it eager), ``t = max(roofline + n g, n_pw h)``, and its host time
@@ -65,8 +65,8 @@ Host time (beyond the paper, measured on the serving engine): an iteration of ``
 also costs ``R h_r + e h_e`` seconds of host work that no GPU work hides (scheduling, inputs,
 the token read, detokenizing and streaming), with ``h_r = host_per_request_s``, ``h_e =
 host_eager_s`` and ``e = 1`` for an eager iteration (``h_pw = host_piecewise_s`` in place of
-``h_e`` for one replayed from piecewise graphs, when the profile has it). On the H200 serving Azure code through
-the HTTP server (docs/benchmarks.md, fourth H200 session) temporal iterations took 1.26-1.30x
+``h_e`` for one replayed from piecewise graphs, when the profile has it). On the H200 serving
+Azure code through the HTTP server (docs/benchmarks.md, fourth H200 session) temporal iterations took 1.26-1.30x
 their prediction without it (median error 22.5%) and 5.3% with the fitted terms. The decode
 steps of a spatial plan leave it out: each step's host work runs while the next step is on
 the GPU (measured steps were 0.89x their prediction); the first step's, before both streams,
@@ -405,7 +405,7 @@ class CostModel:
         kernels = p.iteration_kernels(self.shape.layers, decode_only, replayed, requests) * (requests > 0)
         piecewise = np.zeros(decode_only.shape, dtype=bool)
         launches = kernels
-        if graphs is None and self.piecewise_tokens and PIECEWISE in p.kernels_per_layer:
+        if graphs is None and self.cuda_graphs and self.piecewise_tokens and PIECEWISE in p.kernels_per_layer:
             piecewise = ~decode_only & (tokens <= self.piecewise_tokens)
             launches = np.where(piecewise, p.kernel_count(PIECEWISE, self.shape.layers), kernels) * (requests > 0)
         gpu = roofline + kernels * p.kernel_gpu_s

@@ -184,7 +184,8 @@ class HardwareProfile:
                              f"must be >= 0 seconds")
         pw = self.host_piecewise_s
         if pw is not None and (isinstance(pw, bool) or not isinstance(pw, (int, float)) or not 0 <= pw < math.inf):
-            raise ValueError(f"{self.name}: host_piecewise_s must be a finite number of seconds >= 0 or null, got {pw!r}")
+            raise ValueError(f"{self.name}: host_piecewise_s must be a finite number of seconds >= 0 or null, "
+                             f"got {pw!r}")
         kinds = (*ITERATION_KINDS, NARROW_DECODE, PIECEWISE)
         if int(self.narrow_decode_batch) != self.narrow_decode_batch or self.narrow_decode_batch < 0:
             raise ValueError(f"{self.name}: narrow_decode_batch must be an integer >= 0, got {self.narrow_decode_batch}")

@@ -128,7 +128,8 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
                         "tokens, capped at --max-num-batched-tokens, replay piecewise CUDA graphs, launching fewer "
                         "kernels from the host (serve's flag and default, 1024; 0 = off)")
     s.add_argument("--enforce-eager", action="store_true",
-                   help="price every iteration as eager: no CUDA graphs, decode or piecewise (as `serve --enforce-eager`)")
+                   help="price every iteration as eager: no CUDA graphs, decode or piecewise "
+                        "(as `serve --enforce-eager`)")
     s.add_argument("--max-num-batched-tokens", type=argtypes.positive_int, default=8192,
                    help="token budget per iteration (default 8192; 2048 suits A100)")
     s.add_argument("--max-num-seqs", type=argtypes.positive_int, default=256,
@@ -237,8 +238,7 @@ def _simulate(args: argparse.Namespace) -> int:
     planner = PlannerConfig(args.model_config, args.gpu, args.tbt_slo, args.partition_backend, tp=args.tp,
                             trim_margin=args.trim_margin,
                             cuda_graphs=not args.enforce_eager,
-                            piecewise_tokens=0 if args.enforce_eager else min(args.piecewise_cuda_graph_max_tokens,
-                                                                              args.max_num_batched_tokens))
+                            piecewise_tokens=min(args.piecewise_cuda_graph_max_tokens, args.max_num_batched_tokens))
     try:
         for name in names:
             policy_by_name(name, planner)
