@@ -111,7 +111,7 @@ def trim_prefill(prefill_reqs: Sequence[Request], token_limit: int) -> list[Requ
 def plan_iteration(cost_model: CostModel, decode_reqs: Sequence[Request], prefill_reqs: Sequence[Request],
                    tau: float, total_sms: int, granularity: int | None, min_sms: int | None = None,
                    max_k: int | None = None, carry_s: float = 0.0, trim_margin: float | None = None,
-                   temporal_scale: float = 1.0) -> Plan:
+                   temporal_scale: float = 1.0, spatial_scale: float = 1.0) -> Plan:
     """Choose this iteration's plan (docs/design.md section 4; see the module docstring).
 
     Args:
@@ -138,18 +138,21 @@ def plan_iteration(cost_model: CostModel, decode_reqs: Sequence[Request], prefil
             beat splitting, as chunked prefill with a small budget did on the H200; the margin
             leaves room for prediction error.
         temporal_scale: measured / predicted time of temporal iterations (> 0); the trimmed
-            batch's rate in that comparison is taken at ``predicted_s * temporal_scale``, as the
-            split's prediction carries its own learned scales (``DuetPolicy.observe``).
+            batches' rate in that comparison is taken at their predicted times times
+            ``temporal_scale``.
+        spatial_scale: measured / predicted time of split iterations (> 0, ``DuetPolicy.spatial_scale``);
+            the split's rate in that comparison is taken at its span times ``spatial_scale``
+            (its streams' own predictions carry the learned scales of ``DuetPolicy.observe``).
 
     Raises:
         ValueError: for tau <= 0, granularity < 1, min_sms < 1, max_k < 1, trim_margin
-            outside (0, 1], temporal_scale <= 0, or SM counts the cost model rejects.
+            outside (0, 1], temporal_scale or spatial_scale <= 0, or SM counts the cost model rejects.
     """
     if tau <= 0 or (granularity is not None and granularity < 1) or (min_sms is not None and min_sms < 1) \
             or (max_k is not None and max_k < 1) or (trim_margin is not None and not 0 < trim_margin <= 1) \
-            or temporal_scale <= 0:
-        raise ValueError("tau, granularity, min_sms, max_k and temporal_scale must be positive and trim_margin "
-                         "in (0, 1]")
+            or temporal_scale <= 0 or spatial_scale <= 0:
+        raise ValueError("tau, granularity, min_sms, max_k, temporal_scale and spatial_scale must be positive and "
+                         "trim_margin in (0, 1]")
     decode, prefill = _as_array(decode_reqs), _as_array(prefill_reqs)
     t_mixed = float(cost_model.predict_total(np.concatenate([decode, prefill]), total_sms))
     first_tau = tau - max(carry_s, 0.0) if len(decode) else tau  # budget of the first decode token
@@ -172,7 +175,7 @@ def plan_iteration(cost_model: CostModel, decode_reqs: Sequence[Request], prefil
         steps = executed_steps(plan.predicted_decode_s, plan.predicted_prefill_s, max_k)  # what would run
         span = first_host + max(steps * plan.predicted_decode_s, plan.predicted_prefill_s)  # host: as trimmed's
         rates = (trimmed_rate(cost_model, decode, prefill, trimmed.prefill_token_limit, total_sms) / temporal_scale,
-                 float(steps * len(decode) + prefill[:, 0].sum()) / span)
+                 float(steps * len(decode) + prefill[:, 0].sum()) / (span * spatial_scale))
         if rates[0] > rates[1]:
             return dataclasses.replace(trimmed, slo_risk=False, trim_rates=rates)
         return dataclasses.replace(plan, trim_rates=rates)
