@@ -93,8 +93,7 @@ def force_plan(engine: LLMEngine, plan) -> None:
     engine.scheduler.policy = type("Forced", (), {"name": "forced", "chunked_prefill": True,
                                                   "prefill_excludes_decode": False,
                                                   "plan": staticmethod(lambda d, p, k: plan if d else
-                                                                       chunked.plan(d, p, k)),
-                                                  "observe_iteration": staticmethod(lambda plan, s: None)})()
+                                                                       chunked.plan(d, p, k))})()
 
 
 def test_tiny_qwen3_lookahead_plan_equals_single_steps(tiny_qwen3_folder):

@@ -29,9 +29,6 @@ class ForcedSpatial:
     def observe(self, plan, decode_step_s, prefill_s, idle_tail_s=None):
         self.observed.append(decode_step_s)
 
-    def observe_iteration(self, plan, measured_s):
-        pass
-
 
 @pytest.mark.parametrize("backend_name", ["greenctx", "tpcmask"])
 def test_spatial_tokens_equal_temporal(tiny_qwen3_folder, backend_name):

@@ -74,9 +74,6 @@ class _Forced:
     def observe(self, plan, decode_step_s, prefill_s, idle_tail_s=None):
         pass
 
-    def observe_iteration(self, plan, measured_s):
-        pass
-
 
 @pytest.mark.parametrize("t_p, upfront", [(0.2, 2), (0.08, 2), (0.07, 1), (0.01, 1)])
 def test_second_decode_step_is_queued_before_a_long_prefill(tiny_qwen3_folder, t_p, upfront):

@@ -169,29 +169,6 @@ def test_auto_trim_margin_follows_the_measured_error_of_temporal_iterations():
         dataclasses.replace(planner(0.1), trim_margin="sometimes")
 
 
-def test_auto_spatial_scale_is_the_median_error_of_measured_splits():
-    """``--trim-margin auto``: splits with a prediction feed ``spatial_scale``, the median of
-    measured / predicted over the last 256 once 32 were seen (1 before, and with a fixed margin);
-    temporal iterations do not, nor do splits feed the temporal scale."""
-    policy = DuetPolicy(dataclasses.replace(planner(0.1), trim_margin=TRIM_AUTO))
-    split = Plan(spatial=True, s_prefill=124, s_decode=8, k=4, predicted_s=0.2)
-    for ratio in [1.04] * 20 + [1.5] * 11:
-        policy.observe_iteration(split, 0.2 * ratio)
-    policy.observe_iteration(Plan(spatial=True, s_prefill=124, s_decode=8), 1.0)  # no prediction
-    for _ in range(TRIM_MIN_SAMPLES):
-        policy.observe_iteration(Plan(predicted_s=0.08), 0.08 * 1.2)
-    assert policy.spatial_scale == 1.0 and policy.temporal_scale == pytest.approx(1.2)
-    policy.observe_iteration(split, 0.2 * 1.04)  # the 32nd split: 21 at 1.04, 11 at 1.5
-    assert policy.spatial_scale == pytest.approx(1.04) and policy.temporal_scale == pytest.approx(1.2)
-    for _ in range(TRIM_WINDOW):  # the window forgets
-        policy.observe_iteration(split, 0.2 * 0.9)
-    assert policy.spatial_scale == pytest.approx(0.9)
-    fixed = DuetPolicy(dataclasses.replace(planner(0.1), trim_margin=0.85))
-    for _ in range(TRIM_MIN_SAMPLES):
-        fixed.observe_iteration(split, 0.3)
-    assert fixed.spatial_scale == 1.0
-
-
 def test_auto_trim_margin_plans_with_the_learned_margin_and_scale():
     """64 decodes at 16k beside an 8192-token chunk after 24k cached tokens, tau 100 ms (pure
     roofline, green contexts): before any measurement (margin 0.7, scale 1) the split wins.

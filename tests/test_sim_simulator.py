@@ -107,7 +107,7 @@ def test_prediction_error_spreads_iterations_lognormally_and_auto_trim_follows(p
     margin is then 1 / p99 of the last 256 ratios it saw of iterations predicted at half the SLO or
     more (about 1 / exp(2.33 x 0.05) = 0.89), not 1, and its scale their median."""
     trace = load_trace(None, TraceSpec(qps=20, num_requests=300, input_len=UniformLength(1000, 7000),
-                                       output_len=UniformLength(50, 300), seed=2))  # outputs long enough to split
+                                       output_len=UniformLength(10, 100), seed=2))
     config = SimConfig(planner, prediction_error=0.05, seed=7, decode_steps=1)  # every iteration predicted
     policy = DuetPolicy(dataclasses.replace(planner, trim_margin=TRIM_AUTO))
     result = simulate(trace, policy, config)

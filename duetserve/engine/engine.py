@@ -385,7 +385,7 @@ class LLMEngine:
                 if out.plan.spatial and steps and stream_s.get("decode"):  # the policy learns from it
                     self.scheduler.policy.observe(out.plan, stream_s["decode"] / steps, stream_s.get("prefill"),
                                                   stream_s.get("tail"))
-                if out.decodes and out.num_prefill_tokens:
+                elif not out.plan.spatial and out.decodes and out.num_prefill_tokens:
                     self.scheduler.policy.observe_iteration(out.plan, duration)
                 self.last_stats = StepStats(out.plan, len(out.decodes), out.num_prefill_tokens,
                                             duration, len(out.preempted),

@@ -52,8 +52,7 @@ class Policy(Protocol):
         ...
 
     def observe_iteration(self, plan: Plan, measured_s: float) -> None:
-        """Measured wall seconds of an iteration with decodes and prefill that ran ``plan`` (temporal
-        or spatial; a split also reports its streams to ``observe`` first)."""
+        """Measured wall seconds of a temporal iteration with decodes and prefill that ran ``plan``."""
         ...
 
 

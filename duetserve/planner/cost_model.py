@@ -313,11 +313,10 @@ class CostModel:
     def predict_variants(self, fixed_reqs: Sequence[Request] | np.ndarray, q: np.ndarray, c: np.ndarray,
                          sms: int) -> np.ndarray:
         """Predicted seconds on ``sms`` SMs of M variants of one batch: ``fixed_reqs`` (q, c)
-        run in every variant; J more requests run ``q`` (J, M) query tokens in variant m, 0
-        where a request sits it out, after ``c`` cached tokens: (J,) for every variant, or
-        (J, M) per variant. lm_head counts follow the ``lm_head`` mode, CUDA graphs the default
-        rule per variant. Sizes prefill chunks (the optimizer's fallback) and prices
-        successive chunks of one prefill list (its trim comparison). Returns M seconds.
+        run in every variant; J more requests with ``c`` (J,) cached tokens run ``q`` (J, M)
+        query tokens in variant m, 0 where a request sits it out. lm_head counts follow the
+        ``lm_head`` mode, CUDA graphs the default rule per variant. Sizes prefill chunks (the
+        optimizer's fallback). Returns M seconds.
 
         Raises ValueError for invalid ``fixed_reqs``, negative ``q`` or ``c``, or ``sms``
         outside 1..num_sms.
@@ -325,8 +324,7 @@ class CostModel:
         q, c = np.asarray(q, dtype=np.int64), np.asarray(c, dtype=np.int64)
         if q.size and (q.min() < 0 or c.min() < 0):
             raise ValueError("token counts must be >= 0")
-        c = c if c.ndim == 2 else c[:, None]
-        return self._components([_columns(fixed_reqs), (q, c)], np.asarray([sms]), None, None).sum(axis=0)
+        return self._components([_columns(fixed_reqs), (q, c[:, None])], np.asarray([sms]), None, None).sum(axis=0)
 
     def predict_steps(self, reqs: Sequence[Request] | np.ndarray, sms: int, steps: int) -> float:
         """Seconds of ``steps`` decode steps of ``reqs`` run back to back on ``sms`` SMs (multi-step
@@ -368,7 +366,7 @@ class CostModel:
                     lm_head_tokens: int | None, graphs: bool | None, host: bool = True) -> np.ndarray:
         """Rows linear, attention, norm_act, communication, lm_head, overhead; one column per variant.
 
-        ``groups`` hold the batch's requests as (q, c) with q and c (R, X) or (R, 1);
+        ``groups`` hold the batch's requests as (q, c) with q (R, X) or (R, 1) and c (R, 1);
         ``sms`` is (X,) or (1,). The columns are one batch on X SM counts, or X variants of
         a batch on one SM count (a group with q (R, 1) takes part in every variant).
         ``graphs`` as in ``predict``, ``host`` as in ``predict_total``.

@@ -44,7 +44,6 @@ import numpy as np
 from duetserve.planner.cost_model import CostModel, Request
 
 STEP_START_SHARE = 0.5  # executed_steps: least share of a decode step left of the prefill to start one
-MAX_TRIM_WINDOWS = 8  # trimmed_rate: most trimmed batches priced over a split's prefill list
 
 
 @dataclass(frozen=True)
@@ -69,9 +68,9 @@ class Plan:
     iterations (``duetserve.planner.policies.PdmuxPolicy``); None runs every layer at once.
 
     ``trim_rates`` (tokens a second, for the iteration log): with a trim margin, the two rates
-    ``plan_iteration`` weighed when it found a split, the trimmed temporal batches' over the
-    split's prefill tokens (``trimmed_rate``, at its ``temporal_scale``) and the split's (at the
-    steps the engine runs); the higher one's plan is this one. None when no such comparison ran.
+    ``plan_iteration`` weighed when it found a split, the trimmed temporal batch's (at its
+    ``temporal_scale``) and the split's (at the steps the engine runs); the higher one's plan
+    is this one. None when no such comparison ran.
 
     ``decode_margin`` (for the iteration log): the factor the decode side of a spatial plan was
     priced with beyond the interference (``CostModel.decode_margin`` times
@@ -111,7 +110,7 @@ def trim_prefill(prefill_reqs: Sequence[Request], token_limit: int) -> list[Requ
 def plan_iteration(cost_model: CostModel, decode_reqs: Sequence[Request], prefill_reqs: Sequence[Request],
                    tau: float, total_sms: int, granularity: int | None, min_sms: int | None = None,
                    max_k: int | None = None, carry_s: float = 0.0, trim_margin: float | None = None,
-                   temporal_scale: float = 1.0, spatial_scale: float = 1.0) -> Plan:
+                   temporal_scale: float = 1.0) -> Plan:
     """Choose this iteration's plan (docs/design.md section 4; see the module docstring).
 
     Args:
@@ -131,28 +130,24 @@ def plan_iteration(cost_model: CostModel, decode_reqs: Sequence[Request], prefil
             must come within ``tau - carry_s`` (beyond the paper, which checks each plan alone).
         trim_margin: in (0, 1], or None (the paper's rule). When step 2 finds a split, also
             price a temporal batch with the prefill trimmed to fit ``trim_margin`` times the
-            first-token budget (step 3's rule) and return it instead when its token rate beats
-            the split's, with the split run as the engine runs it (``executed_steps`` decode
-            steps) and the trimmed batch's rate taken over the split's prefill tokens, batch
-            after batch (``trimmed_rate``). Beyond the paper: a smaller chunk on all SMs can
-            beat splitting, as chunked prefill with a small budget did on the H200; the margin
-            leaves room for prediction error.
+            first-token budget (step 3's rule) and return it instead when its token rate
+            ``(decodes + prefill kept) / t`` beats the split's, with the split run as the engine
+            runs it (``executed_steps`` decode steps; beyond the paper: a smaller
+            chunk on all SMs can beat splitting, as chunked prefill with a small budget did
+            on the H200; the margin leaves room for prediction error).
         temporal_scale: measured / predicted time of temporal iterations (> 0); the trimmed
-            batches' rate in that comparison is taken at their predicted times times
-            ``temporal_scale``.
-        spatial_scale: measured / predicted time of split iterations (> 0, ``DuetPolicy.spatial_scale``);
-            the split's rate in that comparison is taken at its span times ``spatial_scale``
-            (its streams' own predictions carry the learned scales of ``DuetPolicy.observe``).
+            batch's rate in that comparison is taken at ``predicted_s * temporal_scale``, as the
+            split's prediction carries its own learned scales (``DuetPolicy.observe``).
 
     Raises:
         ValueError: for tau <= 0, granularity < 1, min_sms < 1, max_k < 1, trim_margin
-            outside (0, 1], temporal_scale or spatial_scale <= 0, or SM counts the cost model rejects.
+            outside (0, 1], temporal_scale <= 0, or SM counts the cost model rejects.
     """
     if tau <= 0 or (granularity is not None and granularity < 1) or (min_sms is not None and min_sms < 1) \
             or (max_k is not None and max_k < 1) or (trim_margin is not None and not 0 < trim_margin <= 1) \
-            or temporal_scale <= 0 or spatial_scale <= 0:
-        raise ValueError("tau, granularity, min_sms, max_k, temporal_scale and spatial_scale must be positive and "
-                         "trim_margin in (0, 1]")
+            or temporal_scale <= 0:
+        raise ValueError("tau, granularity, min_sms, max_k and temporal_scale must be positive and trim_margin "
+                         "in (0, 1]")
     decode, prefill = _as_array(decode_reqs), _as_array(prefill_reqs)
     t_mixed = float(cost_model.predict_total(np.concatenate([decode, prefill]), total_sms))
     first_tau = tau - max(carry_s, 0.0) if len(decode) else tau  # budget of the first decode token
@@ -174,8 +169,8 @@ def plan_iteration(cost_model: CostModel, decode_reqs: Sequence[Request], prefil
         trimmed = _fallback(cost_model, decode, prefill, trim_margin * first_tau, total_sms)
         steps = executed_steps(plan.predicted_decode_s, plan.predicted_prefill_s, max_k)  # what would run
         span = first_host + max(steps * plan.predicted_decode_s, plan.predicted_prefill_s)  # host: as trimmed's
-        rates = (trimmed_rate(cost_model, decode, prefill, trimmed.prefill_token_limit, total_sms) / temporal_scale,
-                 float(steps * len(decode) + prefill[:, 0].sum()) / (span * spatial_scale))
+        rates = ((len(decode) + trimmed.prefill_token_limit) / (trimmed.predicted_s * temporal_scale),
+                 float(steps * len(decode) + prefill[:, 0].sum()) / span)
         if rates[0] > rates[1]:
             return dataclasses.replace(trimmed, slo_risk=False, trim_rates=rates)
         return dataclasses.replace(plan, trim_rates=rates)
@@ -192,43 +187,6 @@ def executed_steps(t_d: float, t_p: float, k: int | None = None) -> int:
     ``STEP_START_SHARE`` of a step (the next plan's ``carry_s``)."""
     steps = 1 + max(0, math.floor(t_p / t_d - STEP_START_SHARE))
     return steps if k is None else max(1, min(steps, k))
-
-
-def trimmed_rate(cost_model: CostModel, decode_reqs: Sequence[Request] | np.ndarray,
-                 prefill_reqs: Sequence[Request] | np.ndarray, token_limit: int, total_sms: int,
-                 max_windows: int = MAX_TRIM_WINDOWS) -> float:
-    """Predicted tokens a second of temporal batches of ``L = token_limit`` prefill tokens
-    working through ``prefill_reqs`` in order, each beside every decode of ``decode_reqs``
-    ((q, c) per request), on ``total_sms`` SMs: ``W (R + L) / sum of the windows' seconds``
-    for ``R`` decodes and ``W = min(ceil(P / L), max_windows)`` windows of ``L`` tokens spread
-    evenly over the list's ``P`` tokens, the first at its head (``trim_prefill``'s batch), the
-    last at its end (a list of at most ``L`` tokens is one window of all of it). A request's
-    chunk in a window starts after its earlier tokens, which are cached by then (its ``c``
-    grows); decode contexts are taken as they are in every window.
-
-    Beyond the paper, for ``plan_iteration``'s trim comparison: priced at its first batch only,
-    the trimmed side was compared with a split that runs the whole list, so the two rates
-    differed by which tokens each ran. On the H200 serving Azure code at QPS 16-20
-    (docs/benchmarks.md, twenty-seventh session) the head was often a later chunk of a long
-    prompt (attention over thousands of cached tokens) with fresh prompts behind it: the first
-    batch was priced at 31k tokens/s where trimmed batches ran 36k, duet split in 31% of its
-    iterations, and its splits prefilled 31.9k tokens/s.
-
-    Raises ValueError for ``token_limit < 0``, ``max_windows < 1`` or invalid requests.
-    """
-    if token_limit < 0 or max_windows < 1:
-        raise ValueError("token_limit must be >= 0 and max_windows >= 1")
-    decode, prefill = _as_array(decode_reqs), _as_array(prefill_reqs)
-    q_pre = prefill[:, 0]
-    total = int(q_pre.sum())
-    width = min(token_limit, total)
-    windows = min(-(-total // width), max_windows) if width else 1
-    lo = np.round(np.linspace(0, total - width, windows)).astype(np.int64)
-    before = (np.cumsum(q_pre) - q_pre)[:, None]  # prefill tokens of the requests ahead of each one
-    done = np.clip(lo[None, :] - before, 0, q_pre[:, None])  # (J, W) tokens of each request before window w
-    q = np.clip(lo[None, :] + width - before, 0, q_pre[:, None]) - done
-    t = cost_model.predict_variants(decode, q, prefill[:, 1:2] + done, total_sms)
-    return float(windows * (len(decode) + width)) / float(t.sum())
 
 
 def _as_array(reqs: Sequence[Request] | np.ndarray) -> np.ndarray:

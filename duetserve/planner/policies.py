@@ -143,7 +143,6 @@ class DuetPolicy:
         self._base_margin = self.cost_model.decode_margin
         self._temporal_ratios: deque[float] = deque(maxlen=TRIM_WINDOW)  # observe_iteration
         self._learned: tuple[float, float] | None = None  # (trim margin, temporal scale) from those ratios
-        self._spatial_ratios: deque[float] = deque(maxlen=TRIM_WINDOW)  # observe_iteration, splits
         self._decode_ratios: deque[float] = deque(maxlen=TRIM_WINDOW)  # observe, with TRIM_AUTO
         self.decode_spread = 1.0  # TRIM_AUTO: extra decode margin for the spread of measured / predicted (observe)
 
@@ -168,28 +167,11 @@ class DuetPolicy:
         ``temporal_scale``."""
         return 1.0 if self._learned is None else self._learned[1]
 
-    @property
-    def spatial_scale(self) -> float:
-        """Median measured / predicted (``Plan.predicted_s``) of the last ``TRIM_WINDOW`` splits with
-        prefill that ``observe_iteration`` saw (with ``TRIM_AUTO``, once ``TRIM_MIN_SAMPLES`` were
-        seen; else 1): ``plan_iteration``'s ``spatial_scale``, so the trim comparison weighs both
-        sides at their measured times.
-
-        Beyond the paper: the split's streams are predicted (``observe`` corrects each), but its
-        iteration also waits for host work beside them. On the H200 serving Azure code at QPS 16
-        (docs/benchmarks.md, twenty-seventh session) splits took 1.03-1.05x their prediction at
-        the median (the prefill stream 1.00x), temporal batches 1.05-1.07x; with only the
-        temporal side scaled the comparison favoured splits, which prefilled 33.4-34.0k tokens/s
-        against 35.2-37.0k for trimmed batches."""
-        if self.config.trim_margin != TRIM_AUTO or len(self._spatial_ratios) < TRIM_MIN_SAMPLES:
-            return 1.0
-        return float(np.median(self._spatial_ratios))
-
     def observe_iteration(self, plan: Plan, measured_s: float) -> None:
         """Wall seconds ``measured_s`` of an iteration with decodes and prefill that ran
-        ``plan``; with ``TRIM_AUTO``, splits feed ``spatial_scale``, and trimmed batches
-        (``plan.trim_rates`` set) and other temporal plans predicted at ``TRIM_BOUNDS[0]`` of the
-        TBT SLO or more feed ``trim_margin`` and ``temporal_scale``; anything else is ignored. (A trimmed batch is
+        ``plan``; with ``TRIM_AUTO``, trimmed batches (``plan.trim_rates`` set) and other
+        temporal plans predicted at ``TRIM_BOUNDS[0]`` of the TBT SLO or more feed
+        ``trim_margin`` and ``temporal_scale``; anything else is ignored. (A trimmed batch is
         predicted just under ``trim_margin`` times the first-token budget, so at the lowest margin,
         or with a carried wait, under that length: it counts whatever its length, or a margin at
         its floor could never rise.)
@@ -201,12 +183,8 @@ class DuetPolicy:
         tokens 0.97-0.99x and 1.05-1.07x; counted in, they held the margin near 0.55 against
         0.90 without them, so trimmed batches were cut to half the SLO and lost to splits, which
         delayed queued prompts (docs/benchmarks.md, twenty-fourth session)."""
-        if self.config.trim_margin != TRIM_AUTO or not plan.predicted_s or measured_s <= 0:
-            return
-        if plan.spatial:
-            self._spatial_ratios.append(measured_s / plan.predicted_s)
-            return
-        if plan.trim_rates is None and plan.predicted_s < TRIM_BOUNDS[0] * self.config.tau_s:
+        if self.config.trim_margin != TRIM_AUTO or plan.spatial or not plan.predicted_s or measured_s <= 0 \
+                or (plan.trim_rates is None and plan.predicted_s < TRIM_BOUNDS[0] * self.config.tau_s):
             return
         self._temporal_ratios.append(measured_s / plan.predicted_s)
         if len(self._temporal_ratios) >= TRIM_MIN_SAMPLES:
@@ -229,8 +207,7 @@ class DuetPolicy:
         has it."""
         c = self.config
         plan = plan_iteration(self.cost_model, decode_reqs, prefill_reqs, c.tau_s, c.profile.num_sms,
-                              c.granularity, c.min_sms, max_k, self.carry_s, self.trim_margin, self.temporal_scale,
-                              self.spatial_scale)
+                              c.granularity, c.min_sms, max_k, self.carry_s, self.trim_margin, self.temporal_scale)
         self.carry_s = 0.0
         if plan.spatial and prefill_reqs:  # room for a prefill slower than predicted (executor stops at its end)
             k = min(max_k, LOOKAHEAD_SLACK * plan.k)

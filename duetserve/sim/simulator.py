@@ -33,10 +33,10 @@ With ``SimConfig.prediction_error`` sigma > 0 each of those times is the predict
 lognormal factor ``exp(N(0, sigma^2))`` (median 1; a spatial iteration draws one for ``t_d`` and
 one for ``t_p``), seeded: the GPU runs iterations off their prediction (docs/benchmarks.md,
 thirteenth H200 session: temporal ones 0.93-1.0x at the median, about 1.15x at p99, which
-sigma 0.05 approximates), and the policies' feedback sees that error: each iteration with
-decodes and prefill (``observe_iteration``, ``--trim-margin auto``: duet's trim margin and
-temporal and spatial scales), and each split's decode step and prefill times (``observe``:
-duet's decode correction and prefill scale), as the engine reports them.
+sigma 0.05 approximates), and the policies' feedback sees that error: each temporal iteration
+with decodes and prefill (``observe_iteration``, ``--trim-margin auto``), and each split's
+decode step and prefill times (``observe``: duet's decode correction and prefill scale), as the
+engine reports them.
 
 With ``SimConfig.clock_profile`` the iterations take that profile's predictions while the
 policies plan with the planner's: a profile that is wrong about the GPU in a known way (say a
@@ -277,12 +277,12 @@ class _Run:
         decode; None: no request is left to arrive."""
         duration, decode_times, prefill_time, streams = self._timing(out, next_arrival_s)
         plan = out.plan
-        if streams is not None and out.decodes:  # a split: its streams' times, as the engine's events
+        if not plan.spatial and out.decodes and out.num_prefill_tokens:  # as the engine reports it
+            self.scheduler.policy.observe_iteration(plan, duration)
+        elif streams is not None and out.decodes:  # a split: its streams' times, as the engine's events
             t_d, t_p = streams
             tail = max(0.0, t_p - len(decode_times) * t_d) if out.prefills else None
             self.scheduler.policy.observe(plan, t_d, t_p if out.prefills else None, tail)
-        if out.decodes and out.num_prefill_tokens:  # as the engine reports it
-            self.scheduler.policy.observe_iteration(plan, duration)
         self.iterations.append(IterationRecord(self.now, duration, plan.predicted_s, plan.spatial, plan.slo_risk,
                                                plan.s_decode, plan.k, len(out.decodes), out.num_prefill_tokens))
         before = {s.seq.seq_id: s.seq.num_output_tokens for s in out.scheduled}
