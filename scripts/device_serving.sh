@@ -21,8 +21,9 @@
 # serving_azure_code.png, serving_mooncake.png, iterations.jsonl.gz.
 #
 # Knobs (env): SERVING_POLICIES (may be empty to run only variants), SERVING_AZURE
-# ("QPS,QPS:SECONDS"), SERVING_MOONCAKE ("QPS,QPS:SECONDS:MAX_INPUT:MAX_OUTPUT"), SERVING_TRACES
-# ("azure_code mooncake"), SERVING_BUDGET_S (internal deadline, default 510; each GPU lane has
+# ("QPS,QPS:SECONDS"), SERVING_AZURE_CONV (the same for the Azure conversation trace), SERVING_MOONCAKE
+# ("QPS,QPS:SECONDS:MAX_INPUT:MAX_OUTPUT"), SERVING_TRACES ("azure_code mooncake" by default; also
+# azure_conv), SERVING_BUDGET_S (internal deadline, default 510; each GPU lane has
 # all of it), SERVING_SERVE_ARGS (extra serve flags, every configuration),
 # SERVING_VARIANTS (more configurations, ';'-separated LABEL=SERVE_ARGS each, SERVE_ARGS with
 # its own --policy, e.g. "duet-trim=--policy duet --trim-margin 0.85;chunked-2048=--policy
@@ -59,7 +60,7 @@ fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 python3 -c 'import fastapi, uvicorn, pydantic, prometheus_client, httpx; print("fastapi", fastapi.__version__, "uvicorn", uvicorn.__version__, "pydantic", pydantic.__version__)' \
   || { echo "the server stack does not import: run scripts/fetch_device_wheels.sh and carry .whl"; exit 1; }
-ls .traces/AzureLLMInferenceTrace_code.csv .traces/mooncake_conversation_trace.jsonl > /dev/null \
+ls .traces/AzureLLMInferenceTrace_code.csv .traces/AzureLLMInferenceTrace_conv.csv .traces/mooncake_conversation_trace.jsonl > /dev/null \
   || { echo "no traces: run scripts/copy_traces.sh and carry .traces"; exit 1; }
 command -v nvidia-smi > /dev/null && nvidia-smi --query-gpu=name,driver_version,memory.total,memory.used --format=csv,noheader
 
@@ -69,9 +70,11 @@ if [ "${SERVING_CPU:-0}" = 1 ]; then
             --warmup-requests 2 --warmup-input-len 64:256 --warmup-output-len 4 --request-timeout-s 30
             --launch-timeout-s 120)
   azure=${SERVING_AZURE:-2:3:512}; mooncake=${SERVING_MOONCAKE:-1:3:512:64}; budget=${SERVING_BUDGET_S:-150}
+  azure_conv=${SERVING_AZURE_CONV:-2:3:512}
 else
   defaults=(--model-config qwen3-8b --policies "${SERVING_POLICIES-duet,chunked,prefill-first,pdmux}")
   azure=${SERVING_AZURE:-10,16:10}; mooncake=${SERVING_MOONCAKE:-1.5,3:12:32768:1024}; budget=${SERVING_BUDGET_S:-510}
+  azure_conv=${SERVING_AZURE_CONV:-16,20:10}
 fi
 if [ "${SERVING_CPU:-0}" = 1 ]; then gpus=1; else gpus=$(nvidia-smi -L 2> /dev/null | grep -c '^GPU'); fi
 gpus=${SERVING_GPUS:-$gpus}; [ "$gpus" -ge 1 ] 2> /dev/null || gpus=1
@@ -82,7 +85,8 @@ for v in ${specs[@]+"${specs[@]}"}; do
 done
 traces=()
 for t in ${SERVING_TRACES:-azure_code mooncake}; do
-  case $t in azure_code) traces+=(--trace "azure_code:$azure") ;; mooncake) traces+=(--trace "mooncake:$mooncake") ;; esac
+  case $t in azure_code) traces+=(--trace "azure_code:$azure") ;; mooncake) traces+=(--trace "mooncake:$mooncake") ;;
+    azure_conv) traces+=(--trace "azure_conv:$azure_conv") ;; *) echo "unknown trace $t in SERVING_TRACES"; exit 2 ;; esac
 done
 work=$(mktemp -d /tmp/duetserve-serving.XXXX)
 # outer bound: the internal deadline plus the last run's drain and the plots

@@ -49,6 +49,7 @@ sys.path.insert(0, str(ROOT))
 
 TRACE_FILES = {
     "azure_code": ("AzureLLMInferenceTrace_code.csv", "azure"),
+    "azure_conv": ("AzureLLMInferenceTrace_conv.csv", "azure"),
     "mooncake": ("mooncake_conversation_trace.jsonl", "mooncake"),
 }
 

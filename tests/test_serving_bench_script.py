@@ -30,6 +30,8 @@ def test_trace_run_parse():
     tr = sb.TraceRun.parse("azure_code:10,16:10")
     assert tr.max_input_len is None and tr.max_output_len is None and tr.num_requests(16) == 160
     assert sb.TraceRun.parse("azure_code:1:10::64").max_input_len is None  # an empty cap: none
+    assert sb.TraceRun.parse("azure_conv:20:40").num_requests(20) == 800
+    assert sb.TRACE_FILES["azure_conv"] == ("AzureLLMInferenceTrace_conv.csv", "azure")
     for bad in ("sharegpt:1:10", "azure_code:1", "azure_code:0:10", "azure_code:x:10", "azure_code:1:10:1:2:3"):
         with pytest.raises(argparse.ArgumentTypeError):
             sb.TraceRun.parse(bad)
@@ -55,7 +57,7 @@ def test_variant_parse():
 
 
 def _trace_args(tmp_path: Path) -> list[str]:
-    """``--trace azure_code:2:3`` and a ``--traces-dir`` holding (empty) files of both traces."""
+    """``--trace azure_code:2:3`` and a ``--traces-dir`` holding (empty) files of every trace."""
     folder = tmp_path / "traces"
     folder.mkdir(exist_ok=True)
     for name, _ in sb.TRACE_FILES.values():
