@@ -86,7 +86,7 @@ def _add_serve(sub) -> None:
                    help="TBT SLO, e.g. 100ms or 0.1s (a bare number is milliseconds, as in simulate and bench)")
     p.add_argument("--policy", choices=POLICIES, default="duet",
                    help="scheduling policy (pdmux needs an SM partition backend: a CUDA GPU)")
-    p.add_argument("--max-num-seqs", type=int, default=64, help="most sequences per iteration")
+    p.add_argument("--max-num-seqs", type=int, default=EngineConfig.max_num_seqs, help="most sequences per iteration")
     p.add_argument("--max-num-batched-tokens", type=int, default=None,
                    help="token budget per iteration (default: 512 on CPU, 8192 on CUDA)")
     p.add_argument("--block-size", type=block_size, default=16,

@@ -373,3 +373,26 @@ def test_a_truncated_azure_trace_names_the_line_and_what_is_wrong(tmp_path, caps
     assert main(["simulate", "--trace", str(trace), "--qps", "2", "--no-progress"]) == 2
     assert capsys.readouterr().err == (f"duetserve simulate: error: --trace {trace}:3: expected 3 columns "
                                        "(TIMESTAMP, ContextTokens, GeneratedTokens), got 2\n")
+
+
+def test_max_num_seqs_defaults_to_serves(tmp_path, capsys):
+    """``--max-num-seqs`` defaults to serve's 64 (the simulator predicts the server as launched):
+    100 requests at once wait for room beyond 64 running sequences, which 256 does not make them
+    do; 64 given is the default run."""
+    import argparse
+
+    from duetserve.cli import _add_serve
+    from duetserve.config import EngineConfig
+
+    parser = argparse.ArgumentParser()
+    _add_serve(parser.add_subparsers())
+    assert parser.parse_args(["serve"]).max_num_seqs == EngineConfig().max_num_seqs == 64
+
+    def row(*extra):
+        out = tmp_path / f"rows{len(list(tmp_path.iterdir()))}.json"
+        assert main(["simulate", "--format", "synthetic", "--num-requests", "100", "--qps", "1000", "--input-len", "64",
+                     "--output-len", "64", "--policy", "chunked", "--no-progress", "--json", str(out), *extra]) == 0
+        return json.loads(out.read_text())[0]
+    default, sixty_four, wide = row(), row("--max-num-seqs", "64"), row("--max-num-seqs", "256")
+    assert default == {**sixty_four, "sim_wall_s": default["sim_wall_s"]}
+    assert wide["mean_ttft_ms"] * 2 < default["mean_ttft_ms"]

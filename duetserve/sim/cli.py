@@ -21,7 +21,7 @@ from pathlib import Path
 
 from duetserve import argtypes
 from duetserve.argtypes import UsageError, trace_format
-from duetserve.config import BLOCK_SIZES, POLICIES
+from duetserve.config import BLOCK_SIZES, POLICIES, EngineConfig
 from duetserve.engine.policy import policy_by_name
 from duetserve.jsonio import dumps
 from duetserve.partition.base import BACKENDS as PARTITION_BACKENDS
@@ -132,8 +132,8 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
                         "(as `serve --enforce-eager`)")
     s.add_argument("--max-num-batched-tokens", type=argtypes.positive_int, default=8192,
                    help="token budget per iteration (default 8192; 2048 suits A100)")
-    s.add_argument("--max-num-seqs", type=argtypes.positive_int, default=256,
-                   help="most running sequences (default 256; serve's default is 64)")
+    s.add_argument("--max-num-seqs", type=argtypes.positive_int, default=EngineConfig.max_num_seqs,
+                   help=f"most running sequences (default {EngineConfig.max_num_seqs}, as serve's)")
     s.add_argument("--block-size", type=argtypes.block_size, default=16,
                    help=f"tokens per KV-cache block: {', '.join(map(str, BLOCK_SIZES))} (default 16)")
     s.add_argument("--max-model-len", type=argtypes.positive_int, metavar="TOKENS",
