@@ -374,21 +374,27 @@ class CostModel:
         if sms.dtype.kind not in "iu" or sms.min() < 1 or sms.max() > self.profile.num_sms:
             raise ValueError(f"SM counts must be integers in 1..{self.profile.num_sms}, got {sms}")
         pi, bw = self._pi[sms], self._bw[sms]
-        n = sum(q.sum(axis=0) for q, _ in groups)
+        if len(groups) == 1:
+            q, c = groups[0]
+        else:  # one (R, X) array: a group in every variant repeats its column
+            width = max(g[0].shape[1] for g in groups)
+            q = np.concatenate([np.broadcast_to(g[0], (len(g[0]), width)) for g in groups])
+            c = np.concatenate([g[1] for g in groups])
+        n = q.sum(axis=0)
+        requests = np.count_nonzero(q, axis=0)
         if lm_head_tokens is not None:
             lm_tokens = np.asarray(lm_head_tokens)
         else:
-            lm_tokens = n if self.lm_head == "all" else sum(np.count_nonzero(q, axis=0) for q, _ in groups)
+            lm_tokens = n if self.lm_head == "all" else requests
         tokens = np.where(self._tok_is_lm_head, lm_tokens, n)
         token_ops = np.maximum(tokens * self._tok_f / pi, (tokens * self._tok_bt + self._tok_bf) / bw) * (tokens > 0)
-        linear, norm_act, lm_head = self._tok_groups @ token_ops
-        attention = self.shape.layers * sum(self._attention_time(q, c, pi, bw) for q, c in groups)
-        communication = self.shape.layers * self._allreduce_time(n, pi)
-        roofline = np.vstack([linear, attention, norm_act, communication, lm_head])
-        decode_only = sum(np.count_nonzero(q > 1, axis=0) for q, _ in groups) == 0
-        requests = sum(np.count_nonzero(q, axis=0) for q, _ in groups)
-        overhead = self._overhead(roofline.sum(axis=0), decode_only, requests, n, graphs, host)
-        return np.vstack([roofline, overhead])
+        parts = np.empty((6, token_ops.shape[1]))
+        parts[[0, 2, 4]] = self._tok_groups @ token_ops  # linear, norm_act, lm_head
+        parts[1] = self.shape.layers * self._attention_time(q, c, pi, bw)
+        parts[3] = self.shape.layers * self._allreduce_time(n, pi)
+        decode_only = ~(q > 1).any(axis=0)
+        parts[5] = self._overhead(parts[:5].sum(axis=0), decode_only, requests, n, graphs, host)
+        return parts
 
     def _overhead(self, roofline: np.ndarray, decode_only: np.ndarray, requests: np.ndarray, tokens: np.ndarray,
                   graphs: bool | None, host: bool) -> np.ndarray:
