@@ -210,6 +210,9 @@ def test_serve_refuses_a_busy_port_before_loading(capsys):
      "argument --base-url: expected an http:// or https:// URL with a host, e.g. http://127.0.0.1:8000, got 'http://'"),
     (["--base-url", "http://x:99999"], ("argument --base-url: expected an http:// or https:// URL with a host, "
                                         "e.g. http://127.0.0.1:8000, got 'http://x:99999'")),
+    (["--base-url", "http://127.0.0.1:8000/v1/"],  # asked /v1/v1/models and failed with a 404
+     ("argument --base-url: give the server root without /v1 (--endpoint adds it), e.g. http://127.0.0.1:8000, "
+      "got 'http://127.0.0.1:8000/v1/'")),
     (["--result-file", "/proc/r.json"], "argument --result-file: /proc/r.json: No such file or directory"),
     (["--launch-log", "/proc/l.txt"], "argument --launch-log: /proc/l.txt: No such file or directory"),
     (["--plot", "/nonexistent/p.png"], "argument --plot: no such folder: /nonexistent"),

@@ -359,6 +359,15 @@ def test_assistant_message_may_have_null_content(server):
     assert r.json()["usage"]["completion_tokens"] == 2
 
 
+def test_health_answers_get_and_head(server):
+    """Load balancers probe ``/health`` with GET or HEAD (no API key needed); other methods get 405."""
+    assert httpx.get(f"{server}/health", timeout=10).status_code == 200
+    head = httpx.head(f"{server}/health", timeout=10)
+    assert head.status_code == 200 and head.content == b""
+    r = httpx.post(f"{server}/health", timeout=10)
+    assert r.status_code == 405 and r.json()["error"]["type"] == "MethodNotAllowedError"
+
+
 def test_unknown_model_gets_404_like_openai(server):
     for path, body in (("/v1/completions", {"prompt": "hi", "model": "gpt-17"}),
                        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "model": "gpt-17"})):
@@ -692,6 +701,14 @@ def test_unknown_fields_are_ignored_with_a_warning(caplog):
     assert params.max_tokens == 16
     assert [r.getMessage() for r in caplog.records] == [
         "The following fields were present in the request but ignored: ['bar', 'foo']"]
+    caplog.clear()  # OpenAI's bookkeeping fields, as the SDK and agent frameworks send them: no warning
+    quiet = {"user": "u1", "store": False, "metadata": {"k": "v"}, "service_tier": "auto",
+             "parallel_tool_calls": True, "request_id": "r1", "modalities": ["text"]}
+    with caplog.at_level("WARNING", logger="duetserve.server.protocol"):
+        CompletionRequest(prompt="hi", **quiet).sampling_params(16)
+        CompletionRequest(prompt="hi", reasoning_effort="low", **quiet).sampling_params(16)
+    assert [r.getMessage() for r in caplog.records] == [
+        "The following fields were present in the request but ignored: ['reasoning_effort']"]
 
 
 # A value asking for something, for every field in protocol._UNSUPPORTED (a pair: /v1/completions, chat)
@@ -709,6 +726,7 @@ UNSUPPORTED_ON = {
     "skip_special_tokens": False, "spaces_between_special_tokens": False, "add_special_tokens": (False, True),
     "return_tokens_as_token_ids": True, "return_token_ids": True, "priority": 1,
     "logits_processors": ["my.Processor"], "prompt_embeds": "AAAA",
+    "modalities": ["text", "audio"], "audio": {"voice": "alloy", "format": "wav"},
 }
 ENDPOINTS = {"/v1/completions": {"prompt": "1, 2, 3,", "max_tokens": 3, "temperature": 0},
              "/v1/chat/completions": {"messages": [{"role": "user", "content": "1, 2, 3,"}], "max_tokens": 3,

@@ -416,7 +416,8 @@ def _bench(args: argparse.Namespace) -> int:
 
 def _server_url(text: str) -> str:
     """``--base-url``: an http:// or https:// URL with a host, e.g. ``http://127.0.0.1:8000``
-    ("notaurl" and "ftp://x" failed after the run's header, in httpx)."""
+    ("notaurl" and "ftp://x" failed after the run's header, in httpx), and not ending in ``/v1``
+    (the OpenAI SDK's base URL: requests went to ``/v1/v1/...`` and failed with a 404)."""
     url = urlsplit(text)
     try:
         url.port  # noqa: B018 -- raises ValueError for a port that is no number in [0, 65535]
@@ -425,6 +426,9 @@ def _server_url(text: str) -> str:
         valid = False
     if not valid:
         raise ValueError(f"expected an http:// or https:// URL with a host, e.g. http://127.0.0.1:8000, got {text!r}")
+    if url.path.rstrip("/").endswith("/v1"):  # the OpenAI SDK's base_url; --endpoint carries the /v1
+        root = text.rstrip("/")[:-len("/v1")]
+        raise ValueError(f"give the server root without /v1 (--endpoint adds it), e.g. {root}, got {text!r}")
     return text
 
 

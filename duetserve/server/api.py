@@ -160,7 +160,7 @@ def create_app(engine: AsyncEngine, metrics: ServerMetrics, model_name: str, api
         if tokenizer is None:
             raise ParamError("this model has no tokenizer: send the prompt as token ids", param)
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])  # load balancers probe with either
     async def health():
         if not engine.is_alive:
             return error_response(500, "engine loop is not running")

@@ -96,14 +96,20 @@ _UNSUPPORTED: dict[str, tuple] = {
     "spaces_between_special_tokens": (None, True), "add_special_tokens": (None, True),
     "return_tokens_as_token_ids": (None, False), "return_token_ids": (None, False), "priority": (None, 0),
     "logits_processors": (None, []), "prompt_embeds": (None,),
+    # OpenAI's audio output
+    "modalities": (None, ["text"]), "audio": (None,),
 }
+# OpenAI request fields that change nothing a server generates (bookkeeping for OpenAI's own
+# platform, or ``parallel_tool_calls`` without tools, which are refused above): accepted
+# without the warning other unknown fields get, as the official SDK and agent frameworks send them.
+_QUIET = frozenset({"user", "store", "metadata", "service_tier", "parallel_tool_calls", "request_id"})
 _CHAT_UNSUPPORTED = {**_UNSUPPORTED, "add_special_tokens": (None, False)}
 
 
 class _SamplingFields(BaseModel):
     """Fields shared by completions and chat completions (OpenAI + vLLM extensions). Other
-    fields are ignored (e.g. ``user``), except those in ``_UNSUPPORTED`` when they ask for
-    something (``sampling_params`` refuses them)."""
+    fields are ignored, with a warning unless in ``_QUIET`` (e.g. ``user``), except those in
+    ``_UNSUPPORTED`` when they ask for something (``sampling_params`` refuses them)."""
 
     model_config = ConfigDict(extra="allow")
     _unsupported: ClassVar[dict[str, tuple]] = _UNSUPPORTED
@@ -141,7 +147,7 @@ class _SamplingFields(BaseModel):
                     value == off and isinstance(value, bool) == isinstance(off, bool)
                     for off in self._unsupported[name]):
                 raise ParamError(f"{name} is not supported by this server", name)
-        ignored = sorted(set(self.model_extra or {}) - set(self._unsupported))
+        ignored = sorted(set(self.model_extra or {}) - set(self._unsupported) - _QUIET)
         if ignored:  # as vLLM warns
             log.warning("The following fields were present in the request but ignored: %s", ignored)
         if self.stream_options is not None and not self.stream:
