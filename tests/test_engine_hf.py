@@ -321,6 +321,31 @@ def test_the_policy_sees_the_wall_time_of_temporal_iterations_with_decodes_and_p
     assert len(seen) == 1
 
 
+def test_gap_s_is_the_host_time_since_the_last_iteration_while_work_was_left(tiny_qwen3_folder):
+    """``StepStats.gap_s``: None for an iteration after the engine ran out of work (or its first),
+    else the wall seconds since the iteration before ended, which ``duration_s`` leaves out."""
+    import time
+
+    engine = LLMEngine(EngineConfig(model=str(tiny_qwen3_folder), max_num_batched_tokens=64, num_kv_blocks=64,
+                                    block_size=8, num_decode_steps=1))
+    params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    engine.add_request("a", list(range(3, 15)), params)
+    engine.step()
+    assert engine.last_stats.gap_s is None  # the first iteration
+    time.sleep(0.05)  # host time between two iterations, work left
+    engine.step()
+    assert 0.05 <= engine.last_stats.gap_s < 0.5
+    while engine.has_unfinished():
+        engine.step()
+    engine.add_request("b", list(range(3, 9)), params)
+    engine.step()
+    assert engine.last_stats.gap_s is None  # the engine had run out of work
+    engine.abort("b")  # work left after the step, then aborted: the engine idles again
+    engine.add_request("c", list(range(3, 9)), params)
+    engine.step()
+    assert engine.last_stats.gap_s is None
+
+
 def test_multi_step_decode_gives_single_step_tokens_and_stops_for_new_work(tiny_qwen3_folder):
     """``num_decode_steps=4``: decode-only iterations run 4 steps (one output per step; a request
     ends inside one), the tokens equal single steps'; an interrupt (new work waiting) stops an

@@ -551,6 +551,7 @@ def test_iteration_log_records_every_iteration(server_proc):
     assert {"t", "spatial", "s_decode", "s_prefill", "k", "predicted_s", "measured_s"} <= set(rows[-1])
     assert all(r["measured_s"] > 0 and r["spatial"] is False for r in rows)  # no partition backend on the CPU
     assert all(0 < r["schedule_s"] < r["measured_s"] for r in rows)  # scheduling is part of the iteration
+    assert all(r["gap_s"] is None or r["gap_s"] >= 0 for r in rows) and rows[0]["gap_s"] is None  # idle before
     assert all(r["trim_rates"] is None for r in rows)  # chunked weighs no split
     # each scheduled sequence's (q, c): one new token per decode, the chunk's tokens per prefill
     assert all(len(r["requests"]) == r["num_decodes"] + r["num_prefills"] and

@@ -74,7 +74,11 @@ class StepStats:
     look-ahead decode steps, ``handout_s`` holds the wall seconds from the iteration's start at
     which each step's tokens were handed out, and ``launch_s`` those at which the prefill had
     been launched (None without a prefill launched beside decode steps: temporal plans, decode-only
-    multi-step plans)."""
+    multi-step plans). ``gap_s``: wall seconds from the end of the iteration before (work was left
+    then) to this one's start, host time between iterations that ``duration_s`` leaves out
+    (handing out outputs, metrics, new requests; the server's event loop holding the GIL); None
+    for the first iteration after the engine ran out of work. On the H200 serving Azure traces
+    it was 2-3 ms at the median (docs/benchmarks.md, twenty-seventh session)."""
 
     plan: Plan
     num_decodes: int
@@ -88,6 +92,7 @@ class StepStats:
     schedule_s: float = 0.0
     handout_s: list[float] = field(default_factory=list)
     launch_s: float | None = None
+    gap_s: float | None = None
 
 
 @dataclass
@@ -178,6 +183,7 @@ class LLMEngine:
         self._requests: dict[str, _Request] = {}
         self._ids = itertools.count()
         self.last_stats: StepStats | None = None
+        self._busy_since: float | None = None  # end of the last iteration, while work was left (StepStats.gap_s)
 
     def _partition_backend(self) -> PartitionBackend:
         """The SM partition backend: ``auto`` falls back quietly, an explicit one must work.
@@ -334,6 +340,8 @@ class LLMEngine:
             return None
         self.scheduler.finish(req.seq, "abort")
         self.sampler.release(req.seq.seq_id)
+        if not self.has_unfinished():  # the engine idles from here: no gap to the next iteration
+            self._busy_since = None
         return RequestOutput(request_id, [], req.detok.finish(), True, "abort", req.seq.num_prompt_tokens,
                              req.seq.num_output_tokens)
 
@@ -358,6 +366,7 @@ class LLMEngine:
         outputs come in order. The last list (possibly empty) comes with ``last_stats`` set; it
         stays None before it, and for an iteration with nothing to run (nothing is yielded)."""
         start = time.perf_counter()
+        gap_s = None if self._busy_since is None else start - self._busy_since
         self.last_stats = None
         out = self.scheduler.schedule()
         schedule_s = time.perf_counter() - start
@@ -392,7 +401,8 @@ class LLMEngine:
                                             steps or int(bool(out.decodes)),
                                             dict(stream_s), len(out.prefills), out.scheduled, schedule_s,
                                             handout_s, None if self.runner.last_launch_at is None
-                                            else self.runner.last_launch_at - start)
+                                            else self.runner.last_launch_at - start, gap_s)
+                self._busy_since = time.perf_counter() if self.has_unfinished() else None
             if outputs or part.final:
                 yield outputs
 

@@ -132,7 +132,8 @@ class ServerMetrics:
                     "launch_s": stats.launch_s,
                     "num_decodes": stats.num_decodes, "num_prefills": stats.num_prefills,
                     "num_prefill_tokens": stats.num_prefill_tokens, "prefill_layers": plan.prefill_layers,
-                    "schedule_s": stats.schedule_s, "trim_rates": plan.trim_rates, "decode_margin": plan.decode_margin,
+                    "schedule_s": stats.schedule_s, "gap_s": stats.gap_s, "trim_rates": plan.trim_rates,
+                    "decode_margin": plan.decode_margin,
                     "requests": [[s.num_new_tokens, s.num_cached_tokens] for s in stats.scheduled],
                     **self._planning}) + "\n")
         for out in outputs:
