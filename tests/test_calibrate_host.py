@@ -11,6 +11,7 @@ import pytest
 
 from duetserve.calibrate.host import (
     fit_host_overheads,
+    gap_summary,
     read_iteration_log,
     temporal_rows,
 )
@@ -126,6 +127,19 @@ def test_logs_that_cannot_be_fitted_raise():
         fit_host_overheads([], H200)
 
 
+def test_gap_summary_of_the_host_time_between_iterations():
+    """Median, p90 and share of ``gap_s`` over the iterations that carry one (hand-computed):
+    gaps 1, 2, 3, 4, 10 ms beside 50 ms iterations: median 3 ms, p90 7.6 ms (numpy's linear
+    quantile: 4 + 0.6 x 6), 20 ms over 250 ms = 8%. Records without one are left out; a log
+    with none gives None."""
+    records = [{"gap_s": g / 1e3, "measured_s": 0.05} for g in (1, 2, 3, 4, 10)]
+    records += [{"gap_s": None, "measured_s": 0.05}, {"measured_s": 0.05}]
+    gaps = gap_summary(records)
+    assert gaps.count == 5 and gaps.median_s == pytest.approx(0.003) and gaps.p90_s == pytest.approx(0.0076)
+    assert gaps.share == pytest.approx(0.08)
+    assert gap_summary([{"measured_s": 0.05}]) is None
+
+
 def test_calibrate_iteration_log_writes_the_profile(tmp_path, capsys):
     log = tmp_path / "it.jsonl"
     log.write_text("\n".join(json.dumps(r) for r in log_records(3e-4, 0.012, H200.host_per_request_s,
@@ -137,12 +151,19 @@ def test_calibrate_iteration_log_writes_the_profile(tmp_path, capsys):
     assert capsys.readouterr().err == ("duetserve calibrate: error: --plot, --quick measure on a GPU: not with "
                                        "--iteration-log\n") and not out.exists()
     assert main(["calibrate", "--gpu-name", "lab", "--out", str(out), "--iteration-log", str(log)]) == 0
+    printed = capsys.readouterr().out
     assert ("host_per_request_s 0.300 ms, host_eager_s 12.00 ms, host_piecewise_s not fitted (no such "
-            "iterations)") in capsys.readouterr().out
+            "iterations)") in printed and "between iterations" not in printed  # no gap_s logged
     p = load_profile(out)
     assert p.name == "lab" and p.host_per_request_s == pytest.approx(3e-4) and p.host_eager_s == pytest.approx(0.012)
     assert p.compute_points == H200.compute_points and p.provenance["host_eager_s"] == "measured"
     assert p.host_piecewise_s == H200.host_piecewise_s  # no piecewise iterations logged: --base's term kept
+    gapped = [dict(r, gap_s=0.002) for r in log_records(3e-4, 0.012, H200.host_per_request_s, H200.host_eager_s)]
+    log.write_text("\n".join(json.dumps(r) for r in gapped) + "\n")
+    assert main(["calibrate", "--gpu-name", "lab", "--out", str(out), "--iteration-log", str(log)]) == 0
+    share = 100 * 0.002 * len(gapped) / sum(r["measured_s"] for r in gapped)
+    assert (f"host time between iterations (gap_s, not fitted) on {len(gapped)} iterations: median 2.00 ms, "
+            f"p90 2.00 ms, {share:.1f}% of their own time") in capsys.readouterr().out
     log.write_text("\n".join(json.dumps(r) for r in log_records(3e-4, 0.012, H200.host_per_request_s,
                                                                  H200.host_eager_s, h_pw=0.0025,
                                                                  h_pw0=H200.piecewise_host_s)) + "\n")

@@ -39,7 +39,7 @@ from duetserve.argtypes import (
     plot_file,
     write_output,
 )
-from duetserve.calibrate.host import fit_host_overheads, read_iteration_log
+from duetserve.calibrate.host import fit_host_overheads, gap_summary, read_iteration_log
 from duetserve.calibrate.report import (
     format_curves,
     format_errors,
@@ -149,7 +149,8 @@ def fit_host(args: argparse.Namespace) -> int:
     """``--iteration-log``: fit the host terms, write the profile; 0, or 1 on an error."""
     logs = " ".join(map(str, args.iteration_log))
     try:
-        fit = fit_host_overheads([r for path in args.iteration_log for r in read_iteration_log(path)], args.base)
+        records = [r for path in args.iteration_log for r in read_iteration_log(path)]
+        fit = fit_host_overheads(records, args.base)
     except (ValueError, OSError) as exc:
         print(f"duetserve calibrate: error: --iteration-log {logs}: {exc}", file=sys.stderr)
         return 1
@@ -167,6 +168,9 @@ def fit_host(args: argparse.Namespace) -> int:
           f"{_ms(fit.host_piecewise_s, 'host_piecewise_s')}\n"
           f"median |pred - meas| / meas: {100 * fit.median_error_before:.1f}% as logged, "
           f"{100 * fit.median_error_after:.1f}% with the fitted terms\nprofile: {args.out}")
+    if (gaps := gap_summary(records)) is not None:  # not priced: the iterations' own time only
+        print(f"host time between iterations (gap_s, not fitted) on {gaps.count} iterations: median "
+              f"{gaps.median_s * 1e3:.2f} ms, p90 {gaps.p90_s * 1e3:.2f} ms, {100 * gaps.share:.1f}% of their own time")
     return 0
 
 

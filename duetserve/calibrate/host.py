@@ -78,8 +78,33 @@ def read_iteration_log(path: str | Path) -> list[dict[str, Any]]:
 
 
 _NUMERIC = ("k", "predicted_s", "measured_s", "num_decodes", "num_prefills", "num_prefill_tokens",
-            "host_per_request_s", "host_eager_s", "host_piecewise_s", "piecewise_tokens")
+            "host_per_request_s", "host_eager_s", "host_piecewise_s", "piecewise_tokens", "gap_s")
 _TERMS = ("host_per_request_s", "host_eager_s", "host_piecewise_s")
+
+
+@dataclass(frozen=True)
+class GapSummary:
+    """Host time between iterations in an iteration log (``StepStats.gap_s``): ``count``
+    iterations that had one, its median and p90 in seconds, and their sum over the
+    iterations' own ``measured_s`` summed over the same iterations (a share)."""
+
+    count: int
+    median_s: float
+    p90_s: float
+    share: float
+
+
+def gap_summary(records: Iterable[Mapping[str, Any]]) -> GapSummary | None:
+    """``GapSummary`` of the records that carry a ``gap_s`` (logs written before it have none:
+    None then). Beyond the paper: the cost model prices iterations, not the host time between
+    them, which was 2-3 ms at the median on the H200 serving Azure traces (docs/benchmarks.md,
+    twenty-seventh session)."""
+    rows = [(r["gap_s"], r["measured_s"]) for r in records if r.get("gap_s") is not None and r.get("measured_s")]
+    if not rows:
+        return None
+    gaps, measured = np.array(rows).T
+    return GapSummary(len(rows), float(np.median(gaps)), float(np.quantile(gaps, 0.9)),
+                      float(gaps.sum() / measured.sum()))
 
 
 def temporal_rows(records: Iterable[Mapping[str, Any]], profile: HardwareProfile) -> np.ndarray:
