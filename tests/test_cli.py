@@ -634,3 +634,23 @@ def test_serve_refuses_a_max_model_len_over_the_models_limit_before_building_it(
     assert exc.value.code == 2
     assert capsys.readouterr().err.endswith(
         "duetserve serve: error: --max-model-len 100000000 exceeds the model's limit of 8192 positions\n")
+
+
+def test_launch_takes_the_duetserve_beside_the_interpreter_when_the_path_has_none(monkeypatch, tmp_path):
+    """``.venv/bin/duetserve bench --launch "duetserve serve ..."`` without an activated
+    environment said "command not found: duetserve": the one beside this interpreter runs."""
+    import shutil
+    import sys
+
+    from duetserve.bench.cli import _command
+
+    beside = Path(sys.executable).parent / "duetserve"
+    assert shutil.which(str(beside)), "scripts/setup.sh installs the duetserve entry point beside python"
+    monkeypatch.setenv("PATH", str(tmp_path))  # nothing on the PATH
+    assert _command("duetserve serve --port 8001 --tbt-slo '100 ms'") == f"{beside} serve --port 8001 --tbt-slo '100 ms'"
+    with pytest.raises(ValueError, match="command not found: vllm"):
+        _command("vllm serve x")
+    fake = tmp_path / "duetserve"  # one on the PATH is taken as given
+    fake.write_text("#!/bin/sh\n")
+    fake.chmod(0o755)
+    assert _command("duetserve serve") == "duetserve serve"

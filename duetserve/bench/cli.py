@@ -188,12 +188,17 @@ def _existing_folder(text: str) -> str:
 
 
 def _command(text: str) -> str:
-    """A ``--launch`` command line whose program exists (split as ``ServerProcess`` splits it)."""
+    """A ``--launch`` command line whose program exists (split as ``ServerProcess`` splits it).
+    ``duetserve`` not on the PATH (bench run as ``.venv/bin/duetserve`` without activating the
+    environment) becomes the ``duetserve`` beside this interpreter, when there is one."""
     words = shlex.split(text)
     if not words:
         raise ValueError("empty command")
     if shutil.which(words[0]) is None:
-        raise ValueError(f"command not found: {words[0]}")
+        beside = Path(sys.executable).parent / "duetserve"
+        if words[0] != "duetserve" or shutil.which(str(beside)) is None:
+            raise ValueError(f"command not found: {words[0]}")
+        return shlex.join([str(beside), *words[1:]])
     return text
 
 
