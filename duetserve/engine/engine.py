@@ -78,7 +78,8 @@ class StepStats:
     then) to this one's start, host time between iterations that ``duration_s`` leaves out
     (handing out outputs, metrics, new requests; the server's event loop holding the GIL); None
     for the first iteration after the engine ran out of work. On the H200 serving Azure traces
-    it was 2-3 ms at the median (docs/benchmarks.md, twenty-seventh session)."""
+    it was 2-3 ms at the median, as reconstructed from the iteration logs' timestamps before this
+    field existed (docs/benchmarks.md, twenty-seventh session)."""
 
     plan: Plan
     num_decodes: int
