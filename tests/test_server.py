@@ -4,6 +4,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import json
+import math
 import re
 import signal
 import socket
@@ -635,6 +636,64 @@ def test_iteration_log_predicts_plans_without_a_prediction(tmp_path):
     metrics.on_step(StepStats(Plan(k=4, predicted_s=1.0), 2, 0, 0.03, 0, decode_steps=3, scheduled=decodes), [], 3.0)
     assert json.loads(log.read_text().splitlines()[-1])["predicted_s"] == pytest.approx(multi["predicted_s"])
     assert multi["cuda_graphs"] is True and multi["piecewise_tokens"] == 1024
+
+
+def test_predicted_gauge_is_made_at_scrape_time_without_an_iteration_log():
+    """Without an iteration log, a multi-step decode's prediction (the plan carries none) is made
+    when /metrics is read, not on the engine thread: NaN before any iteration, then the cost
+    model's for the steps that ran; a plan's own prediction as it is; a plan without one (chunked)
+    the cost model's for the batch on all SMs. ITL, TTFT and token counts from bound children,
+    one finish count per reason."""
+    from types import SimpleNamespace
+
+    from duetserve.engine.engine import RequestOutput, StepStats
+    from duetserve.engine.scheduler import ScheduledSeq
+    from duetserve.planner.cost_model import CostModel, ModelShape
+    from duetserve.planner.hardware import load_profile
+    from duetserve.planner.optimizer import Plan
+    from duetserve.server.metrics import ServerMetrics
+
+    cost_model = CostModel(ModelShape.preset("qwen3-8b"), load_profile("h200"), cuda_graphs=True)
+    metrics = ServerMetrics("m")
+    metrics.watch_engine(SimpleNamespace(scheduler=SimpleNamespace(running=[], waiting=[]),
+                                         block_manager=SimpleNamespace(usage=0.0), cost_model=cost_model))
+
+    def sample(name, **labels):
+        return metrics.registry.get_sample_value(name, {"model_name": "m", **labels})
+
+    predicted = "duetserve:predicted_vs_measured_seconds"
+    assert math.isnan(sample(predicted, kind="predicted"))
+    calls = []
+    real = cost_model.predict_steps
+    cost_model.predict_steps = lambda *a: calls.append(a) or real(*a)
+    decodes = [ScheduledSeq(None, 1, 700), ScheduledSeq(None, 1, 3000)]
+    metrics.on_arrival("a", 10.0)
+    metrics.on_arrival("b", 10.0)
+    metrics.on_step(None, [RequestOutput("a", [5], "x", False, None, 7, 1),
+                           RequestOutput("b", [6], "y", False, None, 9, 1)], 10.25)
+    metrics.on_step(StepStats(Plan(k=4), 2, 0, 0.03, 0, decode_steps=3, scheduled=decodes),
+                    [RequestOutput("a", [8, 9], "zz", True, "length", 7, 3),
+                     RequestOutput("b", [], "", True, "weird", 9, 1)], 10.5)
+    assert calls == []  # nothing predicted on the engine thread
+    assert sample(predicted, kind="predicted") == pytest.approx(real([(1, 700), (1, 3000)], 132, 3))
+    assert len(calls) == 1
+    sample(predicted, kind="predicted")
+    assert len(calls) == 1  # made once per iteration
+    assert sample(predicted, kind="measured") == 0.03
+    assert sample("vllm:generation_tokens_total") == 4
+    assert sample("vllm:prompt_tokens_total") == 16
+    assert sample("vllm:time_to_first_token_seconds_count") == 2
+    assert sample("vllm:time_to_first_token_seconds_sum") == pytest.approx(0.5)
+    assert sample("vllm:inter_token_latency_seconds_count") == 1  # b's finish carried no token
+    assert sample("vllm:inter_token_latency_seconds_sum") == pytest.approx(0.25)
+    assert sample("vllm:request_success_total", finished_reason="length") == 1
+    assert sample("vllm:request_success_total", finished_reason="weird") == 1
+    assert sample("duetserve:iterations_total", plan="temporal") == 1
+    metrics.on_step(StepStats(Plan(predicted_s=0.02), 1, 64, 0.025, 0, num_prefills=1,
+                              scheduled=[ScheduledSeq(None, 64, 0)]), [], 11.0)
+    assert sample(predicted, kind="predicted") == 0.02 and len(calls) == 1
+    metrics.on_step(StepStats(Plan(), 1, 64, 0.025, 0, num_prefills=1, scheduled=[ScheduledSeq(None, 64, 0)]), [], 12.0)
+    assert sample(predicted, kind="predicted") == pytest.approx(float(cost_model.predict_total([(64, 0)], 132)))
 
 
 def test_null_fields_take_their_defaults(server):
