@@ -204,8 +204,8 @@ def test_decode_graphs_route_small_buckets_through_the_stream():
             calls.append(("model", ids.shape[0], meta.num_decodes))
             return torch.zeros(ids.shape[0], 4)
 
-        def compute_logits(self, hidden):
-            return hidden + 1
+        def compute_logits(self, hidden, out):
+            return out.copy_(hidden + 1)
 
     class Stream:
         MAX_ROWS = 8
@@ -214,8 +214,13 @@ def test_decode_graphs_route_small_buckets_through_the_stream():
             calls.append(("stream", ids.shape[0], meta.num_decodes))
             return torch.full((ids.shape[0], 4), 2.0)
 
-    graphs = DecodeGraphs(Model(), None, 16, 4, 0, torch.device("cpu"), decode_stream=Stream())
+    logits = torch.zeros(16, 4)
+    graphs = DecodeGraphs(Model(), None, 16, 4, 0, torch.device("cpu"), decode_stream=Stream(), logits=logits)
     assert graphs.buckets == [1, 2, 4, 8, 16]
-    assert graphs._step(8).tolist() == [[3.0] * 4] * 8 and graphs._step(16).shape == (16, 4)
+    assert graphs._step(8).tolist() == [[3.0] * 4] * 8
+    assert logits.tolist() == [[3.0] * 4] * 8 + [[0.0] * 4] * 8  # written into the buffer given
+    assert graphs._step(16).shape == (16, 4)
     assert calls == [("stream", 8, 8), ("model", 16, 16)]
-    assert DecodeGraphs(Model(), None, 16, 4, 0, torch.device("cpu"))._step(2).tolist() == [[1.0] * 4] * 2
+    other = DecodeGraphs(Model(), None, 16, 4, 0, torch.device("cpu"), logits=logits)
+    out = other._step(2)
+    assert out.tolist() == [[1.0] * 4] * 2 and out.data_ptr() == logits.data_ptr()  # sets share one buffer

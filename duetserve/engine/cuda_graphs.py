@@ -91,6 +91,15 @@ class StaticInputs:
         return n, b
 
 
+def allocate_decode_logits(model: CausalLM, max_batch: int, device: torch.device) -> torch.Tensor:
+    """``[max_batch, vocab]`` logits buffer in the model's dtype for ``DecodeGraphs`` (``logits``).
+
+    Raises:
+        torch.OutOfMemoryError: the device cannot hold it.
+    """
+    return torch.empty(max_batch, model.dims.vocab_size, dtype=model.lm_head.weight.dtype, device=device)
+
+
 class DecodeGraphs(StaticInputs):
     """Records and replays decode steps.
 
@@ -110,11 +119,18 @@ class DecodeGraphs(StaticInputs):
             attention call allocates its own, a memset recorded per layer.
         decode_stream: records buckets of up to ``decode_stream.MAX_ROWS`` sequences through it
             (``duetserve.model.decode_stream``); None: the model's own layers everywhere.
+        logits: ``[>= max_batch, vocab]`` tensor in the model's dtype that every bucket's graph
+            writes its logits into (``allocate_decode_logits``), so a set of graphs holds one
+            bucket's worth, not the sum over its buckets: at 256 sequences 20 buckets of Qwen3-8B
+            held 0.65 GB of logits a set, 10.6 GB over the 16 sets of a duet server, and the
+            H200 ran out of memory while serving (docs/benchmarks.md, twenty-eighth session).
+            Sets may share one, as they share ``split_counters``: no two decode steps run at
+            once. None: a buffer of its own.
     """
 
     def __init__(self, model: CausalLM, kv_caches, max_batch: int, max_blocks: int, scratch_slot: int,
                  device: torch.device, stream: torch.cuda.Stream | None = None,
-                 split_counters: torch.Tensor | None = None, decode_stream=None):
+                 split_counters: torch.Tensor | None = None, decode_stream=None, logits: torch.Tensor | None = None):
         self.stream = stream
         self.decode_stream = decode_stream
         self.split_counters = split_counters
@@ -127,7 +143,7 @@ class DecodeGraphs(StaticInputs):
         self.block_tables = torch.zeros(n, max_blocks, **i32)
         self.query_start_loc = torch.arange(n + 1, **i32)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.logits: dict[int, torch.Tensor] = {}
+        self.logits_out = logits if logits is not None else allocate_decode_logits(model, n, device)
         self.memory_bytes = 0
 
     def _meta(self, b: int) -> AttentionMetadata:
@@ -141,7 +157,7 @@ class DecodeGraphs(StaticInputs):
             hidden = self.decode_stream.forward(self.input_ids[:b], self.positions[:b], self._meta(b))
         else:
             hidden = self.model(self.input_ids[:b], self.positions[:b], self.kv_caches, self._meta(b))
-        return self.model.compute_logits(hidden)
+        return self.model.compute_logits(hidden, out=self.logits_out[:b])
 
     @torch.inference_mode()
     def capture(self, pool=None) -> None:
@@ -161,7 +177,7 @@ class DecodeGraphs(StaticInputs):
                 for b in reversed(self.buckets):
                     graph = torch.cuda.CUDAGraph()
                     with torch.cuda.graph(graph, pool=pool, stream=self.stream):
-                        self.logits[b] = self._step(b)
+                        self._step(b)
                     self.graphs[b] = graph
         self.recorded = True
         torch.cuda.synchronize()
@@ -181,4 +197,4 @@ class DecodeGraphs(StaticInputs):
         self.block_tables[:n, :width].copy_(meta.block_tables)
         self.context_lens[n:b].fill_(1)  # padding rows: one token of context
         self.graphs[b].replay()
-        return self.logits[b][:n]
+        return self.logits_out[:n]

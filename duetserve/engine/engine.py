@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 import torch
 
 from duetserve.config import EngineConfig
-from duetserve.engine.cuda_graphs import DecodeGraphs
+from duetserve.engine.cuda_graphs import DecodeGraphs, allocate_decode_logits
 from duetserve.engine.detokenizer import IncrementalDetokenizer
 from duetserve.engine.kv_cache import BlockManager
 from duetserve.engine.model_runner import (
@@ -205,7 +205,8 @@ class LLMEngine:
     def _capture_graphs(self, kv, scratch_block: int, policy, split_counters: torch.Tensor
                         ) -> tuple[DecodeGraphs | None, dict[int, DecodeGraphs]]:
         """Decode graphs for all SMs, and one set per split level the policy can pick (recorded
-        on that level's decode stream), all in one memory pool, all on ``split_counters``."""
+        on that level's decode stream), all in one memory pool, all on ``split_counters`` and one
+        logits buffer."""
         backend = self.model.attention_backend
         graphs_ok = self.device.type == "cuda" and not self.config.enforce_eager and getattr(backend, "cuda_graph_safe",
                                                                                             False)
@@ -223,10 +224,12 @@ class LLMEngine:
             except (ValueError, RuntimeError, ImportError) as exc:
                 raise ValueError(f"--decode-stream cannot run here: {exc}") from exc
 
+        logits = allocate_decode_logits(self.model, self.config.max_num_seqs, self.device)  # one for every set
+
         def record(stream=None) -> DecodeGraphs:
             graphs = DecodeGraphs(self.model, kv, self.config.max_num_seqs, -(-self.max_model_len // bs),
                                   scratch_block * bs, self.device, stream, split_counters,
-                                  stream_kernels if stream is None else None)
+                                  stream_kernels if stream is None else None, logits)
             graphs.capture(pool)
             return graphs
 

@@ -212,9 +212,14 @@ class CausalLM(nn.Module):
                 tensors[name] = p.data
         return tensors
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """Logits ``[n, vocab]`` in the model's dtype from hidden states ``[n, hidden]``. Not cast to
         float32: the samplers upcast what they read (a float32 copy of 128 rows took 59 us a step on
         the H200, docs/benchmarks.md, twenty-first session), and the argmax of bf16 values is the
-        argmax of their float32 casts."""
-        return self.lm_head(hidden)
+        argmax of their float32 casts.
+
+        ``out``: a contiguous ``[n, vocab]`` tensor in the model's dtype to write them into (cuBLAS,
+        returned), e.g. the one logits buffer all decode CUDA graphs share (``DecodeGraphs``)."""
+        if out is None:
+            return self.lm_head(hidden)
+        return torch.mm(hidden, self.lm_head.weight.t(), out=out)
