@@ -9,7 +9,7 @@
 # loads where `duetserve simulate` with these very settings puts chunked past the SLO and duet
 # within it (docs/benchmarks.md, "Next: serving on the GPU").
 # KV cache: 0.9 of the free memory after 16.4 GB of weights is about 800k tokens (144 KiB a
-# token), far above 64 running sequences of <= 33k tokens each.
+# token), more than 24 running sequences of <= 33k tokens each (256 may run: long ones wait for blocks).
 # Time: per configuration server start (weights drawn on the CPU: expect 30-60 s) + warm-up +
 # 4 runs; each configuration gets an equal slice of what its lane (GPU) has left and runs that
 # cannot fit are skipped (and listed as such), so the call ends inside its 600 s whatever the

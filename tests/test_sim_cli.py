@@ -376,9 +376,9 @@ def test_a_truncated_azure_trace_names_the_line_and_what_is_wrong(tmp_path, caps
 
 
 def test_max_num_seqs_defaults_to_serves(tmp_path, capsys):
-    """``--max-num-seqs`` defaults to serve's 64 (the simulator predicts the server as launched):
-    100 requests at once wait for room beyond 64 running sequences, which 256 does not make them
-    do; 64 given is the default run."""
+    """``--max-num-seqs`` defaults to serve's 256 (the simulator predicts the server as launched):
+    100 requests at once wait for room beyond 64 running sequences, which the default does not
+    make them do; 256 given is the default run."""
     import argparse
 
     from duetserve.cli import _add_serve
@@ -386,13 +386,13 @@ def test_max_num_seqs_defaults_to_serves(tmp_path, capsys):
 
     parser = argparse.ArgumentParser()
     _add_serve(parser.add_subparsers())
-    assert parser.parse_args(["serve"]).max_num_seqs == EngineConfig().max_num_seqs == 64
+    assert parser.parse_args(["serve"]).max_num_seqs == EngineConfig().max_num_seqs == 256
 
     def row(*extra):
         out = tmp_path / f"rows{len(list(tmp_path.iterdir()))}.json"
         assert main(["simulate", "--format", "synthetic", "--num-requests", "100", "--qps", "1000", "--input-len", "64",
                      "--output-len", "64", "--policy", "chunked", "--no-progress", "--json", str(out), *extra]) == 0
         return json.loads(out.read_text())[0]
-    default, sixty_four, wide = row(), row("--max-num-seqs", "64"), row("--max-num-seqs", "256")
-    assert default == {**sixty_four, "sim_wall_s": default["sim_wall_s"]}
-    assert wide["mean_ttft_ms"] * 2 < default["mean_ttft_ms"]
+    default, wide, narrow = row(), row("--max-num-seqs", "256"), row("--max-num-seqs", "64")
+    assert default == {**wide, "sim_wall_s": default["sim_wall_s"]}
+    assert default["mean_ttft_ms"] * 2 < narrow["mean_ttft_ms"]
