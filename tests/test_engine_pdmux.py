@@ -44,6 +44,25 @@ def test_pdmux_decode_levels_are_sglangs_split_groups():
     assert PdmuxPolicy(planner).decode_levels() == [20, 28, 36, 44, 52, 60]
 
 
+def test_split_decode_graphs_are_recorded_for_the_levels_a_policy_can_plan():
+    """The engine records split decode graphs for pdmux's groups, every partition level for duet,
+    none for the temporal policies (chunked, prefill-first) and none without partitioning."""
+    from types import SimpleNamespace
+
+    from duetserve.engine.engine import split_levels
+    from duetserve.engine.policy import policy_by_name
+    from duetserve.partition.base import NoPartition
+    from duetserve.planner.policies import DuetPolicy
+
+    planner = PlannerConfig(ModelShape.preset("qwen3-8b"), roofline_only(load_profile("h200")), 0.1, "greenctx")
+    greenctx = SimpleNamespace(granularity=8, levels=lambda: [8, 16, 24])
+    assert split_levels(PdmuxPolicy(planner), greenctx) == [20, 28, 36, 44, 52, 60]
+    assert split_levels(DuetPolicy(planner), greenctx) == [8, 16, 24]
+    assert split_levels(policy_by_name("chunked"), greenctx) == []
+    assert split_levels(policy_by_name("prefill-first"), greenctx) == []
+    assert split_levels(DuetPolicy(planner), NoPartition(132)) == []
+
+
 def test_aborted_layer_split_batch_releases_its_state(tiny_qwen3_folder):
     config = EngineConfig(model=str(tiny_qwen3_folder), max_num_batched_tokens=32, num_kv_blocks=128, block_size=8,
                           partition_backend="none")

@@ -116,6 +116,15 @@ def _available_host_bytes() -> int | None:
     return None
 
 
+def split_levels(policy, partition: PartitionBackend) -> list[int]:
+    """Decode SM counts to record split decode graphs for: the policy's own where it has them
+    (``decode_levels``: pdmux's groups; none for the temporal policies, chunked and prefill-first),
+    else every level of ``partition``; none without SM partitioning (``granularity`` 0)."""
+    if not partition.granularity:
+        return []
+    return (getattr(policy, "decode_levels", None) or partition.levels)()
+
+
 class LLMEngine:
     """Owns the model, the KV cache and the scheduler; not thread-safe (one loop drives it).
 
@@ -235,8 +244,7 @@ class LLMEngine:
 
         pool = torch.cuda.graph_pool_handle()
         full = record()
-        levels = (getattr(policy, "decode_levels", None) or self.partition.levels)() if self.partition.granularity else []
-        return full, {s: record(self.partition.pair(s).decode) for s in levels}
+        return full, {s: record(self.partition.pair(s).decode) for s in split_levels(policy, self.partition)}
 
     def _capture_piecewise(self, kv, scratch_slot: int) -> PiecewiseGraphs | None:
         """Piecewise CUDA graphs for temporal iterations with prefill tokens, up to
