@@ -4,7 +4,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import json
-import math
 import re
 import signal
 import socket
@@ -124,9 +123,9 @@ def test_chat_text_parts_are_joined_by_newlines():
 
     request = ChatCompletionRequest(messages=[
         {"role": "developer", "content": [{"type": "text", "text": "Be brief."}]},
-        {"role": "user", "content": [{"type": "text", "text": "Translate to French:"},
-                                     {"type": "text", "text": "Good morning"}]},
-        {"role": "assistant", "content": None}])
+        {"role": "user", "name": "ann", "content": [{"type": "text", "text": "Translate to French:"},
+                                                    {"type": "text", "text": "Good morning"}]},
+        {"role": "assistant", "content": None}])  # a participant name is accepted, not templated
     assert request.chat_messages() == [{"role": "system", "content": "Be brief."},
                                        {"role": "user", "content": "Translate to French:\nGood morning"},
                                        {"role": "assistant", "content": ""}]
@@ -326,6 +325,8 @@ WRONG_TYPES = [
      "a user message needs content: a string or a list of text parts (messages.0.content)"),
     ("/v1/chat/completions", {"messages": [{"role": "system"}, {"role": "user", "content": "hi"}]}, "messages",
      "a system message needs content: a string or a list of text parts (messages.0.content)"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi", "name": 5}]}, "messages",
+     "Input should be a valid string (messages.0.name)"),  # was accepted
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "text"}]}]}, "messages",
      'Input should be a string or a list of {"type": "text", "text": ...} parts (messages.0.content)'),
 ]
@@ -640,7 +641,8 @@ def test_iteration_log_predicts_plans_without_a_prediction(tmp_path):
 
 def test_predicted_gauge_is_made_at_scrape_time_without_an_iteration_log():
     """Without an iteration log, a multi-step decode's prediction (the plan carries none) is made
-    when /metrics is read, not on the engine thread: NaN before any iteration, then the cost
+    when /metrics is read, not on the engine thread: 0 before any iteration (as the measured
+    time), then the cost
     model's for the steps that ran; a plan's own prediction as it is; a plan without one (chunked)
     the cost model's for the batch on all SMs. ITL, TTFT and token counts from bound children,
     one finish count per reason."""
@@ -662,7 +664,7 @@ def test_predicted_gauge_is_made_at_scrape_time_without_an_iteration_log():
         return metrics.registry.get_sample_value(name, {"model_name": "m", **labels})
 
     predicted = "duetserve:predicted_vs_measured_seconds"
-    assert math.isnan(sample(predicted, kind="predicted"))
+    assert sample(predicted, kind="predicted") == sample(predicted, kind="measured") == 0.0
     calls = []
     real = cost_model.predict_steps
     cost_model.predict_steps = lambda *a: calls.append(a) or real(*a)

@@ -181,10 +181,11 @@ class ServerMetrics:
     def _last_predicted(self) -> float:
         """The gauge ``duetserve:predicted_vs_measured_seconds{kind="predicted"}`` at a scrape: the
         last iteration's predicted seconds (``_predicted``, made here once when the iteration log
-        did not), NaN before any iteration or without a prediction."""
+        did not); 0 before any iteration, as the measured time reads; NaN for an iteration without
+        a prediction."""
         last = self._last
         if last is None:
-            return math.nan
+            return 0.0
         stats, predicted = last
         if predicted is _UNSET:
             predicted = self._predicted(stats)

@@ -188,6 +188,7 @@ class ChatMessage(BaseModel):
     """One chat message; only an assistant message may leave ``content`` out or null (OpenAI's rule)."""
 
     role: Literal["system", "user", "assistant", "developer", "tool"]
+    name: str | None = None  # OpenAI's participant name; checked, not passed to the chat template
     content: Annotated[str | list[TextPart] | None,
                        _one_of('a string or a list of {"type": "text", "text": ...} parts')] \
         = Field(default=None, validate_default=True)
