@@ -234,6 +234,7 @@ class LLMEngine:
                 raise ValueError(f"--decode-stream cannot run here: {exc}") from exc
 
         logits = allocate_decode_logits(self.model, self.config.max_num_seqs, self.device)  # one for every set
+        log.info("decode CUDA graphs share one logits buffer, %.1f MiB", logits.numel() * logits.element_size() / 2**20)
 
         def record(stream=None) -> DecodeGraphs:
             graphs = DecodeGraphs(self.model, kv, self.config.max_num_seqs, -(-self.max_model_len // bs),
