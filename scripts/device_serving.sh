@@ -45,7 +45,7 @@ echo "=== device_serving.sh $(date -u +%FT%TZ) on $(hostname)"
 
 # 1. the FastAPI stack the GPU image lacks, from carried wheels (scripts/fetch_device_wheels.sh)
 if ls .whl/*.whl > /dev/null 2>&1 && { [ "${SERVING_FORCE_WHEELS:-0}" = 1 ] || \
-    ! python3 -c 'import fastapi, uvicorn, pydantic, prometheus_client' 2> /dev/null; }; then
+    ! python3 -c 'import fastapi, uvicorn, pydantic, prometheus_client, orjson' 2> /dev/null; }; then
   SITE=${SERVING_SITE:-/tmp/site}
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" .whl/*.whl \
     || { echo "wheel install failed"; exit 1; }
@@ -58,7 +58,7 @@ if ls .whl/*.whl > /dev/null 2>&1 && { [ "${SERVING_FORCE_WHEELS:-0}" = 1 ] || \
   fi
 fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
-python3 -c 'import fastapi, uvicorn, pydantic, prometheus_client, httpx; print("fastapi", fastapi.__version__, "uvicorn", uvicorn.__version__, "pydantic", pydantic.__version__)' \
+python3 -c 'import fastapi, uvicorn, pydantic, prometheus_client, httpx, orjson; print("fastapi", fastapi.__version__, "uvicorn", uvicorn.__version__, "pydantic", pydantic.__version__)' \
   || { echo "the server stack does not import: run scripts/fetch_device_wheels.sh and carry .whl"; exit 1; }
 ls .traces/AzureLLMInferenceTrace_code.csv .traces/AzureLLMInferenceTrace_conv.csv .traces/mooncake_conversation_trace.jsonl > /dev/null \
   || { echo "no traces: run scripts/copy_traces.sh and carry .traces"; exit 1; }

@@ -17,6 +17,7 @@ REQUIRED=(
   fastapi==0.165.0 starlette==1.10.0 uvicorn==0.54.0
   pydantic==2.13.4 pydantic-core==2.46.4 annotated-types==0.7.0 typing-inspection==0.4.2
   opentelemetry-api==1.45.2   # fastapi>=0.16x imports it (fastapi/telemetry)
+  uvloop==0.23.0 httptools==0.9.0 orjson==3.13.0   # uvicorn's loop and parser; the SSE chunks
 )
 OPTIONAL=(
   anyio==4.16.0 typing-extensions==4.16.0 annotated-doc==0.0.7 click==8.5.1 h11==0.16.0

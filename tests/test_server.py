@@ -116,6 +116,18 @@ def test_second_ctrl_c_ends_the_streams_at_once(smollm_folder):
     assert "Traceback" not in out and out.count("engine stopped") == 1, out[-3000:]
 
 
+def test_sse_events_are_compact_json_with_utf8_text():
+    """A streamed chunk is one ``data:`` event of compact JSON, non-ASCII text as UTF-8 (json.dumps
+    wrote ``\\u00e9``); the closing ``[DONE]`` as it is."""
+    from duetserve.server.api import _sse
+
+    event = _sse({"choices": [{"delta": {"content": "café ✓"}, "finish_reason": None}], "n": 3})
+    assert event == 'data: {"choices":[{"delta":{"content":"café ✓"},"finish_reason":null}],"n":3}\n\n'
+    assert json.loads(event[len("data: "):]) == {"choices": [{"delta": {"content": "café ✓"}, "finish_reason": None}],
+                                                "n": 3}
+    assert _sse("[DONE]") == "data: [DONE]\n\n"
+
+
 def test_chat_text_parts_are_joined_by_newlines():
     """A message's text parts reach the chat template joined by newlines, as vLLM joins them (they
     were glued together: "Translate to French:Good morning"); developer messages become system."""
