@@ -99,7 +99,8 @@ class ServerMetrics:
         # read at scrape time: predicting an iteration the plan did not (a multi-step decode,
         # chunked's batches) costs the engine thread ~0.1-0.7 ms, paid per scrape unless logged
         predicted_vs_measured.labels(kind="predicted", **label).set_function(self._last_predicted)
-        self._last: tuple[StepStats, float | None] | None = None  # last iteration and its prediction once made
+        self._last: tuple[StepStats, float | None] | None = None  # last iteration, its prediction or _UNSET
+        self._scraped: tuple[StepStats | None, float | None] = (None, None)  # _last_predicted's, made at a scrape
         self.iteration_time = Histogram("duetserve:iteration_duration_seconds", "Wall time of an iteration.",
                                         names, buckets=_LATENCY_BUCKETS, registry=r).labels(**label)
         self._arrival: dict[str, float] = {}
@@ -187,9 +188,10 @@ class ServerMetrics:
         if last is None:
             return 0.0
         stats, predicted = last
-        if predicted is _UNSET:
-            predicted = self._predicted(stats)
-            self._last = (stats, predicted)
+        if predicted is _UNSET:  # made on the scraping thread; kept beside, not in, the engine thread's _last
+            if self._scraped[0] is not stats:
+                self._scraped = (stats, self._predicted(stats))
+            predicted = self._scraped[1]
         return math.nan if predicted is None else predicted
 
     def _predicted(self, stats: StepStats) -> float | None:
