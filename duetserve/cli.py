@@ -26,7 +26,7 @@ from duetserve.argtypes import (
 )
 from duetserve.bench import cli as bench_cli
 from duetserve.calibrate import cli as calibrate_cli
-from duetserve.config import ATTENTION_BACKENDS, BLOCK_SIZES, POLICIES, EngineConfig
+from duetserve.config import ATTENTION_BACKENDS, BLOCK_SIZES, CUDA_TOKEN_BUDGET, POLICIES, EngineConfig
 from duetserve.partition.base import BACKENDS as PARTITION_BACKENDS
 from duetserve.sim import cli as sim_cli
 
@@ -88,7 +88,7 @@ def _add_serve(sub) -> None:
                    help="scheduling policy (pdmux needs an SM partition backend: a CUDA GPU)")
     p.add_argument("--max-num-seqs", type=int, default=EngineConfig.max_num_seqs, help="most sequences per iteration")
     p.add_argument("--max-num-batched-tokens", type=int, default=None,
-                   help="token budget per iteration (default: 512 on CPU, 8192 on CUDA)")
+                   help=f"token budget per iteration (default: 512 on CPU, {CUDA_TOKEN_BUDGET} on CUDA)")
     p.add_argument("--block-size", type=block_size, default=16,
                    help=f"tokens per KV-cache block: {', '.join(map(str, BLOCK_SIZES))}")
     group = p.add_mutually_exclusive_group()
@@ -186,7 +186,7 @@ def _engine_config(args: argparse.Namespace, parser: argparse.ArgumentParser, de
         os.environ["DUETSERVE_LIBSMCTRL"] = args.libsmctrl
     budget = args.max_num_batched_tokens
     if budget is None:
-        budget = 8192 if device.startswith("cuda") else 512
+        budget = CUDA_TOKEN_BUDGET if device.startswith("cuda") else 512
     try:
         return EngineConfig(model=args.model, load_format=args.load_format, device=device, dtype=args.dtype,
                             max_num_seqs=args.max_num_seqs, max_num_batched_tokens=budget,

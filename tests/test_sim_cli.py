@@ -375,6 +375,24 @@ def test_a_truncated_azure_trace_names_the_line_and_what_is_wrong(tmp_path, caps
                                        "(TIMESTAMP, ContextTokens, GeneratedTokens), got 2\n")
 
 
+def test_token_budget_defaults_to_serves_on_cuda():
+    """``simulate --max-num-batched-tokens`` defaults to the budget ``serve`` gives an engine on
+    CUDA (8192; on a CPU 512), both from one constant."""
+    import argparse
+
+    from duetserve.cli import _add_serve, _engine_config
+    from duetserve.sim.cli import configure_parser
+
+    parser = argparse.ArgumentParser()
+    _add_serve(parser.add_subparsers())
+    args = parser.parse_args(["serve"])
+    assert _engine_config(args, parser, "cuda").max_num_batched_tokens == 8192
+    assert _engine_config(args, parser, "cpu").max_num_batched_tokens == 512
+    simulate = argparse.ArgumentParser()
+    configure_parser(simulate)
+    assert simulate.parse_args(["--format", "synthetic", "--qps", "1"]).max_num_batched_tokens == 8192
+
+
 def test_max_num_seqs_defaults_to_serves(tmp_path, capsys):
     """``--max-num-seqs`` defaults to serve's 256 (the simulator predicts the server as launched):
     100 requests at once wait for room beyond 64 running sequences, which the default does not

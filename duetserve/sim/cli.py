@@ -21,7 +21,7 @@ from pathlib import Path
 
 from duetserve import argtypes
 from duetserve.argtypes import UsageError, trace_format
-from duetserve.config import BLOCK_SIZES, POLICIES, EngineConfig
+from duetserve.config import BLOCK_SIZES, CUDA_TOKEN_BUDGET, POLICIES, EngineConfig
 from duetserve.engine.policy import policy_by_name
 from duetserve.jsonio import dumps
 from duetserve.partition.base import BACKENDS as PARTITION_BACKENDS
@@ -130,8 +130,8 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
     s.add_argument("--enforce-eager", action="store_true",
                    help="price every iteration as eager: no CUDA graphs, decode or piecewise "
                         "(as `serve --enforce-eager`)")
-    s.add_argument("--max-num-batched-tokens", type=argtypes.positive_int, default=8192,
-                   help="token budget per iteration (default 8192; 2048 suits A100)")
+    s.add_argument("--max-num-batched-tokens", type=argtypes.positive_int, default=CUDA_TOKEN_BUDGET,
+                   help=f"token budget per iteration (default {CUDA_TOKEN_BUDGET}, serve's on CUDA; 2048 suits A100)")
     s.add_argument("--max-num-seqs", type=argtypes.positive_int, default=EngineConfig.max_num_seqs,
                    help=f"most running sequences (default {EngineConfig.max_num_seqs}, as serve's)")
     s.add_argument("--block-size", type=argtypes.block_size, default=16,
