@@ -26,7 +26,13 @@ from duetserve.argtypes import (
 )
 from duetserve.bench import cli as bench_cli
 from duetserve.calibrate import cli as calibrate_cli
-from duetserve.config import ATTENTION_BACKENDS, BLOCK_SIZES, CUDA_TOKEN_BUDGET, POLICIES, EngineConfig
+from duetserve.config import (
+    ATTENTION_BACKENDS,
+    BLOCK_SIZES,
+    CUDA_TOKEN_BUDGET,
+    POLICIES,
+    EngineConfig,
+)
 from duetserve.partition.base import BACKENDS as PARTITION_BACKENDS
 from duetserve.sim import cli as sim_cli
 

@@ -9,10 +9,10 @@ from duetserve.partition.base import BACKENDS as PARTITION_BACKENDS
 POLICIES = ("chunked", "prefill-first", "duet", "pdmux")
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "flash")
 BLOCK_SIZES = (1, 8, 16, 32, 64, 128, 256)
-CUDA_TOKEN_BUDGET = 8192
-"""``serve``'s ``--max-num-batched-tokens`` on CUDA (512 on a CPU), and ``simulate``'s default."""
 """Tokens per KV-cache block (``--block-size``): vLLM's choices. The Triton kernels compile once per
 block size (a constexpr), flash-attn needs 256, and a larger block wastes the KV cache on short requests."""
+CUDA_TOKEN_BUDGET = 8192
+"""``serve``'s ``--max-num-batched-tokens`` on CUDA (512 on a CPU), and ``simulate``'s default."""
 
 _DURATION = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*(us|ms|s|min)?\s*$")
 _UNITS_S = {"us": 1e-6, "ms": 1e-3, "s": 1.0, "min": 60.0}

@@ -43,7 +43,8 @@ def main() -> int:
     (folder / "config.json").write_text(json.dumps(QWEN3_8B))
     engine = LLMEngine(EngineConfig(model=str(folder), load_format="dummy", device="cuda", dtype="bfloat16",
                                     max_num_seqs=64, max_num_batched_tokens=16384, num_kv_blocks=8192,
-                                    max_model_len=20000, partition_backend=args.backend))
+                                    max_model_len=20000, partition_backend=args.backend,
+                                    policy="duet"))  # a policy that splits: decode graphs for every level
     for k, v in engine.runner.kv_caches:
         k.normal_()
         v.normal_()

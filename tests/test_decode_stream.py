@@ -224,3 +224,5 @@ def test_decode_graphs_route_small_buckets_through_the_stream():
     other = DecodeGraphs(Model(), None, 16, 4, 0, torch.device("cpu"), logits=logits)
     out = other._step(2)
     assert out.tolist() == [[1.0] * 4] * 2 and out.data_ptr() == logits.data_ptr()  # sets share one buffer
+    with pytest.raises(ValueError, match=r"contiguous \[>= 16, vocab\]"):
+        DecodeGraphs(Model(), None, 16, 4, 0, torch.device("cpu"), logits=logits[:8])

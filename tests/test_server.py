@@ -4,6 +4,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import json
+import math
 import re
 import signal
 import socket
@@ -126,6 +127,8 @@ def test_sse_events_are_compact_json_with_utf8_text():
     assert json.loads(event[len("data: "):]) == {"choices": [{"delta": {"content": "café ✓"}, "finish_reason": None}],
                                                 "n": 3}
     assert _sse("[DONE]") == "data: [DONE]\n\n"
+    # a string orjson refuses (a lone surrogate, e.g. a model name from an undecodable path): escaped by json
+    assert _sse({"model": "m\udcff", "text": "é"}) == 'data: {"model":"m\\udcff","text":"\\u00e9"}\n\n'
 
 
 def test_chat_text_parts_are_joined_by_newlines():
@@ -708,6 +711,12 @@ def test_predicted_gauge_is_made_at_scrape_time_without_an_iteration_log():
     assert sample(predicted, kind="predicted") == 0.02 and len(calls) == 1
     metrics.on_step(StepStats(Plan(), 1, 64, 0.025, 0, num_prefills=1, scheduled=[ScheduledSeq(None, 64, 0)]), [], 12.0)
     assert sample(predicted, kind="predicted") == pytest.approx(float(cost_model.predict_total([(64, 0)], 132)))
+
+    def broken(*args):
+        raise RuntimeError("no prediction")
+    cost_model.predict_steps = broken
+    metrics.on_step(StepStats(Plan(k=4), 2, 0, 0.03, 0, decode_steps=3, scheduled=decodes), [], 13.0)
+    assert math.isnan(sample(predicted, kind="predicted"))  # the scrape still answers
 
 
 def test_null_fields_take_their_defaults(server):

@@ -243,8 +243,8 @@ def test_tiny_qwen3_logits_with_the_switch(monkeypatch, gemm_mode, tiny_qwen3_fo
         engine = LLMEngine(EngineConfig(model=str(tiny_qwen3_folder), dtype="bfloat16", max_num_batched_tokens=16,
                                         num_kv_blocks=32, block_size=8))
         logits = []
-        engine.model.compute_logits = lambda h, log=logits, compute=engine.model.compute_logits: \
-            log.append(compute(h)) or log[-1]
+        engine.model.compute_logits = lambda h, out=None, log=logits, compute=engine.model.compute_logits: \
+            log.append(compute(h, out)) or log[-1]
         with layers.graph_kernels():
             runs[mode] = engine.generate(prompts, params), logits
     assert calls and max(calls) == tg.MAX_M  # 5 + 9 prompt rows and 2 of the third in one step

@@ -156,7 +156,7 @@ class CudaBench:
                               max_num_seqs=max(DECODE_BATCHES),
                               max_num_batched_tokens=max(b * n for b, n in PREFILLS),
                               kv_cache_memory_fraction=0.75, max_model_len=min(MAX_CONTEXT, limit),
-                              piecewise_cuda_graph_max_tokens=0,
+                              piecewise_cuda_graph_max_tokens=0, policy="duet",  # duet: split decode graphs
                               attention_backend=self.attention_backend, partition_backend=self.backend.name)
         self.engine = LLMEngine(config)
         for k, v in self.engine.runner.kv_caches:

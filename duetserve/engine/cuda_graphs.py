@@ -126,6 +126,9 @@ class DecodeGraphs(StaticInputs):
             H200 ran out of memory while serving (docs/benchmarks.md, twenty-eighth session).
             Sets may share one, as they share ``split_counters``: no two decode steps run at
             once. None: a buffer of its own.
+
+    Raises:
+        ValueError: ``logits`` is not contiguous or has fewer than ``max_batch`` rows.
     """
 
     def __init__(self, model: CausalLM, kv_caches, max_batch: int, max_blocks: int, scratch_slot: int,
@@ -143,7 +146,11 @@ class DecodeGraphs(StaticInputs):
         self.block_tables = torch.zeros(n, max_blocks, **i32)
         self.query_start_loc = torch.arange(n + 1, **i32)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.logits_out = logits if logits is not None else allocate_decode_logits(model, n, device)
+        if logits is None:
+            logits = allocate_decode_logits(model, n, device)
+        elif logits.dim() != 2 or logits.shape[0] < n or not logits.is_contiguous():
+            raise ValueError(f"logits must be a contiguous [>= {n}, vocab] tensor, got {tuple(logits.shape)}")
+        self.logits_out = logits
         self.memory_bytes = 0
 
     def _meta(self, b: int) -> AttentionMetadata:

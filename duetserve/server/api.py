@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import sys
 import time
@@ -72,12 +73,18 @@ def error_response(status: int, message: str, param: str | None = None, err_type
 
 
 def _sse(payload: dict | str) -> str:
-    """One server-sent event; a dict as compact JSON (orjson: non-ASCII text as UTF-8, not as
-    ``\\u`` escapes; every string here is valid Unicode: decoded text, or input checked by
-    ``check_text``). Serving 128 streams on a CPU, a chunk cost the event loop about 60 us with json
-    and asyncio + h11, which the engine thread waits for on the GIL (docs/benchmarks.md,
-    twenty-eighth session)."""
-    return f"data: {payload if isinstance(payload, str) else orjson.dumps(payload).decode()}\n\n"
+    """One server-sent event; a dict as compact JSON, written by orjson (non-ASCII text as UTF-8,
+    not as ``\\u`` escapes), or by json where orjson refuses a string that is not valid Unicode (a
+    model name from an undecodable path, an error message): json escapes it, the stream goes on.
+    Serving 128 streams on a CPU, a chunk cost the event loop about 60 us with json and asyncio +
+    h11, which the engine thread waits for on the GIL (docs/benchmarks.md, twenty-eighth session)."""
+    if isinstance(payload, str):
+        return f"data: {payload}\n\n"
+    try:
+        body = orjson.dumps(payload).decode()
+    except orjson.JSONEncodeError:
+        body = json.dumps(payload, separators=(",", ":"))
+    return f"data: {body}\n\n"
 
 
 def create_app(engine: AsyncEngine, metrics: ServerMetrics, model_name: str, api_key: str | None = None,

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import math
 import time
 
@@ -13,6 +14,8 @@ from duetserve.planner.cost_model import CostModel
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0,
                     2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
 
+
+log = logging.getLogger(__name__)
 
 _UNSET = object()  # an iteration's prediction not made yet (ServerMetrics._last)
 
@@ -190,7 +193,11 @@ class ServerMetrics:
         stats, predicted = last
         if predicted is _UNSET:  # made on the scraping thread; kept beside, not in, the engine thread's _last
             if self._scraped[0] is not stats:
-                self._scraped = (stats, self._predicted(stats))
+                try:
+                    self._scraped = (stats, self._predicted(stats))
+                except Exception:  # a scrape must not fail: the gauge reads NaN
+                    log.exception("predicting the last iteration for /metrics failed")
+                    self._scraped = (stats, None)
             predicted = self._scraped[1]
         return math.nan if predicted is None else predicted
 
