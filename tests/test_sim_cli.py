@@ -391,6 +391,8 @@ def test_token_budget_defaults_to_serves_on_cuda():
     simulate = argparse.ArgumentParser()
     configure_parser(simulate)
     assert simulate.parse_args(["--format", "synthetic", "--qps", "1"]).max_num_batched_tokens == 8192
+    from duetserve.sim.simulator import SimConfig
+    assert SimConfig.__dataclass_fields__["max_num_batched_tokens"].default == 8192  # the library's default too
 
 
 def test_max_num_seqs_defaults_to_serves(tmp_path, capsys):

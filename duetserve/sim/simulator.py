@@ -60,7 +60,7 @@ import numpy as np
 from tqdm import tqdm
 
 from duetserve.bench.client import RequestRecord
-from duetserve.config import EngineConfig
+from duetserve.config import CUDA_TOKEN_BUDGET, EngineConfig
 from duetserve.engine.kv_cache import BlockManager
 from duetserve.engine.policy import Policy
 from duetserve.engine.scheduler import MAX_LOOKAHEAD, ScheduledSeq, Scheduler, SchedulerOutput
@@ -110,11 +110,12 @@ class SimConfig:
     Attributes:
         planner: model shape, GPU profile, TBT SLO and partition backend; its cost model is
             the simulated GPU's clock.
-        max_num_seqs: most running sequences (default: serve's, ``EngineConfig.max_num_seqs``;
-            on the H200 serving Azure conv at QPS 20 with 64, 53-58 decodes ran an iteration where
-            a simulation with 256 ran 94-232 and put duet's throughput 19% above the GPU's:
+        max_num_seqs: most running sequences (default: serve's, ``EngineConfig.max_num_seqs``,
+            so the simulation predicts the server as launched: when they differed, serve 64 and
+            the simulator 256, it put duet 19% above the H200 on Azure conv at QPS 20,
             docs/benchmarks.md, twenty-seventh session).
-        max_num_batched_tokens: token budget per iteration (serve's default on CUDA).
+        max_num_batched_tokens: token budget per iteration (serve's default on CUDA,
+            ``CUDA_TOKEN_BUDGET``).
         block_size: tokens per KV block.
         kv_cache_tokens: KV capacity in tokens; None sizes it from the profile's HBM
             (``kv_cache_tokens``) at ``gpu_memory_utilization``.
@@ -137,7 +138,7 @@ class SimConfig:
 
     planner: PlannerConfig
     max_num_seqs: int = EngineConfig.max_num_seqs
-    max_num_batched_tokens: int = 8192
+    max_num_batched_tokens: int = CUDA_TOKEN_BUDGET
     block_size: int = 16
     kv_cache_tokens: int | None = None
     gpu_memory_utilization: float = 0.9
