@@ -113,3 +113,33 @@ def test_kv_cache_beyond_free_gpu_memory_is_refused(tiny_qwen3_folder):
         LLMEngine(config)
     assert str(info.value).startswith(f"--num-kv-blocks {blocks}: the KV cache needs 1024.0 GiB, more than the ")
     assert abs(float(str(info.value).split("than the ")[1].split(" GiB")[0]) - free) < 2, (str(info.value), free)
+
+
+def test_largest_batch_runs_at_start_and_fails_cleanly_without_memory(tiny_qwen3_folder):
+    """The engine runs its largest iteration at start-up (``run_largest_batch``: here 65,536
+    tokens over 256 prompts of 256, float32). Its peak is at least the MLP's gate/up output,
+    65,536 x 2 x 128 x 4 bytes = 64 MiB. With the GPU's memory taken by other tensors it runs
+    out of memory, and the engine then still serves: greedy tokens equal transformers'."""
+    config = EngineConfig(model=str(tiny_qwen3_folder), device="cuda", dtype="float32",
+                          max_num_batched_tokens=65536, max_num_seqs=256, num_kv_blocks=256, block_size=16)
+    engine = LLMEngine(config)
+    assert engine.max_model_len == 512
+    assert engine.runner.run_largest_batch(65536, 256, 512) >= 65536 * 2 * 128 * 4
+    fillers = []
+    try:
+        torch.cuda.empty_cache()
+        size = torch.cuda.mem_get_info()[0]
+        while size >= 1 << 20:
+            try:
+                fillers.append(torch.empty(size, dtype=torch.uint8, device="cuda"))
+            except torch.OutOfMemoryError:
+                size //= 2
+        with pytest.raises(torch.OutOfMemoryError):
+            engine.runner.run_largest_batch(65536, 256, 512)
+    finally:
+        fillers.clear()
+        torch.cuda.empty_cache()
+    gen = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(3, 320, (n,), generator=gen).tolist() for n in (7, 60)]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    assert engine.generate(prompts, params) == hf_greedy_cuda(tiny_qwen3_folder, prompts, 12)

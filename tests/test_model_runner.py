@@ -220,3 +220,73 @@ def test_stream_timers_end_gap_is_the_time_between_end_marks():
     assert timers.end_gap("decode", "prefill") == pytest.approx(0.0355)  # not 0.234 - 0.2: prefill started later
     assert timers.end_gap("prefill", "decode") == pytest.approx(-0.0355)
     assert timers.end_gap("decode", "missing") is None
+
+
+def test_largest_batch_splits_the_budget_samples_every_prompt_and_writes_only_the_scratch_block(tiny_qwen3_folder):
+    """``run_largest_batch(50, 8, 512)``: 8 prompts of 7, 7, 6, 6, 6, 6, 6, 6 tokens in one eager
+    forward, all 8 sampled through top-k and top-p; the cache keeps every block but the scratch
+    one, the sampler its default generator and no per-request state. More prompts than tokens
+    gives one-token prompts; a context limit caps each prompt (and so the total)."""
+    from duetserve.config import EngineConfig
+    from duetserve.engine.engine import LLMEngine
+
+    runner = LLMEngine(EngineConfig(model=str(tiny_qwen3_folder), num_kv_blocks=16, block_size=8,
+                                    partition_backend="none")).runner
+    for k_cache, v_cache in runner.kv_caches:
+        k_cache.normal_()
+        v_cache.normal_()
+    before = [(k.clone(), v.clone()) for k, v in runner.kv_caches]
+    generator = runner.sampler.default_generator.get_state()
+    forwards, samples = [], []
+    forward, sample = runner.model.forward, runner.sampler.sample
+
+    def spy_forward(input_ids, positions, kv_caches, meta):
+        forwards.append((meta.num_decodes, meta.query_lens_cpu, meta.slot_mapping.unique().tolist()))
+        return forward(input_ids, positions, kv_caches, meta)
+
+    def spy_sample(logits, batch, positions=None):
+        samples.append((logits.shape[0], batch.top_k.tolist(), batch.top_p.flatten().tolist()))
+        return sample(logits, batch, positions)
+
+    runner.model.forward, runner.sampler.sample = spy_forward, spy_sample
+    assert runner.run_largest_batch(50, 8, 512) == 0  # peak bytes are counted on CUDA only
+    scratch = 16 * 8
+    assert forwards == [(0, [7, 7, 6, 6, 6, 6, 6, 6], list(range(scratch, scratch + 7)))]
+    assert samples == [(8, [50] * 8, [pytest.approx(0.9)] * 8)]
+    for (k, v), (k0, v0) in zip(runner.kv_caches, before):
+        assert torch.equal(k[:16], k0[:16]) and torch.equal(v[:16], v0[:16])
+        assert not torch.equal(k[16], k0[16])
+    assert torch.equal(runner.sampler.default_generator.get_state(), generator)
+    assert runner.sampler._generators == {} and runner.sampler._seeds == {}
+
+    forwards.clear()
+    runner.run_largest_batch(5, 8, 512)
+    assert forwards == [(0, [1] * 5, [scratch])]
+    forwards.clear()
+    runner.run_largest_batch(50, 3, 12)
+    assert forwards == [(0, [12, 12, 12], list(range(scratch, scratch + 8)))]
+
+
+@pytest.mark.parametrize("blocks, flag", [(16, "--num-kv-blocks 16"), (None, "--kv-cache-memory-fraction 0.5")])
+def test_out_of_memory_after_the_kv_cache_names_the_flag_that_sized_it(tiny_qwen3_folder, monkeypatch, blocks, flag):
+    """An out-of-memory while the graphs are recorded, the warm-up runs or the largest
+    iteration runs (here the warm-up) becomes a ValueError at start-up that names the flag
+    which sized the KV cache and the two that size the iteration, with torch's first two
+    sentences."""
+    from duetserve.config import EngineConfig
+    from duetserve.engine.engine import LLMEngine
+    from duetserve.engine.model_runner import ModelRunner
+
+    def oom(self):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity "
+                                     "of 139.81 GiB of which 1.06 GiB is free.")
+
+    monkeypatch.setattr(ModelRunner, "warm_up", oom)
+    with pytest.raises(ValueError) as err:
+        LLMEngine(EngineConfig(model=str(tiny_qwen3_folder), num_kv_blocks=blocks, block_size=8,
+                               kv_cache_memory_fraction=0.5, cpu_kv_cache_bytes=1 << 20,
+                               max_num_batched_tokens=4096, max_num_seqs=128, partition_backend="none"))
+    assert str(err.value) == (f"{flag}: the KV cache leaves too little memory on cpu for the CUDA graphs and the "
+                              "largest iteration (4096 tokens over up to 128 sequences): CUDA out of memory. "
+                              f"Tried to allocate 2.00 GiB. Lower {flag.split()[0]}, or --max-num-batched-tokens "
+                              "or --max-num-seqs")

@@ -171,21 +171,26 @@ class LLMEngine:
         # One buffer of decode attention split counters for the graphs and the eager steps: no two
         # decode attention calls run at once (allocate_split_counters says why).
         counters = allocate_split_counters(self.model, config.max_num_seqs, self.device)
-        self.graphs, split_graphs = self._capture_graphs(kv, num_blocks, policy, counters)
-        self.piecewise = self._capture_piecewise(kv, num_blocks * config.block_size)
+        try:  # what the KV cache left must hold the graphs and the largest iteration
+            self.graphs, split_graphs = self._capture_graphs(kv, num_blocks, policy, counters)
+            self.piecewise = self._capture_piecewise(kv, num_blocks * config.block_size)
+            self.runner = ModelRunner(self.model, kv, config.block_size, self.device, self.sampler, self.graphs,
+                                      self.partition, split_graphs, scratch_slot=num_blocks * config.block_size,
+                                      split_counters=counters, piecewise=self.piecewise)
+            start = time.perf_counter()
+            self.runner.warm_up()
+            log.info("ran the eager passes' kernel variants in %.1f s", time.perf_counter() - start)
+            if self.device.type == "cuda":
+                self._run_largest_batch()
+        except torch.OutOfMemoryError as exc:
+            raise self._out_of_memory(exc) from exc
+        self.runner.interrupt = self._interrupted
+        self._interrupt: Callable[[], bool] | None = None
         # The served model's cost model on the configured profile, whatever the policy: the
         # iteration log's predictions for policies that do not plan with one (chunked).
         self.cost_model = CostModel(ModelShape.from_hf_config(loaded.config.to_dict()),
                                     load_profile(config.hardware_profile), cuda_graphs=self.graphs is not None,
                                     piecewise_tokens=self.piecewise.buckets[-1] if self.piecewise else 0)
-        self.runner = ModelRunner(self.model, kv, config.block_size, self.device, self.sampler, self.graphs,
-                                  self.partition, split_graphs, scratch_slot=num_blocks * config.block_size,
-                                  split_counters=counters, piecewise=self.piecewise)
-        self.runner.interrupt = self._interrupted
-        self._interrupt: Callable[[], bool] | None = None
-        start = time.perf_counter()
-        self.runner.warm_up()
-        log.info("ran the eager passes' kernel variants in %.1f s", time.perf_counter() - start)
         self.scheduler = Scheduler(policy, self.block_manager, config.max_num_seqs,
                                    config.max_num_batched_tokens, self.max_model_len,
                                    decode_steps=config.num_decode_steps)
@@ -294,6 +299,33 @@ class LLMEngine:
                 else f"--cpu-kv-cache-gb {self.config.cpu_kv_cache_bytes / 2**30:g}")
         raise ValueError(f"{flag}: the KV cache needs {need / 2**30:.1f} GiB, more than the {free / 2**30:.1f} GiB "
                          f"free on {self.device}")
+
+    def _run_largest_batch(self) -> None:
+        """Run the largest iteration once (``ModelRunner.run_largest_batch``: the token budget over
+        ``max_num_seqs`` prompts of at most ``max_model_len`` tokens) after the KV cache, the CUDA graphs and the warm-up took their
+        memory, and log what it took (CUDA only).
+
+        Raises:
+            torch.OutOfMemoryError: the device had not the memory for it.
+        """
+        cfg = self.config
+        peak = self.runner.run_largest_batch(cfg.max_num_batched_tokens, cfg.max_num_seqs, self.max_model_len)
+        log.info("the largest iteration (%d tokens over up to %d sequences) took %.2f GiB; %.2f GiB left free",
+                 cfg.max_num_batched_tokens, cfg.max_num_seqs, peak / 2**30,
+                 torch.cuda.mem_get_info(self.device)[0] / 2**30)
+
+    def _out_of_memory(self, exc: torch.OutOfMemoryError) -> ValueError:
+        """The start-up error for an out-of-memory after the KV cache was allocated: names the
+        flag that sized the cache (``--num-kv-blocks`` or ``--kv-cache-memory-fraction``) and the
+        two that size the largest iteration, with the first two sentences of torch's message."""
+        cfg = self.config
+        flag = (f"--num-kv-blocks {cfg.num_kv_blocks}" if cfg.num_kv_blocks
+                else f"--kv-cache-memory-fraction {cfg.kv_cache_memory_fraction:g}")
+        reason = ". ".join(str(exc).split(". ")[:2]).rstrip(".") or "out of memory"
+        return ValueError(f"{flag}: the KV cache leaves too little memory on {self.device} for the CUDA graphs and "
+                          f"the largest iteration ({cfg.max_num_batched_tokens} tokens over up to "
+                          f"{cfg.max_num_seqs} sequences): {reason}. Lower {flag.split()[0]}, or "
+                          "--max-num-batched-tokens or --max-num-seqs")
 
     def _eos_ids(self, hf_config) -> frozenset[int]:
         ids = getattr(hf_config, "eos_token_id", None)

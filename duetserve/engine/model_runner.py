@@ -26,6 +26,7 @@ from duetserve.engine.cuda_graphs import DecodeGraphs
 from duetserve.engine.piecewise_graphs import PiecewiseGraphs
 from duetserve.engine.sampler import Sampler, SamplingBatch
 from duetserve.engine.scheduler import ScheduledSeq, SchedulerOutput
+from duetserve.engine.sequence import Sequence
 from duetserve.engine.upload import upload
 from duetserve.model.attention import AttentionMetadata
 from duetserve.model.decoder import CausalLM
@@ -280,6 +281,52 @@ class ModelRunner:
             aligned = positions[-1:].clone()
             self.sampler.sample(logits, self.sampler.prepare([-1], [SamplingParams()], logits.shape[-1]), aligned)
             self.sampler.release(-1)
+
+    @torch.inference_mode()
+    def run_largest_batch(self, num_tokens: int, num_seqs: int, max_len: int) -> int:
+        """Run the largest iteration the scheduler can make, once, on all SMs: ``num_seqs``
+        prompts of ``num_tokens`` tokens in all, split as evenly as they go (each prompt at least
+        one token, so at most ``num_tokens`` prompts, and at most ``max_len`` tokens, the longest
+        context, so at most ``num_seqs * max_len`` tokens), every one sampled through the torch
+        path (``top_k`` 50 and ``top_p`` 0.9: float32 sorts of its logits, the sampler's largest
+        buffers). Every K/V goes to the scratch block; nothing else in the cache changes, and
+        the sampler's default generator is left as it was. Its activations and logits are what a
+        serving iteration allocates beyond the weights, the KV cache and the graphs' pools, so
+        running it at start-up turns a cache that leaves too little memory into an error before
+        any request, instead of failed requests mid-serving (vLLM sizes its cache after a
+        profile run of the same batch).
+
+        Returns:
+            peak bytes the pass allocated beyond what was allocated before it (CUDA; 0 elsewhere).
+
+        Raises:
+            torch.OutOfMemoryError: the device had not the memory for it.
+        """
+        n = max(1, min(num_seqs, num_tokens))
+        total = min(num_tokens, n * max_len)
+        lens = [total // n + 1] * (total % n) + [total // n] * (n - total % n)
+        block = self.scratch_slot // self.block_size
+        params = SamplingParams(temperature=1.0, top_k=50, top_p=0.9, seed=0)  # seeded: no draw from the sampler's RNG
+        batch = []
+        for i, q in enumerate(lens):
+            table = [block] * -(-q // self.block_size)
+            seq = Sequence(-1 - i, [0] * q, q, params, block_table=table, block_array=np.asarray(table, np.int32))
+            batch.append(ScheduledSeq(seq, q, 0))
+        cuda = self.device.type == "cuda"
+        if cuda:
+            torch.cuda.synchronize(self.device)
+            before = torch.cuda.memory_allocated(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+        state = self.sampler.default_generator.get_state()  # unseeded requests draw as if it had not run
+        try:
+            self._sample(self._prepare(batch, 0, [None] * n), self.graphs)
+            if cuda:
+                torch.cuda.synchronize(self.device)
+        finally:
+            self.sampler.default_generator.set_state(state)
+            for s in batch:
+                self.sampler.release(s.seq.seq_id)
+        return torch.cuda.max_memory_allocated(self.device) - before if cuda else 0
 
     def execute(self, out: SchedulerOutput) -> Iterator[Sampled]:
         """Launch ``out`` and return an iterator over its sampled tokens, part by part. A
