@@ -344,6 +344,8 @@ WRONG_TYPES = [
      "Input should be a valid string (messages.0.name)"),  # was accepted
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "text"}]}]}, "messages",
      'Input should be a string or a list of {"type": "text", "text": ...} parts (messages.0.content)'),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": []}]}, "messages",
+     "content is an empty list: give at least one text part (messages.0.content)"),  # was accepted
 ]
 
 

@@ -185,7 +185,8 @@ class TextPart(BaseModel):
 
 
 class ChatMessage(BaseModel):
-    """One chat message; only an assistant message may leave ``content`` out or null (OpenAI's rule)."""
+    """One chat message; only an assistant message may leave ``content`` out or null, and a list
+    of parts must hold at least one (OpenAI's rules)."""
 
     role: Literal["system", "user", "assistant", "developer", "tool"]
     name: str | None = None  # OpenAI's participant name; checked, not passed to the chat template
@@ -199,6 +200,8 @@ class ChatMessage(BaseModel):
         role = info.data.get("role")
         if content is None and role is not None and role != "assistant":
             raise PydanticCustomError("missing", f"a {role} message needs content: a string or a list of text parts")
+        if content == []:  # OpenAI's schema: an array of at least one part
+            raise PydanticCustomError("too_short", "content is an empty list: give at least one text part")
         return content
 
 
