@@ -124,7 +124,8 @@ def test_largest_batch_runs_at_start_and_fails_cleanly_without_memory(tiny_qwen3
                           max_num_batched_tokens=65536, max_num_seqs=256, num_kv_blocks=256, block_size=16)
     engine = LLMEngine(config)
     assert engine.max_model_len == 512
-    assert engine.runner.run_largest_batch(65536, 256, 512) >= 65536 * 2 * 128 * 4
+    tokens, prompts, peak = engine.runner.run_largest_batch(65536, 256, 512)
+    assert (tokens, prompts) == (65536, 256) and peak >= 65536 * 2 * 128 * 4
     fillers = []
     try:
         torch.cuda.empty_cache()

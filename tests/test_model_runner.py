@@ -249,7 +249,7 @@ def test_largest_batch_splits_the_budget_samples_every_prompt_and_writes_only_th
         return sample(logits, batch, positions)
 
     runner.model.forward, runner.sampler.sample = spy_forward, spy_sample
-    assert runner.run_largest_batch(50, 8, 512) == 0  # peak bytes are counted on CUDA only
+    assert runner.run_largest_batch(50, 8, 512) == (50, 8, 0)  # peak bytes are counted on CUDA only
     scratch = 16 * 8
     assert forwards == [(0, [7, 7, 6, 6, 6, 6, 6, 6], list(range(scratch, scratch + 7)))]
     assert samples == [(8, [50] * 8, [pytest.approx(0.9)] * 8)]
@@ -260,10 +260,10 @@ def test_largest_batch_splits_the_budget_samples_every_prompt_and_writes_only_th
     assert runner.sampler._generators == {} and runner.sampler._seeds == {}
 
     forwards.clear()
-    runner.run_largest_batch(5, 8, 512)
+    assert runner.run_largest_batch(5, 8, 512) == (5, 5, 0)
     assert forwards == [(0, [1] * 5, [scratch])]
     forwards.clear()
-    runner.run_largest_batch(50, 3, 12)
+    assert runner.run_largest_batch(50, 3, 12) == (36, 3, 0)
     assert forwards == [(0, [12, 12, 12], list(range(scratch, scratch + 8)))]
 
 
@@ -284,9 +284,29 @@ def test_out_of_memory_after_the_kv_cache_names_the_flag_that_sized_it(tiny_qwen
     monkeypatch.setattr(ModelRunner, "warm_up", oom)
     with pytest.raises(ValueError) as err:
         LLMEngine(EngineConfig(model=str(tiny_qwen3_folder), num_kv_blocks=blocks, block_size=8,
-                               kv_cache_memory_fraction=0.5, cpu_kv_cache_bytes=1 << 20,
+                               kv_cache_memory_fraction=0.5, cpu_kv_cache_bytes=1 << 20, max_model_len=100,
                                max_num_batched_tokens=4096, max_num_seqs=128, partition_backend="none"))
     assert str(err.value) == (f"{flag}: the KV cache leaves too little memory on cpu for the CUDA graphs and the "
-                              "largest iteration (4096 tokens over up to 128 sequences): CUDA out of memory. "
-                              f"Tried to allocate 2.00 GiB. Lower {flag.split()[0]}, or --max-num-batched-tokens "
-                              "or --max-num-seqs")
+                              "largest iteration (--max-num-batched-tokens 4096, --max-num-seqs 128, --max-model-len "
+                              "100): CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of "
+                              f"139.81 GiB of which 1.06 GiB is free. Lower {flag.split()[0]}, or one of the other "
+                              "three")
+
+
+@pytest.mark.parametrize("policy, bound", [("chunked", 64), ("prefill-first", 99 + 7)])
+def test_largest_iteration_bounds_what_the_scheduler_runs(tiny_qwen3_folder, policy, bound):
+    """The start-up pass's tokens (``_largest_iteration_tokens``): the 64-token budget where
+    prompts are chunked; where they are not (prefill-first), a 99-token prompt (the longest
+    a 100-token context allows) runs whole in one iteration, so the bound is 99 + 7 (beside
+    up to 7 decodes), not the budget."""
+    from duetserve.config import EngineConfig
+    from duetserve.engine.engine import LLMEngine
+    from duetserve.sampling import SamplingParams
+
+    engine = LLMEngine(EngineConfig(model=str(tiny_qwen3_folder), num_kv_blocks=64, block_size=8, max_model_len=100,
+                                    max_num_batched_tokens=64, max_num_seqs=8, policy=policy,
+                                    partition_backend="none"))
+    assert engine._largest_iteration_tokens(engine.scheduler.policy.chunked_prefill) == bound
+    engine.add_request("long", list(range(3, 102)), SamplingParams(max_tokens=1, temperature=0.0))
+    first = engine.scheduler.schedule()
+    assert sum(s.num_new_tokens for s in first.prefills) == (64 if policy == "chunked" else 99) <= bound

@@ -181,7 +181,7 @@ class LLMEngine:
             self.runner.warm_up()
             log.info("ran the eager passes' kernel variants in %.1f s", time.perf_counter() - start)
             if self.device.type == "cuda":
-                self._run_largest_batch()
+                self._run_largest_batch(policy.chunked_prefill)
         except torch.OutOfMemoryError as exc:
             raise self._out_of_memory(exc) from exc
         self.runner.interrupt = self._interrupted
@@ -300,32 +300,45 @@ class LLMEngine:
         raise ValueError(f"{flag}: the KV cache needs {need / 2**30:.1f} GiB, more than the {free / 2**30:.1f} GiB "
                          f"free on {self.device}")
 
-    def _run_largest_batch(self) -> None:
-        """Run the largest iteration once (``ModelRunner.run_largest_batch``: the token budget over
-        ``max_num_seqs`` prompts of at most ``max_model_len`` tokens) after the KV cache, the CUDA graphs and the warm-up took their
+    def _largest_iteration_tokens(self, chunked_prefill: bool) -> int:
+        """Most tokens one iteration can hold: the token budget where prompts are chunked to
+        fit it; else (prefill-first, pdmux) a prompt over the budget runs whole, up to
+        ``max_model_len - 1`` tokens, beside up to ``max_num_seqs - 1`` decodes
+        (``Scheduler.schedule``)."""
+        cfg = self.config
+        if chunked_prefill:
+            return cfg.max_num_batched_tokens
+        return max(cfg.max_num_batched_tokens, self.max_model_len - 1 + cfg.max_num_seqs - 1)
+
+    def _run_largest_batch(self, chunked_prefill: bool) -> None:
+        """Run the largest iteration once (``ModelRunner.run_largest_batch``: the
+        ``_largest_iteration_tokens`` over ``max_num_seqs`` prompts of at most
+        ``max_model_len`` tokens) after the KV cache, the CUDA graphs and the warm-up took their
         memory, and log what it took (CUDA only).
 
         Raises:
             torch.OutOfMemoryError: the device had not the memory for it.
         """
-        cfg = self.config
-        peak = self.runner.run_largest_batch(cfg.max_num_batched_tokens, cfg.max_num_seqs, self.max_model_len)
-        log.info("the largest iteration (%d tokens over up to %d sequences) took %.2f GiB; %.2f GiB left free",
-                 cfg.max_num_batched_tokens, cfg.max_num_seqs, peak / 2**30,
-                 torch.cuda.mem_get_info(self.device)[0] / 2**30)
+        tokens, prompts, peak = self.runner.run_largest_batch(self._largest_iteration_tokens(chunked_prefill),
+                                                              self.config.max_num_seqs, self.max_model_len)
+        spare = torch.cuda.mem_get_info(self.device)[0] + torch.cuda.memory_reserved(self.device) \
+            - torch.cuda.memory_allocated(self.device)
+        log.info("the largest iteration (%d tokens over %d prompts) took %.2f GiB; %.2f GiB left (free, or held "
+                 "unused by PyTorch's allocator)", tokens, prompts, peak / 2**30, spare / 2**30)
 
     def _out_of_memory(self, exc: torch.OutOfMemoryError) -> ValueError:
         """The start-up error for an out-of-memory after the KV cache was allocated: names the
         flag that sized the cache (``--num-kv-blocks`` or ``--kv-cache-memory-fraction``) and the
-        two that size the largest iteration, with the first two sentences of torch's message."""
+        three that size the largest iteration and the graphs, with the first three sentences of
+        torch's message (what it tried to allocate, and what the GPU had free)."""
         cfg = self.config
         flag = (f"--num-kv-blocks {cfg.num_kv_blocks}" if cfg.num_kv_blocks
                 else f"--kv-cache-memory-fraction {cfg.kv_cache_memory_fraction:g}")
-        reason = ". ".join(str(exc).split(". ")[:2]).rstrip(".") or "out of memory"
+        reason = ". ".join(str(exc).split(". ")[:3]).rstrip(".") or "out of memory"
         return ValueError(f"{flag}: the KV cache leaves too little memory on {self.device} for the CUDA graphs and "
-                          f"the largest iteration ({cfg.max_num_batched_tokens} tokens over up to "
-                          f"{cfg.max_num_seqs} sequences): {reason}. Lower {flag.split()[0]}, or "
-                          "--max-num-batched-tokens or --max-num-seqs")
+                          f"the largest iteration (--max-num-batched-tokens {cfg.max_num_batched_tokens}, "
+                          f"--max-num-seqs {cfg.max_num_seqs}, --max-model-len {self.max_model_len}): {reason}. "
+                          f"Lower {flag.split()[0]}, or one of the other three")
 
     def _eos_ids(self, hf_config) -> frozenset[int]:
         ids = getattr(hf_config, "eos_token_id", None)

@@ -283,7 +283,7 @@ class ModelRunner:
             self.sampler.release(-1)
 
     @torch.inference_mode()
-    def run_largest_batch(self, num_tokens: int, num_seqs: int, max_len: int) -> int:
+    def run_largest_batch(self, num_tokens: int, num_seqs: int, max_len: int) -> tuple[int, int, int]:
         """Run the largest iteration the scheduler can make, once, on all SMs: ``num_seqs``
         prompts of ``num_tokens`` tokens in all, split as evenly as they go (each prompt at least
         one token, so at most ``num_tokens`` prompts, and at most ``max_len`` tokens, the longest
@@ -296,8 +296,13 @@ class ModelRunner:
         any request, instead of failed requests mid-serving (vLLM sizes its cache after a
         profile run of the same batch).
 
+        Attention's own buffers are those of a batch without cached context or decodes: for
+        the Triton and flash-attn backends they do not grow with context, while the torch
+        reference backend's gathers of the cached keys do and are not covered.
+
         Returns:
-            peak bytes the pass allocated beyond what was allocated before it (CUDA; 0 elsewhere).
+            (tokens, prompts) the pass ran, and the peak bytes it allocated beyond what was
+            allocated before it (CUDA; 0 elsewhere).
 
         Raises:
             torch.OutOfMemoryError: the device had not the memory for it.
@@ -306,7 +311,8 @@ class ModelRunner:
         total = min(num_tokens, n * max_len)
         lens = [total // n + 1] * (total % n) + [total // n] * (n - total % n)
         block = self.scratch_slot // self.block_size
-        params = SamplingParams(temperature=1.0, top_k=50, top_p=0.9, seed=0)  # seeded: no draw from the sampler's RNG
+        # seeded: the race kernel's seeds are drawn from no RNG (the default generator's draw is undone below)
+        params = SamplingParams(temperature=1.0, top_k=50, top_p=0.9, seed=0)
         batch = []
         for i, q in enumerate(lens):
             table = [block] * -(-q // self.block_size)
@@ -326,7 +332,7 @@ class ModelRunner:
             self.sampler.default_generator.set_state(state)
             for s in batch:
                 self.sampler.release(s.seq.seq_id)
-        return torch.cuda.max_memory_allocated(self.device) - before if cuda else 0
+        return total, n, torch.cuda.max_memory_allocated(self.device) - before if cuda else 0
 
     def execute(self, out: SchedulerOutput) -> Iterator[Sampled]:
         """Launch ``out`` and return an iterator over its sampled tokens, part by part. A
