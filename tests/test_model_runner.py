@@ -310,3 +310,23 @@ def test_largest_iteration_bounds_what_the_scheduler_runs(tiny_qwen3_folder, pol
     engine.add_request("long", list(range(3, 102)), SamplingParams(max_tokens=1, temperature=0.0))
     first = engine.scheduler.schedule()
     assert sum(s.num_new_tokens for s in first.prefills) == (64 if policy == "chunked" else 99) <= bound
+
+
+def test_largest_iteration_log_counts_the_allocators_unused_cache_as_left(tiny_qwen3_folder, monkeypatch, caplog):
+    """``_run_largest_batch`` (run at start-up on CUDA; here on the CPU with CUDA's memory
+    queries stood in for): it logs the tokens and prompts the pass ran and, as left, CUDA's
+    free memory plus what PyTorch's allocator holds unused (3 + 5 - 4 = 4 GiB)."""
+    import logging
+
+    from duetserve.config import EngineConfig
+    from duetserve.engine.engine import LLMEngine
+
+    engine = LLMEngine(EngineConfig(model=str(tiny_qwen3_folder), num_kv_blocks=64, block_size=8, max_model_len=100,
+                                    max_num_batched_tokens=64, max_num_seqs=8, partition_backend="none"))
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (3 << 30, 140 << 30))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device: 5 << 30)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device: 4 << 30)
+    with caplog.at_level(logging.INFO, logger="duetserve.engine.engine"):
+        engine._run_largest_batch(chunked_prefill=True)
+    assert caplog.messages == ["the largest iteration (64 tokens over 8 prompts) took 0.00 GiB; 4.00 GiB left "
+                               "(free, or held unused by PyTorch's allocator)"]
