@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 
 import pytest
 import torch
@@ -115,14 +116,16 @@ def test_kv_cache_beyond_free_gpu_memory_is_refused(tiny_qwen3_folder):
     assert abs(float(str(info.value).split("than the ")[1].split(" GiB")[0]) - free) < 2, (str(info.value), free)
 
 
-def test_largest_batch_runs_at_start_and_fails_cleanly_without_memory(tiny_qwen3_folder):
+def test_largest_batch_runs_at_start_and_fails_cleanly_without_memory(tiny_qwen3_folder, caplog):
     """The engine runs its largest iteration at start-up (``run_largest_batch``: here 65,536
     tokens over 256 prompts of 256, float32). Its peak is at least the MLP's gate/up output,
     65,536 x 2 x 128 x 4 bytes = 64 MiB. With the GPU's memory taken by other tensors it runs
     out of memory, and the engine then still serves: greedy tokens equal transformers'."""
     config = EngineConfig(model=str(tiny_qwen3_folder), device="cuda", dtype="float32",
                           max_num_batched_tokens=65536, max_num_seqs=256, num_kv_blocks=256, block_size=16)
-    engine = LLMEngine(config)
+    with caplog.at_level(logging.INFO, logger="duetserve.engine.engine"):
+        engine = LLMEngine(config)
+    assert [m for m in caplog.messages if m.startswith("the largest iteration (65536 tokens over 256 prompts) took ")]
     assert engine.max_model_len == 512
     tokens, prompts, peak = engine.runner.run_largest_batch(65536, 256, 512)
     assert (tokens, prompts) == (65536, 256) and peak >= 65536 * 2 * 128 * 4

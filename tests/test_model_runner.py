@@ -271,8 +271,9 @@ def test_largest_batch_splits_the_budget_samples_every_prompt_and_writes_only_th
 def test_out_of_memory_after_the_kv_cache_names_the_flag_that_sized_it(tiny_qwen3_folder, monkeypatch, blocks, flag):
     """An out-of-memory while the graphs are recorded, the warm-up runs or the largest
     iteration runs (here the warm-up) becomes a ValueError at start-up that names the flag
-    which sized the KV cache and the two that size the iteration, with torch's first two
-    sentences."""
+    which sized the KV cache and the three that size the iteration and the graphs, with
+    torch's first three sentences; so does a library's RuntimeError saying the same
+    (cuBLAS' ALLOC_FAILED), while any other RuntimeError passes through."""
     from duetserve.config import EngineConfig
     from duetserve.engine.engine import LLMEngine
     from duetserve.engine.model_runner import ModelRunner
@@ -281,6 +282,22 @@ def test_out_of_memory_after_the_kv_cache_names_the_flag_that_sized_it(tiny_qwen
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity "
                                      "of 139.81 GiB of which 1.06 GiB is free.")
 
+    def cublas(self):
+        raise RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`")
+
+    def other(self):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    config = EngineConfig(model=str(tiny_qwen3_folder), num_kv_blocks=blocks, block_size=8,
+                          kv_cache_memory_fraction=0.5, cpu_kv_cache_bytes=1 << 20, max_model_len=100,
+                          max_num_batched_tokens=4096, max_num_seqs=128, partition_backend="none")
+    monkeypatch.setattr(ModelRunner, "warm_up", cublas)
+    with pytest.raises(ValueError, match=f"^{flag}: the KV cache leaves too little memory .*: CUDA error: "
+                                         "CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate"):
+        LLMEngine(config)
+    monkeypatch.setattr(ModelRunner, "warm_up", other)
+    with pytest.raises(RuntimeError, match="illegal memory access"):
+        LLMEngine(config)
     monkeypatch.setattr(ModelRunner, "warm_up", oom)
     with pytest.raises(ValueError) as err:
         LLMEngine(EngineConfig(model=str(tiny_qwen3_folder), num_kv_blocks=blocks, block_size=8,

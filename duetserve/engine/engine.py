@@ -116,6 +116,14 @@ def _available_host_bytes() -> int | None:
     return None
 
 
+def _is_out_of_memory(exc: BaseException) -> bool:
+    """Whether ``exc`` reports device memory running out: torch's ``OutOfMemoryError``, or a
+    RuntimeError from a library that allocated on its own (cuBLAS' ``ALLOC_FAILED``, CUDA's
+    ``out of memory`` from a graph or a kernel launch)."""
+    text = str(exc)
+    return isinstance(exc, torch.OutOfMemoryError) or "out of memory" in text or "ALLOC_FAILED" in text
+
+
 def split_levels(policy, partition: PartitionBackend) -> list[int]:
     """Decode SM counts to record split decode graphs for: the policy's own where it has them
     (``decode_levels``: pdmux's groups; none for the temporal policies, chunked and prefill-first),
@@ -182,7 +190,9 @@ class LLMEngine:
             log.info("ran the eager passes' kernel variants in %.1f s", time.perf_counter() - start)
             if self.device.type == "cuda":
                 self._run_largest_batch(policy.chunked_prefill)
-        except torch.OutOfMemoryError as exc:
+        except (torch.OutOfMemoryError, RuntimeError) as exc:
+            if not _is_out_of_memory(exc):
+                raise
             raise self._out_of_memory(exc) from exc
         self.runner.interrupt = self._interrupted
         self._interrupt: Callable[[], bool] | None = None
@@ -303,8 +313,9 @@ class LLMEngine:
     def _largest_iteration_tokens(self, chunked_prefill: bool) -> int:
         """Most tokens one iteration can hold: the token budget where prompts are chunked to
         fit it; else (prefill-first, pdmux) a prompt over the budget runs whole, up to
-        ``max_model_len - 1`` tokens, beside up to ``max_num_seqs - 1`` decodes
-        (``Scheduler.schedule``)."""
+        ``max_model_len - 1`` tokens, beside up to ``max_num_seqs - 1`` decodes under pdmux
+        (``Scheduler.schedule``; prefill-first runs prompts without decodes, so the bound holds
+        it with room to spare)."""
         cfg = self.config
         if chunked_prefill:
             return cfg.max_num_batched_tokens
@@ -326,7 +337,7 @@ class LLMEngine:
         log.info("the largest iteration (%d tokens over %d prompts) took %.2f GiB; %.2f GiB left (free, or held "
                  "unused by PyTorch's allocator)", tokens, prompts, peak / 2**30, spare / 2**30)
 
-    def _out_of_memory(self, exc: torch.OutOfMemoryError) -> ValueError:
+    def _out_of_memory(self, exc: BaseException) -> ValueError:
         """The start-up error for an out-of-memory after the KV cache was allocated: names the
         flag that sized the cache (``--num-kv-blocks`` or ``--kv-cache-memory-fraction``) and the
         three that size the largest iteration and the graphs, with the first three sentences of

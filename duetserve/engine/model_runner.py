@@ -289,12 +289,15 @@ class ModelRunner:
         one token, so at most ``num_tokens`` prompts, and at most ``max_len`` tokens, the longest
         context, so at most ``num_seqs * max_len`` tokens), every one sampled through the torch
         path (``top_k`` 50 and ``top_p`` 0.9: float32 sorts of its logits, the sampler's largest
-        buffers). Every K/V goes to the scratch block; nothing else in the cache changes, and
-        the sampler's default generator is left as it was. Its activations and logits are what a
-        serving iteration allocates beyond the weights, the KV cache and the graphs' pools, so
-        running it at start-up turns a cache that leaves too little memory into an error before
-        any request, instead of failed requests mid-serving (vLLM sizes its cache after a
-        profile run of the same batch).
+        buffers). Where split-level decode graphs exist (duet, pdmux), the sampling runs while a
+        buffer as large as the forward's peak is held: a split's decode steps sample beside the
+        prefill's live activations on the other stream. Every K/V goes to the scratch block;
+        nothing else in the cache changes, and the sampler's default generator is left as it
+        was. Its activations and logits are what a serving iteration allocates beyond the
+        weights, the KV cache and the graphs' pools, so running it at start-up turns a cache
+        that leaves too little memory into an error before any request, instead of failed
+        requests mid-serving (vLLM sizes its cache after a profile run of the same batch).
+        It resets CUDA's peak-memory statistics.
 
         Attention's own buffers are those of a batch without cached context or decodes: for
         the Triton and flash-attn backends they do not grow with context, while the torch
@@ -325,7 +328,15 @@ class ModelRunner:
             torch.cuda.reset_peak_memory_stats(self.device)
         state = self.sampler.default_generator.get_state()  # unseeded requests draw as if it had not run
         try:
-            self._sample(self._prepare(batch, 0, [None] * n), self.graphs)
+            inputs = self._prepare(batch, 0, [None] * n)
+            hidden = self._forward(inputs)
+            held = None
+            if cuda and self.split_graphs:  # a split samples decode steps while its prefill's activations live
+                torch.cuda.synchronize(self.device)
+                held = torch.empty(torch.cuda.max_memory_allocated(self.device) - before, dtype=torch.uint8,
+                                   device=self.device)
+            self._head(hidden, inputs)
+            del held
             if cuda:
                 torch.cuda.synchronize(self.device)
         finally:
@@ -653,9 +664,15 @@ class ModelRunner:
         if decode_only and graphs is not None and graphs.bucket(n):
             return self.sampler.sample(graphs.run(inputs.input_ids, inputs.positions, inputs.meta), inputs.sampling,
                                        inputs.positions)
-        if not decode_only and self.piecewise is not None and self.piecewise.bucket(n):
-            return self._head(self.piecewise.run(inputs.input_ids, inputs.positions, inputs.meta), inputs)
-        return self._head(self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta), inputs)
+        return self._head(self._forward(inputs), inputs)
+
+    def _forward(self, inputs: StepInputs) -> torch.Tensor:
+        """Final-normed hidden states ``[tokens, hidden]`` of a batch run on the current stream: from
+        the piecewise graphs where it has prefill tokens and one holds it, else eagerly."""
+        n = inputs.input_ids.shape[0]
+        if inputs.meta.num_decodes < n and self.piecewise is not None and self.piecewise.bucket(n):
+            return self.piecewise.run(inputs.input_ids, inputs.positions, inputs.meta)
+        return self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
 
     def _head(self, hidden: torch.Tensor, inputs: StepInputs) -> torch.Tensor:
         """Sampled tokens ``[n]`` (int64, on the device) from the final-normed hidden states
