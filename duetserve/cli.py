@@ -8,6 +8,7 @@ import logging
 import math
 import os
 import re
+import signal
 import socket
 import sys
 from pathlib import Path
@@ -278,13 +279,18 @@ def _serve_on(sock: socket.socket, args: argparse.Namespace, parser: argparse.Ar
     gc.collect()
     gc.freeze()
 
+    server = DrainingServer(uvicorn.Config(app, log_level=args.log_level,
+                                           timeout_graceful_shutdown=args.shutdown_timeout + ABORT_GRACE_S),
+                            async_engine.abort_all, args.shutdown_timeout)
     try:
-        DrainingServer(uvicorn.Config(app, log_level=args.log_level,
-                                      timeout_graceful_shutdown=args.shutdown_timeout + ABORT_GRACE_S),
-                       async_engine.abort_all, args.shutdown_timeout).run(sockets=[sock])
+        server.run(sockets=[sock])
     finally:  # not reached on SIGTERM (see create_app): the app's shutdown runs stop()
         gc.unfreeze()
         stop()  # returned without the app's shutdown (a failed start-up): nothing ran it
+    if server.exit_signal == signal.SIGINT:
+        # uvicorn raises the signal again once it has stopped, which ends here as KeyboardInterrupt;
+        # a process started with SIGINT ignored (`&` in a script) returns instead: end the same way
+        raise KeyboardInterrupt
     return 0
 
 

@@ -27,12 +27,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(*args: str) -> tuple[subprocess.Popen, str]:
+def start_server(*args: str, sigint_ignored: bool = False) -> tuple[subprocess.Popen, str]:
     """``duetserve serve`` on the embedded model on a free port, with ``args``, once healthy:
-    (the process, its output merged in one text pipe; its base URL)."""
+    (the process, its output merged in one text pipe; its base URL). ``sigint_ignored``: the
+    process starts with SIGINT ignored, as a job started with ``&`` by a script does."""
     port = free_port()
     cmd = [sys.executable, "-m", "duetserve.cli", "serve", "--port", str(port), *args]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    ignore = (lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)) if sigint_ignored else None
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, preexec_fn=ignore)
     base = f"http://127.0.0.1:{port}"
     deadline = time.time() + 300
     while time.time() < deadline:
@@ -146,6 +148,16 @@ def test_chat_text_parts_are_joined_by_newlines():
                                        {"role": "assistant", "content": ""}]
 
 
+def test_ctrl_c_exits_130_also_when_sigint_was_ignored_at_start(smollm_folder):
+    """A server started with SIGINT ignored (``duetserve serve &`` in a script) still stops on
+    SIGINT, as uvicorn handles it, and now also ends as after Ctrl-C: "interrupted", exit
+    status 130 (it exited 0 without the line: uvicorn's re-raised signal was ignored)."""
+    proc, _ = start_server("--num-kv-blocks", "64", sigint_ignored=True)
+    proc.send_signal(signal.SIGINT)
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 130 and out.endswith("duetserve serve: interrupted\n"), out[-3000:]
+
+
 def test_draining_server_signals():
     """The first Ctrl-C asks for the shutdown; a second ends the running requests
     (``abort_all``, on the server's loop) even before uvicorn's loop has begun the shutdown (it
@@ -161,6 +173,7 @@ def test_draining_server_signals():
         server.loop = loop  # as startup() sets it
         server.handle_exit(signal.SIGINT, None)
         assert server.should_exit and not server.force_exit and not server.ended_early
+        assert server.exit_signal == signal.SIGINT  # serve ends with "interrupted", 130
         server.handle_exit(signal.SIGINT, None)
         assert server.ended_early and not server.force_exit
         loop.run_until_complete(asyncio.sleep(0))

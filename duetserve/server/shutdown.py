@@ -28,6 +28,7 @@ class DrainingServer(uvicorn.Server):
         self.shutdown_timeout = shutdown_timeout
         self.loop: asyncio.AbstractEventLoop | None = None  # the server's loop, set as it starts
         self.ended_early = False
+        self.exit_signal: int | None = None  # the first exit signal received
 
     async def startup(self, sockets=None) -> None:
         self.loop = asyncio.get_running_loop()
@@ -38,6 +39,8 @@ class DrainingServer(uvicorn.Server):
         await super().shutdown(sockets=sockets)
 
     def handle_exit(self, sig: int, frame) -> None:
+        if self.exit_signal is None:
+            self.exit_signal = sig
         # A second Ctrl-C, whether or not the loop has begun the shutdown the first one asked for
         # (uvicorn looks every 0.1 s): waiting for the shutdown to begin let one that came sooner
         # force uvicorn out.
