@@ -148,14 +148,14 @@ def test_shipped_h200_carries_the_measured_kernel_overheads():
     from duetserve.planner.hardware import roofline_only
 
     h200 = load_profile("h200")
-    assert h200.kernel_gpu_s == pytest.approx(4.71e-6) and h200.launch_cpu_s == pytest.approx(43.03e-6)
+    assert h200.kernel_gpu_s == pytest.approx(3.52e-6) and h200.launch_cpu_s == pytest.approx(42.85e-6)
     # counted by calibrate's profiled forward (453 = 36 x 12 + 21), less the split-merge kernel a layer
     # that decode attention no longer launches (profile_decode.py: 350 = 36 x 9 + 26 at 8 x 512 in graphs)
     assert h200.kernel_count("decode", 36) == 36 * 11 + 21 == 417
     assert h200.kernel_count("narrow_decode", 36) == 36 * 9 + 26 == 350
     assert h200.kernel_count("prefill", 36) == 36 * 10 + 22 == 382
     # serving host time, fitted to seven served runs' iteration logs (duetserve.calibrate.host)
-    assert (h200.host_per_request_s, h200.host_eager_s, h200.host_piecewise_s) == (5.07e-5, 6.79e-3, 3.22e-3)
+    assert (h200.host_per_request_s, h200.host_eager_s, h200.host_piecewise_s) == (5.43e-5, 6.95e-3, 3.54e-3)
     assert h200.provenance["host_eager_s"] == "measured"
     assert h200.provenance["kernel_gpu_s"] == "measured"
     assert h200.attention_efficiency == 0.4 and h200.provenance["attention_efficiency"] == "measured"
