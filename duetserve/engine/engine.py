@@ -138,6 +138,8 @@ class LLMEngine:
 
     Raises (constructor):
         FileNotFoundError / KeyError / ValueError: the model cannot be loaded or the config is invalid.
+        ValueError: on CUDA, the memory the KV cache left does not hold the CUDA graphs, the warm-up
+            or the largest iteration (``_run_largest_batch``); it names the flag to lower.
     """
 
     def __init__(self, config: EngineConfig):
