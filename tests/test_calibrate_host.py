@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from duetserve.calibrate.host import (
+    fit_gap,
     fit_host_overheads,
     gap_summary,
     read_iteration_log,
@@ -140,6 +141,30 @@ def test_gap_summary_of_the_host_time_between_iterations():
     assert gap_summary([{"measured_s": 0.05}]) is None
 
 
+def test_gap_fit_follows_the_requests_of_the_iteration_before():
+    """``fit_gap``: gaps of exactly 1 ms + 10 us per request of the record before are recovered;
+    a record without a gap, the first of a log and the first of another server (``policy``) are
+    left out; a gap that shrinks with the requests fits no per-request term (its median then);
+    fewer than 2 gaps fit nothing."""
+    rng = np.random.default_rng(1)
+    counts = rng.integers(1, 200, 300)
+    records, before = [], None
+    for i, n in enumerate(counts):
+        policy = "duet" if i < 150 else "chunked"
+        gap = None if before is None else 0.001 + 1e-5 * before
+        if i == 150:
+            gap = 9.0  # the other server's first record: left out
+        records.append({"policy": policy, "requests": [[1, 100]] * int(n), "gap_s": gap, "measured_s": 0.02})
+        before = n
+    records.insert(40, {"policy": "duet", "requests": [[1, 100]] * 7, "measured_s": 0.02})  # no gap_s
+    records[41]["gap_s"] = 0.001 + 1e-5 * 7
+    assert fit_gap(records) == (pytest.approx(0.001, rel=1e-6), pytest.approx(1e-5, rel=1e-6))
+    shrinking = [{"policy": "p", "requests": [[1, 1]] * n, "gap_s": 0.01 - 1e-5 * n, "measured_s": 0.02}
+                 for n in (10, 50, 100, 150, 200)]  # each gap read against the requests of the one before
+    assert fit_gap(shrinking) == (pytest.approx(np.median([0.0095, 0.009, 0.0085, 0.008])), 0.0)
+    assert fit_gap(records[:2]) is None
+
+
 def test_calibrate_iteration_log_writes_the_profile(tmp_path, capsys):
     log = tmp_path / "it.jsonl"
     log.write_text("\n".join(json.dumps(r) for r in log_records(3e-4, 0.012, H200.host_per_request_s,
@@ -162,8 +187,14 @@ def test_calibrate_iteration_log_writes_the_profile(tmp_path, capsys):
     log.write_text("\n".join(json.dumps(r) for r in gapped) + "\n")
     assert main(["calibrate", "--gpu-name", "lab", "--out", str(out), "--iteration-log", str(log)]) == 0
     share = 100 * 0.002 * len(gapped) / sum(r["measured_s"] for r in gapped)
-    assert (f"host time between iterations (gap_s, not fitted) on {len(gapped)} iterations: median 2.00 ms, "
-            f"p90 2.00 ms, {share:.1f}% of their own time") in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert (f"host time between iterations (gap_s) on {len(gapped)} iterations: median 2.00 ms, "
+            f"p90 2.00 ms, {share:.1f}% of their own time") in printed
+    assert ("fitted (for the simulator, not priced by the cost model): host_gap_s 2.000 ms + "
+            "host_gap_per_request_s 0.00 us a request of the iteration before") in printed
+    p = load_profile(out)
+    assert (p.host_gap_s, p.host_gap_per_request_s) == (pytest.approx(0.002), pytest.approx(0.0, abs=1e-12))
+    assert p.provenance["host_gap_s"] == p.provenance["host_gap_per_request_s"] == "measured"
     log.write_text("\n".join(json.dumps(r) for r in log_records(3e-4, 0.012, H200.host_per_request_s,
                                                                  H200.host_eager_s, h_pw=0.0025,
                                                                  h_pw0=H200.piecewise_host_s)) + "\n")

@@ -245,8 +245,11 @@ def test_profile_round_trip_with_overheads(tmp_path):
 
 @pytest.mark.parametrize("change, message", [
     ({"kernel_gpu_s": -1e-6}, ">= 0"),
-    ({"host_per_request_s": -1e-4}, "host_per_request_s and host_eager_s must be >= 0"),
-    ({"host_eager_s": -0.01}, "host_eager_s must be >= 0"),
+    ({"host_per_request_s": -1e-4}, "host_per_request_s, host_eager_s, host_gap_s and host_gap_per_request_s "
+                                    "must be >= 0"),
+    ({"host_eager_s": -0.01}, "must be >= 0 seconds"),
+    ({"host_gap_s": -1e-3}, "host_gap_s and host_gap_per_request_s must be >= 0 seconds"),
+    ({"host_gap_per_request_s": -1e-6}, "host_gap_per_request_s must be >= 0 seconds"),
     ({"kernels_per_layer": {"decode": 50}}, "need kernels_per_layer for"),
     ({"kernels_per_forward": {"decode": 1, "prefill": 2, "mixed": 3}}, "kernels_per_forward maps"),
     ({"kernels_per_layer": {"decode": 1.5, "prefill": 2}}, "kernel counts >= 0"),

@@ -232,6 +232,27 @@ def test_multi_step_decode_counts_the_host_time_once_and_stops_when_a_request_ar
         SimConfig(hosted, decode_steps=0)
 
 
+def test_host_gap_delays_each_next_iteration_by_the_requests_of_the_last(planner):
+    """With ``host_gap_s`` 5 ms and ``host_gap_per_request_s`` 1 ms, each iteration after the
+    first starts 5 + 1 x (requests of the one before) ms after it ends, and none follows the
+    last: two prompts of 300 and 200 tokens with 3 outputs each run the same three iterations as
+    without a gap, each shifted by the gaps before it (2 x 7 ms in all)."""
+    gapped = dataclasses.replace(planner.profile, host_gap_s=0.005, host_gap_per_request_s=0.001,
+                                 provenance={**planner.profile.provenance, "host_gap_s": "measured",
+                                             "host_gap_per_request_s": "measured"})
+    trace = [TraceRequest(0.0, 300, 3), TraceRequest(0.0, 200, 3)]
+    runs = [simulate(trace, policy_by_name("chunked", config), SimConfig(config, decode_steps=1))
+            for config in (planner, PlannerConfig(planner.shape, gapped, TAU))]
+    plain, with_gap = (r.iterations for r in runs)
+    assert [(it.num_decodes, it.num_prefill_tokens) for it in plain] == [(0, 500), (2, 0), (2, 0)]
+    assert [it.duration_s for it in with_gap] == pytest.approx([it.duration_s for it in plain], rel=1e-12)
+    shift = 0.0
+    for before, ours, theirs in zip([None, *plain], with_gap, plain):
+        shift += 0.0 if before is None else 0.005 + 0.001 * 2  # each iteration ran both requests
+        assert ours.start_s == pytest.approx(theirs.start_s + shift, abs=1e-12)
+    assert runs[1].duration_s == pytest.approx(runs[0].duration_s + 2 * 0.007, abs=1e-12)
+
+
 def test_multi_step_decode_stops_once_a_finished_request_makes_room_for_a_waiting_one(planner):
     """As the engine (``LLMEngine._interrupted``): with both sequence slots taken, a decode that ends
     at step 1 of an 8-step iteration (2 steps applied) lets steps 0-3 run, not 8, and the waiting

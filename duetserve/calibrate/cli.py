@@ -11,7 +11,8 @@ before the fit, the calibrated profile after it, the held-out shapes before and 
 on the other shapes, and the base profile; ``--plot`` draws predicted against measured.
 
 ``--iteration-log LOG [LOG ...]`` instead fits the serving host time (``host_per_request_s``,
-``host_eager_s``, ``host_piecewise_s``; ``duetserve.calibrate.host``) to the iteration logs
+``host_eager_s``, ``host_piecewise_s``, and between iterations ``host_gap_s`` and
+``host_gap_per_request_s``; ``duetserve.calibrate.host``) to the iteration logs
 (pooled; ``.gz`` read gzipped) of servers that planned with ``--base``, needs no GPU, and writes
 ``--base`` with the terms the logs' iterations fit replaced.
 
@@ -39,7 +40,7 @@ from duetserve.argtypes import (
     plot_file,
     write_output,
 )
-from duetserve.calibrate.host import fit_host_overheads, gap_summary, read_iteration_log
+from duetserve.calibrate.host import fit_gap, fit_host_overheads, gap_summary, read_iteration_log
 from duetserve.calibrate.report import (
     format_curves,
     format_errors,
@@ -154,8 +155,11 @@ def fit_host(args: argparse.Namespace) -> int:
     except (ValueError, OSError) as exc:
         print(f"duetserve calibrate: error: --iteration-log {logs}: {exc}", file=sys.stderr)
         return 1
+    gap = fit_gap(records)
     fields = {k: v for k, v in (("host_per_request_s", fit.host_per_request_s), ("host_eager_s", fit.host_eager_s),
-                                ("host_piecewise_s", fit.host_piecewise_s)) if v is not None}
+                                ("host_piecewise_s", fit.host_piecewise_s),
+                                ("host_gap_s", gap and gap[0]), ("host_gap_per_request_s", gap and gap[1]))
+              if v is not None}
     profile = dataclasses.replace(args.base, name=args.gpu_name, **fields,
                                   provenance={**args.base.provenance, **dict.fromkeys(fields, "measured")})
     try:
@@ -169,8 +173,11 @@ def fit_host(args: argparse.Namespace) -> int:
           f"median |pred - meas| / meas: {100 * fit.median_error_before:.1f}% as logged, "
           f"{100 * fit.median_error_after:.1f}% with the fitted terms\nprofile: {args.out}")
     if (gaps := gap_summary(records)) is not None:  # not priced: the iterations' own time only
-        print(f"host time between iterations (gap_s, not fitted) on {gaps.count} iterations: median "
+        print(f"host time between iterations (gap_s) on {gaps.count} iterations: median "
               f"{gaps.median_s * 1e3:.2f} ms, p90 {gaps.p90_s * 1e3:.2f} ms, {100 * gaps.share:.1f}% of their own time")
+    if gap is not None:
+        print(f"fitted (for the simulator, not priced by the cost model): host_gap_s {gap[0] * 1e3:.3f} ms + "
+              f"host_gap_per_request_s {gap[1] * 1e6:.2f} us a request of the iteration before")
     return 0
 
 

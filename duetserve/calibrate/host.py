@@ -107,6 +107,31 @@ def gap_summary(records: Iterable[Mapping[str, Any]]) -> GapSummary | None:
                       float(gaps.sum() / measured.sum()))
 
 
+def fit_gap(records: Iterable[Mapping[str, Any]]) -> tuple[float, float] | None:
+    """``(host_gap_s, host_gap_per_request_s)``: the L1 fit of ``gap_s = a + b R`` over the
+    records that carry a ``gap_s``, ``R`` the requests of the record before it (the iteration
+    whose tokens the gap hands out), both terms >= 0 (a negative one is set to 0 and the other
+    refitted); None when fewer than 2 records carry one. On the H200 at 256 sequences the gap
+    grew from 0.7 ms at the median with under 8 requests to 2.9 ms with 96 or more
+    (docs/benchmarks.md, twenty-ninth session)."""
+    rows, before = [], None
+    for r in records:
+        gap = r.get("gap_s")
+        if gap is not None and before is not None and before.get("policy") == r.get("policy"):
+            rows.append((len(before.get("requests") or ()), gap))
+        before = r
+    if len(rows) < 2:
+        return None
+    requests, gaps = np.array(rows, dtype=float).T
+    ones = np.ones_like(requests)
+    a, b = _l1_fit(np.column_stack([ones, requests]), gaps, ones)
+    if b < 0:
+        return float(np.median(gaps)), 0.0
+    if a < 0:
+        return 0.0, float(_l1_fit(requests[:, None], gaps, ones)[0])
+    return float(a), float(b)
+
+
 def temporal_rows(records: Iterable[Mapping[str, Any]], profile: HardwareProfile) -> np.ndarray:
     """``(N, 8)`` array of the temporal single-step iterations with both times, columns ``R``
     (decodes plus prefill chunks; logs without ``num_prefills`` count one chunk when there are

@@ -28,8 +28,12 @@ profile carries one consistent set). ``host_per_request_s`` and ``host_eager_s``
 serving engine's host time per temporal iteration that overlaps no GPU work (scheduling,
 building inputs, reading the tokens, detokenizing and streaming them): seconds per request in
 the batch, and seconds more when the iteration runs eagerly (it has prefill tokens); fitted by
-``duetserve calibrate --iteration-log`` from a server's iteration log. All default to 0: a
-pure roofline.
+``duetserve calibrate --iteration-log`` from a server's iteration log. ``host_gap_s`` and
+``host_gap_per_request_s`` are the host time between two iterations while work is left (handing
+out the last iteration's tokens, metrics, new requests, the HTTP thread's hold on the GIL:
+``StepStats.gap_s``), fixed and per request of the iteration before; the cost model does not
+price it (it is no iteration's time), the simulator waits it between iterations. All default to
+0: a pure roofline.
 ``duetserve.planner.cost_model`` says how they enter a prediction.
 
 Between points both curves are interpolated linearly, starting from ``(0, 0)``: below the
@@ -95,7 +99,8 @@ class HardwareProfile:
     ``host_per_request_s`` and ``host_eager_s`` (seconds, >= 0): the serving host time of a
     temporal iteration (module docstring); ``host_piecewise_s`` (seconds, >= 0, or None: the
     ``host_eager_s`` term) replaces ``host_eager_s`` for an iteration replayed from piecewise CUDA
-    graphs (``piecewise_host_s``).
+    graphs (``piecewise_host_s``). ``host_gap_s`` and ``host_gap_per_request_s`` (seconds, >= 0):
+    the host time between iterations (module docstring; ``gap_s``).
 
     ``attention_efficiency`` (in (0, 1], default 1): the share of ``Pi(S)`` that the engine's
     prefill attention kernel reaches on attention FLOPs (a GEMM-rate roofline is optimistic for
@@ -139,6 +144,12 @@ class HardwareProfile:
     host_eager_s: float = 0.0
     narrow_decode_batch: int = 0
     host_piecewise_s: float | None = None
+    host_gap_s: float = 0.0
+    host_gap_per_request_s: float = 0.0
+
+    def gap_s(self, requests: int) -> float:
+        """Seconds of host time between an iteration of ``requests`` requests and the next one."""
+        return self.host_gap_s + requests * self.host_gap_per_request_s
 
     def __post_init__(self) -> None:
         for f in fields(self):  # numbers first: NaN passes every comparison below (and hung simulate)
@@ -179,9 +190,10 @@ class HardwareProfile:
             raise ValueError(f"{self.name}: provenance values must be in {PROVENANCE_VALUES}: {bad}")
 
     def _check_overheads(self) -> None:
-        if min(self.kernel_gpu_s, self.launch_cpu_s, self.host_per_request_s, self.host_eager_s) < 0:
-            raise ValueError(f"{self.name}: kernel_gpu_s, launch_cpu_s, host_per_request_s and host_eager_s "
-                             f"must be >= 0 seconds")
+        if min(self.kernel_gpu_s, self.launch_cpu_s, self.host_per_request_s, self.host_eager_s, self.host_gap_s,
+               self.host_gap_per_request_s) < 0:
+            raise ValueError(f"{self.name}: kernel_gpu_s, launch_cpu_s, host_per_request_s, host_eager_s, host_gap_s "
+                             f"and host_gap_per_request_s must be >= 0 seconds")
         pw = self.host_piecewise_s
         if pw is not None and (isinstance(pw, bool) or not isinstance(pw, (int, float)) or not 0 <= pw < math.inf):
             raise ValueError(f"{self.name}: host_piecewise_s must be a finite number of seconds >= 0 or null, "
@@ -281,7 +293,7 @@ class HardwareProfile:
 
 _OPTIONAL_PROVENANCE_FIELDS = ("kernel_gpu_s", "launch_cpu_s", "kernels_per_layer", "kernels_per_forward",
                                "attention_efficiency", "host_per_request_s", "host_eager_s", "narrow_decode_batch",
-                               "host_piecewise_s")
+                               "host_piecewise_s", "host_gap_s", "host_gap_per_request_s")
 _PROVENANCE_FIELDS = tuple(
     f.name
     for f in fields(HardwareProfile)
@@ -352,9 +364,9 @@ def _profile_dir():  # a Traversable (importlib.resources)
 
 
 def roofline_only(profile: HardwareProfile) -> HardwareProfile:
-    """``profile`` without the calibrated per-kernel and host overheads and attention
-    efficiency: the pure roofline of docs/design.md section 3."""
+    """``profile`` without the calibrated per-kernel and host overheads (the gap between
+    iterations included) and attention efficiency: the pure roofline of docs/design.md section 3."""
     provenance = {k: v for k, v in profile.provenance.items() if k not in _OPTIONAL_PROVENANCE_FIELDS}
     return replace(profile, kernel_gpu_s=0.0, launch_cpu_s=0.0, kernels_per_layer={}, kernels_per_forward={},
                    attention_efficiency=1.0, host_per_request_s=0.0, host_eager_s=0.0, narrow_decode_batch=0,
-                   host_piecewise_s=None, provenance=provenance)
+                   host_piecewise_s=None, host_gap_s=0.0, host_gap_per_request_s=0.0, provenance=provenance)

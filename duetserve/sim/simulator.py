@@ -29,6 +29,10 @@ Iteration time, by plan:
   its last layer finished (the engine checks, without waiting, as a round starts); alone, at
   the end of the round that ran its last layer.
 
+While work is left, the next iteration starts the profile's ``gap_s`` (``host_gap_s`` plus
+``host_gap_per_request_s`` per request of the iteration before) after the last one ends: the
+server's host time between iterations, which no prediction prices (``StepStats.gap_s``).
+
 With ``SimConfig.prediction_error`` sigma > 0 each of those times is the prediction times a
 lognormal factor ``exp(N(0, sigma^2))`` (median 1; a spatial iteration draws one for ``t_d`` and
 one for ``t_p``), seeded: the GPU runs iterations off their prediction (docs/benchmarks.md,
@@ -300,6 +304,8 @@ class _Run:
             for s in out.prefills:
                 self._record(s.seq, [prefill_time] * (s.seq.num_output_tokens - before[s.seq.seq_id]))
         self.now += duration
+        if self.scheduler.has_unfinished():  # the engine's host time before the next iteration (gap_s)
+            self.now += self.cm.profile.gap_s(len(out.scheduled))
         return finished
 
     def _record(self, seq: Seq, times: list[float]) -> None:
