@@ -156,6 +156,8 @@ def test_shipped_h200_carries_the_measured_kernel_overheads():
     assert h200.kernel_count("prefill", 36) == 36 * 10 + 22 == 382
     # serving host time, fitted to seven served runs' iteration logs (duetserve.calibrate.host)
     assert (h200.host_per_request_s, h200.host_eager_s, h200.host_piecewise_s) == (5.43e-5, 6.95e-3, 3.54e-3)
+    assert (h200.host_gap_s, h200.host_gap_per_request_s) == (7.99e-4, 1.098e-5)  # the same logs' gap_s
+    assert h200.gap_s(100) == pytest.approx(7.99e-4 + 100 * 1.098e-5)
     assert h200.provenance["host_eager_s"] == "measured"
     assert h200.provenance["kernel_gpu_s"] == "measured"
     assert h200.attention_efficiency == 0.4 and h200.provenance["attention_efficiency"] == "measured"

@@ -72,6 +72,31 @@ def test_duet_splits_when_the_mixed_batch_breaks_tau():
     assert policy.carry_s == pytest.approx(t_p124 - 2 * t_d8) and 0 < policy.carry_s < 5e-4
 
 
+def test_duet_budgets_the_host_gap_after_the_last_plan():
+    """With gap terms in the profile (15 ms + 1 ms a request), each plan's first-token budget is
+    the 100 ms SLO less the gap after the last plan's iteration. The 83.3 ms mixed batch of 16
+    decodes and a 4096-token prompt runs temporal as the first plan (nothing before it) and after
+    a one-decode plan (16 ms: 84 ms left), but splits (8 decode SMs, as at a 50 ms SLO) after its
+    own 17 requests (32 ms: 68 ms left). Without gap terms it stays temporal."""
+    base = planner(0.100)
+    t_mixed = float(base.cost_model.predict_total(DECODE + PREFILL, 132))
+    gapped = dataclasses.replace(base.profile, host_gap_s=0.015, host_gap_per_request_s=0.001,
+                                 provenance={**base.profile.provenance, "host_gap_s": "measured",
+                                             "host_gap_per_request_s": "measured"})
+    config = PlannerConfig(base.shape, gapped, 0.100, "greenctx")
+    policy = DuetPolicy(config)
+    first = policy.plan(DECODE, PREFILL, max_k=100)
+    assert not first.spatial and first.predicted_s == pytest.approx(t_mixed)
+    second = policy.plan(DECODE, PREFILL, max_k=100)
+    assert (second.spatial, second.s_decode) == (True, 8)
+    after_one = DuetPolicy(config)
+    after_one.plan([(1, 2000)], [], max_k=8)
+    assert not after_one.plan(DECODE, PREFILL, max_k=100).spatial
+    plain = DuetPolicy(base)
+    plain.plan(DECODE, PREFILL, max_k=100)
+    assert not plain.plan(DECODE, PREFILL, max_k=100).spatial
+
+
 def test_duet_without_partition_backend_trims_prefill_in_the_scheduler():
     config = planner(0.050, "none")
     plan = DuetPolicy(config).plan(DECODE, PREFILL, max_k=100)

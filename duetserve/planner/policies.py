@@ -137,6 +137,7 @@ class DuetPolicy:
     def __init__(self, config: PlannerConfig) -> None:
         self.config = config
         self.carry_s = 0.0  # idle tail of the last plan's decode stream, seconds: predicted, then measured (observe)
+        self._last_requests: int | None = None  # requests of the last plan: the host gap after it (plan)
         self.cost_model = copy.copy(config.cost_model)  # its decode margin and prefill scale follow the feedback
         self.decode_correction = 1.0  # measured / predicted decode step of spatial plans (observe)
         self.level_corrections: dict[int, float] = {}  # the same per decode SM count (observe)
@@ -204,10 +205,17 @@ class DuetPolicy:
         at those steps. The decodes then
         wait ``t_p - steps t_d`` for the prefill; that wait is carried into the next plan's
         first-token budget (``plan_iteration``'s ``carry_s``), or the measured one once ``observe``
-        has it."""
+        has it. So is the host time between the last plan's iteration and this one, which its
+        decodes waited too: the profile's ``gap_s`` for the last plan's requests (beyond the paper;
+        0 with a profile without gap terms, as the shipped ones are; docs/benchmarks.md,
+        twenty-ninth session: unbudgeted, a 1-3 ms gap after temporal batches planned to the SLO
+        broke it)."""
         c = self.config
+        gap = 0.0 if self._last_requests is None else c.profile.gap_s(self._last_requests)
         plan = plan_iteration(self.cost_model, decode_reqs, prefill_reqs, c.tau_s, c.profile.num_sms,
-                              c.granularity, c.min_sms, max_k, self.carry_s, self.trim_margin, self.temporal_scale)
+                              c.granularity, c.min_sms, max_k, self.carry_s + gap, self.trim_margin,
+                              self.temporal_scale)
+        self._last_requests = len(decode_reqs) + len(prefill_reqs)
         self.carry_s = 0.0
         if plan.spatial and prefill_reqs:  # room for a prefill slower than predicted (executor stops at its end)
             k = min(max_k, LOOKAHEAD_SLACK * plan.k)
