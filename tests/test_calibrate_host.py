@@ -190,7 +190,7 @@ def test_calibrate_iteration_log_writes_the_profile(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert (f"host time between iterations (gap_s) on {len(gapped)} iterations: median 2.00 ms, "
             f"p90 2.00 ms, {share:.1f}% of their own time") in printed
-    assert ("fitted (for the simulator, not priced by the cost model): host_gap_s 2.000 ms + "
+    assert ("fitted (duet's budget and the simulator; not in iteration predictions): host_gap_s 2.000 ms + "
             "host_gap_per_request_s 0.00 us a request of the iteration before") in printed
     p = load_profile(out)
     assert (p.host_gap_s, p.host_gap_per_request_s) == (pytest.approx(0.002), pytest.approx(0.0, abs=1e-12))

@@ -176,8 +176,9 @@ def fit_host(args: argparse.Namespace) -> int:
         print(f"host time between iterations (gap_s) on {gaps.count} iterations: median "
               f"{gaps.median_s * 1e3:.2f} ms, p90 {gaps.p90_s * 1e3:.2f} ms, {100 * gaps.share:.1f}% of their own time")
     if gap is not None:
-        print(f"fitted (for the simulator, not priced by the cost model): host_gap_s {gap[0] * 1e3:.3f} ms + "
-              f"host_gap_per_request_s {gap[1] * 1e6:.2f} us a request of the iteration before")
+        print(f"fitted (duet's budget and the simulator; not in iteration predictions): "
+              f"host_gap_s {gap[0] * 1e3:.3f} ms + host_gap_per_request_s {gap[1] * 1e6:.2f} us a request of the "
+              "iteration before")
     return 0
 
 

@@ -31,9 +31,10 @@ the batch, and seconds more when the iteration runs eagerly (it has prefill toke
 ``duetserve calibrate --iteration-log`` from a server's iteration log. ``host_gap_s`` and
 ``host_gap_per_request_s`` are the host time between two iterations while work is left (handing
 out the last iteration's tokens, metrics, new requests, the HTTP thread's hold on the GIL:
-``StepStats.gap_s``), fixed and per request of the iteration before; the cost model does not
-price it (it is no iteration's time), the simulator waits it between iterations. All default to
-0: a pure roofline.
+``StepStats.gap_s``), fixed and per request of the iteration before; the cost model's iteration
+predictions leave it out (it is no iteration's time), duet's first-token budget takes it off
+(``DuetPolicy.plan``), and the simulator waits it between iterations. All default to 0: a pure
+roofline.
 ``duetserve.planner.cost_model`` says how they enter a prediction.
 
 Between points both curves are interpolated linearly, starting from ``(0, 0)``: below the

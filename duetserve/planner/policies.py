@@ -207,9 +207,8 @@ class DuetPolicy:
         first-token budget (``plan_iteration``'s ``carry_s``), or the measured one once ``observe``
         has it. So is the host time between the last plan's iteration and this one, which its
         decodes waited too: the profile's ``gap_s`` for the last plan's requests (beyond the paper;
-        0 with a profile without gap terms, as the shipped ones are; docs/benchmarks.md,
-        twenty-ninth session: unbudgeted, a 1-3 ms gap after temporal batches planned to the SLO
-        broke it)."""
+        0 with a profile without gap terms; docs/benchmarks.md, twenty-ninth session: simulated
+        unbudgeted, a 1-3 ms gap after temporal batches planned to the SLO broke it)."""
         c = self.config
         gap = 0.0 if self._last_requests is None else c.profile.gap_s(self._last_requests)
         plan = plan_iteration(self.cost_model, decode_reqs, prefill_reqs, c.tau_s, c.profile.num_sms,
