@@ -50,6 +50,19 @@ def test_temporal_when_mixed_batch_meets_tau():
     assert plan(0.120) == Plan(False, 100, 100, 1, 0.11, 0.11, 0.11)
 
 
+def test_trim_margin_also_bounds_an_untrimmed_temporal_batch():
+    # tau = 120 ms fits the 110 ms mixed batch, but 0.8 tau = 96 ms does not: the batch is priced
+    # as a split and as trimmed. Best split S_d = 10, k = 2 (t_d 40 ms, t_p 100 ms); the engine runs
+    # 3 steps there (120 ms): (3 * 4 + 1000) / 0.120 = 8433 tok/s. Trimmed to 10 ms + 0.1 ms * m
+    # <= 96 ms: m = 860, (4 + 860) / 0.096 = 9000 tok/s, so the trimmed batch runs.
+    p = plan(0.120, trim_margin=0.8)
+    assert (p.spatial, p.slo_risk) == (False, False) and p.prefill_token_limit in (859, 860)
+    assert p.trim_rates == pytest.approx((9000, 1012 / 0.120), rel=2e-3)
+    assert plan(0.120, trim_margin=0.95) == Plan(False, 100, 100, 1, 0.11, 0.11, 0.11)  # 110 <= 114 ms
+    # without decodes no token waits on the batch: the margin does not apply
+    assert not plan_iteration(RoundCost(), [], PREFILL, 0.120, 100, 10, trim_margin=0.8).prefill_token_limit
+
+
 def test_infeasible_decode_partition_is_skipped_and_floor_k_chosen():
     # tau = 45 ms. S_d = 10: t_d = 40 ms, t_p(90) = 100 ms, k = 2 would give (8 + 1000) / 0.100 =
     #   10080 tok/s, but its tail gap 100 - 80 + 40 = 60 ms > tau; k = 3: 1012 / 0.120 = 8433.

@@ -51,17 +51,18 @@ class BlockManager:
             RuntimeError: not enough free blocks (call ``can_allocate`` first).
         """
         need = self.blocks_needed(seq, num_tokens)
+        if not need:
+            return
         if need > len(self._free):
             raise RuntimeError(f"out of KV blocks: need {need}, free {len(self._free)}")
         old = len(seq.block_table)
         seq.block_table.extend(self._free.popleft() for _ in range(need))
-        if need:  # the int32 mirror (Sequence.block_array), grown by doubling
-            n = old + need
-            if len(seq.block_array) < n:
-                grown = np.zeros(max(n, 2 * len(seq.block_array)), dtype=np.int32)
-                grown[:old] = seq.block_array[:old]
-                seq.block_array = grown
-            seq.block_array[old:n] = seq.block_table[old:n]
+        n = old + need  # the int32 mirror (Sequence.block_array), grown by doubling
+        if len(seq.block_array) < n:
+            grown = np.zeros(max(n, 2 * len(seq.block_array)), dtype=np.int32)
+            grown[:old] = seq.block_array[:old]
+            seq.block_array = grown
+        seq.block_array[old:n] = seq.block_table[old:n]
 
     def free(self, seq: Sequence) -> None:
         """Return all of ``seq``'s blocks to the pool."""

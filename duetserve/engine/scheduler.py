@@ -121,18 +121,22 @@ class Scheduler:
         skip_decode = self.policy.prefill_excludes_decode and self._has_prefill_work()
         decodes: list[ScheduledSeq] = []
         if not skip_decode:
+            blocks, size, running = self.blocks, self.blocks.block_size, SequenceStatus.RUNNING
             for seq in [s for s in self.running if s.is_decode]:
                 if budget == 0:
                     break
-                if seq.status is not SequenceStatus.RUNNING:
+                if seq.status is not running:
                     continue  # preempted to make room for an earlier sequence
-                if not self._make_room(seq, seq.num_tokens, preempted):
-                    continue
-                self.blocks.allocate(seq, seq.num_tokens)
+                n = len(seq.token_ids)
+                if n > len(seq.block_table) * size:  # its next token starts a block
+                    if not self._make_room(seq, n, preempted):
+                        continue
+                    blocks.allocate(seq, n)
                 decodes.append(ScheduledSeq(seq, 1, seq.num_computed_tokens))
                 budget -= 1
 
         max_k = 1
+        remaining = self._remaining([d.seq for d in decodes])
         if self._split_in_flight():
             prefills, plan = self._split
         else:
@@ -141,16 +145,16 @@ class Scheduler:
             # so the k it plans (and any wait it carries into the next plan) is the k that runs.
             free = self.blocks.num_free_blocks - sum(self.blocks.blocks_needed(s, s.num_computed_tokens + q)
                                                      for s, q in candidates)
-            max_k = self._lookahead_fit(decodes, max((self._remaining_tokens(d.seq) for d in decodes), default=1), free)
+            max_k = self._lookahead_fit(decodes, remaining, max(remaining, default=1), free)
             plan = self.policy.plan([(1, d.num_cached_tokens) for d in decodes],
                                     [(q, s.num_computed_tokens) for s, q in candidates], max_k)
             prefills = self._admit(self._trim(candidates, plan.prefill_token_limit))
             if plan.prefill_layers is not None and prefills:
                 self._split = (prefills, plan)
         if plan.spatial and decodes:
-            plan = dataclasses.replace(plan, k=self._reserve_lookahead(decodes, min(plan.k, max_k)))  # k <= max_k
+            plan = dataclasses.replace(plan, k=self._reserve_lookahead(decodes, remaining, min(plan.k, max_k)))
         elif decodes and not prefills and self.decode_steps > 1:  # multi-step decode
-            k = self._reserve_lookahead(decodes, min(self.decode_steps, max_k))
+            k = self._reserve_lookahead(decodes, remaining, min(self.decode_steps, max_k))
             # how many of the k steps run is known only afterwards: ServerMetrics predicts those
             plan = dataclasses.replace(plan, spatial=False, k=k, predicted_s=None)
         elif plan.spatial or plan.k != 1:
@@ -166,8 +170,11 @@ class Scheduler:
         self._split = (prefills, plan) if prefills else None
         return self._split is not None
 
-    def _remaining_tokens(self, seq: Sequence) -> int:
-        return min(seq.params.max_tokens - seq.num_output_tokens, self.max_model_len - seq.num_tokens)
+    def _remaining(self, seqs: list[Sequence]) -> list[int]:
+        """Tokens each of ``seqs`` may still generate (``max_tokens``, the context limit)."""
+        limit = self.max_model_len
+        return [min(s.params.max_tokens - n + s.num_prompt_tokens, limit - n)
+                for s in seqs for n in (len(s.token_ids),)]
 
     def _has_prefill_work(self) -> bool:
         if any(not s.is_decode for s in self.running):
@@ -255,34 +262,41 @@ class Scheduler:
             prefills.append(ScheduledSeq(seq, q, seq.num_computed_tokens))
         return prefills
 
-    def _lookahead_steps(self, d: ScheduledSeq, k: int) -> int:
-        """Look-ahead steps decode ``d`` can use out of ``k`` (its tokens left, at least 1)."""
-        return max(1, min(k, self._remaining_tokens(d.seq)))
+    def _lookahead_blocks(self, decodes: list[ScheduledSeq], remaining: list[int], k: int) -> int:
+        """Blocks the ``decodes`` need beyond what they hold for ``k`` look-ahead steps each (a
+        decode with fewer tokens ``remaining``, at least 1, only for those)."""
+        size = self.blocks.block_size
+        need = 0
+        for d, left in zip(decodes, remaining):
+            seq = d.seq
+            tokens = len(seq.token_ids) - 1 + max(1, min(k, left))
+            more = -(-tokens // size) - len(seq.block_table)
+            if more > 0:
+                need += more
+        return need
 
-    def _lookahead_fit(self, decodes: list[ScheduledSeq], k: int, free_blocks: int) -> int:
+    def _lookahead_fit(self, decodes: list[ScheduledSeq], remaining: list[int], k: int, free_blocks: int) -> int:
         """Largest depth <= min(``k``, ``MAX_LOOKAHEAD``) (at least 1) whose KV slots for every
-        decode fit ``free_blocks`` (binary search: the blocks needed grow with the depth)."""
-        def fits(depth: int) -> bool:
-            return sum(self.blocks.blocks_needed(d.seq, d.seq.num_tokens - 1 + self._lookahead_steps(d, depth))
-                       for d in decodes) <= free_blocks
-
+        decode (``remaining``: each one's tokens left) fit ``free_blocks`` (binary search: the
+        blocks needed grow with the depth)."""
         lo, hi = 1, min(k, MAX_LOOKAHEAD)
-        if hi == 1 or fits(hi):  # the common case (KV to spare) in one pass over the decodes
+        if hi == 1 or self._lookahead_blocks(decodes, remaining, hi) <= free_blocks:  # the common case
             return hi
         while lo < hi:
             mid = (lo + hi + 1) // 2
-            lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
+            lo, hi = (mid, hi) if self._lookahead_blocks(decodes, remaining, mid) <= free_blocks else (lo, mid - 1)
         return lo
 
-    def _reserve_lookahead(self, decodes: list[ScheduledSeq], k: int) -> int:
+    def _reserve_lookahead(self, decodes: list[ScheduledSeq], remaining: list[int], k: int) -> int:
         """Reserve KV slots for ``k`` decode steps (the policy was offered only depths that fit,
         see ``schedule``); returns ``k``.
 
-        A decode with fewer tokens left (``max_tokens`` or the context limit) gets only those
-        steps (``ScheduledSeq.max_steps``); the executor parks its extra steps on a scratch slot.
+        A decode with fewer tokens left (``remaining``: ``max_tokens`` or the context limit)
+        gets only those steps (``ScheduledSeq.max_steps``); the executor parks its extra steps
+        on a scratch slot.
         """
-        for d in decodes:
-            d.max_steps = self._lookahead_steps(d, k)
+        for d, left in zip(decodes, remaining):
+            d.max_steps = max(1, min(k, left))
             self.blocks.allocate(d.seq, d.seq.num_tokens - 1 + d.max_steps)
         return k
 

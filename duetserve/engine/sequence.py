@@ -65,12 +65,13 @@ class Sequence:
     @property
     def num_uncomputed_tokens(self) -> int:
         """Tokens not yet in the KV cache: the query length of the next full step."""
-        return self.num_tokens - self.num_computed_tokens
+        return len(self.token_ids) - self.num_computed_tokens
 
     @property
     def is_decode(self) -> bool:
         """True when the next step feeds exactly the last sampled token (a decode step)."""
-        return self.num_output_tokens > 0 and self.num_uncomputed_tokens == 1
+        n = len(self.token_ids)  # the scheduler asks this of every running sequence, every iteration
+        return n > self.num_prompt_tokens and n - self.num_computed_tokens == 1
 
     @property
     def is_finished(self) -> bool:
