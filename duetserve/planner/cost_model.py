@@ -374,14 +374,14 @@ class CostModel:
         if sms.dtype.kind not in "iu" or sms.min() < 1 or sms.max() > self.profile.num_sms:
             raise ValueError(f"SM counts must be integers in 1..{self.profile.num_sms}, got {sms}")
         pi, bw = self._pi[sms], self._bw[sms]
-        if len(groups) == 1:
-            q, c = groups[0]
-        else:  # one (R, X) array: a group in every variant repeats its column
-            width = max(g[0].shape[1] for g in groups)
-            q = np.concatenate([np.broadcast_to(g[0], (len(g[0]), width)) for g in groups])
-            c = np.concatenate([g[1] for g in groups])
-        n = q.sum(axis=0)
-        requests = np.count_nonzero(q, axis=0)
+        # Each group separately, its (1,) sums broadcast over the columns: a group in every
+        # variant (the decodes beside trimmed prefills) is summed once, not once a column.
+        width = max(len(pi), *(q.shape[1] for q, _ in groups))
+        n, requests, prefill = np.zeros(width, np.int64), np.zeros(width, np.int64), np.zeros(width, bool)
+        for q, _ in groups:
+            n += q.sum(axis=0)
+            requests += np.count_nonzero(q, axis=0)
+            prefill |= (q > 1).any(axis=0)
         if lm_head_tokens is not None:
             lm_tokens = np.asarray(lm_head_tokens)
         else:
@@ -390,10 +390,9 @@ class CostModel:
         token_ops = np.maximum(tokens * self._tok_f / pi, (tokens * self._tok_bt + self._tok_bf) / bw) * (tokens > 0)
         parts = np.empty((6, token_ops.shape[1]))
         parts[[0, 2, 4]] = self._tok_groups @ token_ops  # linear, norm_act, lm_head
-        parts[1] = self.shape.layers * self._attention_time(q, c, pi, bw)
+        parts[1] = self.shape.layers * sum(self._attention_time(q, c, pi, bw) for q, c in groups)
         parts[3] = self.shape.layers * self._allreduce_time(n, pi)
-        decode_only = ~(q > 1).any(axis=0)
-        parts[5] = self._overhead(parts[:5].sum(axis=0), decode_only, requests, n, graphs, host)
+        parts[5] = self._overhead(parts[:5].sum(axis=0), ~prefill, requests, n, graphs, host)
         return parts
 
     def _overhead(self, roofline: np.ndarray, decode_only: np.ndarray, requests: np.ndarray, tokens: np.ndarray,
