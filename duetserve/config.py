@@ -138,6 +138,8 @@ class EngineConfig:
             (0 <= self.seed < 2**64, "--seed", "must be in [0, 2**64)"),  # torch's generators take no more
             (self.partition_backend in PARTITION_BACKENDS + ("auto",), "--partition-backend",
              f"must be auto or one of {', '.join(PARTITION_BACKENDS)}"),
+            (not self.decode_stream or (self.device.startswith("cuda") and not self.enforce_eager), "--decode-stream",
+             "needs decode CUDA graphs: a CUDA device and no --enforce-eager"),
             (self.policy != "pdmux" or self.partition_backend != "none", "--policy",
              "pdmux needs an SM partition backend (greenctx or tpcmask); this engine has none: "
              "use duet, chunked or prefill-first"),

@@ -205,7 +205,8 @@ def test_calibrate_iteration_log_writes_the_profile(tmp_path, capsys):
     assert p.piecewise_host_s == pytest.approx(0.0025) and p.host_eager_s == pytest.approx(0.012)
     log.write_text('{"spatial": false}\nnot json\n')
     assert main(["calibrate", "--gpu-name", "lab", "--out", str(out), "--iteration-log", str(log)]) == 1
-    assert "line 2: not JSON" in capsys.readouterr().err
+    assert capsys.readouterr().err == (f"duetserve calibrate: error: --iteration-log: {log}: line 2: not JSON "
+                                       "(Expecting value at line 1 column 1)\n")
     with pytest.raises(ValueError, match="line 2"):
         read_iteration_log(log)
     for text, message in (("[1, 2]\n", "line 1: not a JSON object but list"),

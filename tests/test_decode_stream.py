@@ -149,12 +149,14 @@ def test_decode_step_matches_the_models_forward(tmp_path):
     assert float((got_kv - ref_kv).norm() / ref_kv.norm()) < 2e-2
 
 
-def test_engine_refuses_the_decode_stream_without_cuda_graphs(tiny_qwen3_folder):
+def test_config_refuses_the_decode_stream_without_cuda_graphs(tiny_qwen3_folder):
     from duetserve.config import EngineConfig
-    from duetserve.engine.engine import LLMEngine
 
+    # refused by the config, before the model loads
+    with pytest.raises(ValueError, match="^--decode-stream needs decode CUDA graphs: a CUDA device and no "):
+        EngineConfig(model=str(tiny_qwen3_folder), num_kv_blocks=64, decode_stream=True)
     with pytest.raises(ValueError, match="^--decode-stream needs decode CUDA graphs"):
-        LLMEngine(EngineConfig(model=str(tiny_qwen3_folder), num_kv_blocks=64, decode_stream=True))
+        EngineConfig(device="cuda", enforce_eager=True, decode_stream=True)
 
 
 @pytest.mark.gpu

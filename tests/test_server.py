@@ -807,6 +807,13 @@ def test_unknown_fields_are_ignored_with_a_warning(caplog):
         CompletionRequest(prompt="hi", reasoning_effort="low", **quiet).sampling_params(16)
     assert [r.getMessage() for r in caplog.records] == [
         "The following fields were present in the request but ignored: ['reasoning_effort']"]
+    caplog.clear()  # unknown keys inside stream_options too
+    with caplog.at_level("WARNING", logger="duetserve.server.protocol"):
+        params = CompletionRequest(prompt="hi", stream=True, stream_options={"include_usage": True, "foo": 1},
+                                   baz=0).sampling_params(16)
+    assert params.max_tokens == 16
+    assert [r.getMessage() for r in caplog.records] == [
+        "The following fields were present in the request but ignored: ['baz', 'stream_options.foo']"]
 
 
 # A value asking for something, for every field in protocol._UNSUPPORTED (a pair: /v1/completions, chat)

@@ -151,8 +151,12 @@ def fit_host(args: argparse.Namespace) -> int:
     logs = " ".join(map(str, args.iteration_log))
     try:
         records = [r for path in args.iteration_log for r in read_iteration_log(path)]
+    except (ValueError, OSError) as exc:  # its message names the file
+        print(f"duetserve calibrate: error: --iteration-log: {exc}", file=sys.stderr)
+        return 1
+    try:
         fit = fit_host_overheads(records, args.base)
-    except (ValueError, OSError) as exc:
+    except ValueError as exc:
         print(f"duetserve calibrate: error: --iteration-log {logs}: {exc}", file=sys.stderr)
         return 1
     gap = fit_gap(records)

@@ -62,6 +62,7 @@ def _nulls_as_defaults(model: type[BaseModel], data: Any) -> Any:
 
 
 class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="allow")  # unknown keys are named in the request's warning
     include_usage: StrictBool = False
     # vLLM's: with include_usage, every chunk carries the usage so far (not only the last)
     continuous_usage_stats: StrictBool = False
@@ -148,6 +149,8 @@ class _SamplingFields(BaseModel):
                     for off in self._unsupported[name]):
                 raise ParamError(f"{name} is not supported by this server", name)
         ignored = sorted(set(self.model_extra or {}) - set(self._unsupported) - _QUIET)
+        if self.stream_options is not None:
+            ignored += sorted(f"stream_options.{name}" for name in self.stream_options.model_extra or {})
         if ignored:  # as vLLM warns
             log.warning("The following fields were present in the request but ignored: %s", ignored)
         if self.stream_options is not None and not self.stream:
