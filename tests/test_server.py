@@ -15,6 +15,8 @@ import time
 import httpx
 import pytest
 
+import duetserve
+
 pytestmark = pytest.mark.slow
 
 KEY = "test-key"
@@ -1042,3 +1044,45 @@ def test_real_server_aborts_a_prefill_when_the_client_leaves(server, stream):
     assert metric(server, "vllm:kv_cache_usage_perc") == 0
     assert metric(server, "vllm:request_success_total", 'finished_reason="abort"') == aborted + 1
     assert metric(server, "vllm:generation_tokens_total") == generated  # no token: aborted in its prefill
+
+
+def test_tokenize_detokenize_and_version(server, tokenizer):
+    """vLLM's /tokenize, /detokenize and /version: the tokens are Hugging Face's, a chat's are those
+    /v1/chat/completions counts as its prompt, and bad input gets an OpenAI error body."""
+    prompt = "The capital of France is"
+    r = httpx.post(f"{server}/tokenize", json={"prompt": prompt})
+    assert r.status_code == 200
+    assert r.json() == {"count": len(tokenizer.encode(prompt)), "max_model_len": 8192,
+                        "tokens": tokenizer.encode(prompt), "token_strs": None}
+    r = httpx.post(f"{server}/tokenize", json={"prompt": prompt, "return_token_strs": True,
+                                               "add_special_tokens": False})
+    ids = tokenizer.encode(prompt, add_special_tokens=False)
+    assert r.json()["tokens"] == ids and r.json()["token_strs"] == tokenizer.convert_ids_to_tokens(ids)
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a colour."}]
+    counts = {}
+    for generation_prompt in (True, False):
+        chat = tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt, tokenize=True)
+        chat = chat if isinstance(chat, list) else chat["input_ids"]
+        r = httpx.post(f"{server}/tokenize", json={"messages": messages, "add_generation_prompt": generation_prompt})
+        assert r.status_code == 200 and r.json()["tokens"] == chat
+        counts[generation_prompt] = r.json()["count"]
+    assert counts[True] > counts[False]
+    r = httpx.post(f"{server}/v1/chat/completions", headers=AUTH, timeout=120,
+                   json={"messages": messages, "max_tokens": 1})
+    assert r.json()["usage"]["prompt_tokens"] == counts[True]
+    r = httpx.post(f"{server}/detokenize", json={"tokens": [504, 3575, 282, 4649, 314]})
+    assert r.status_code == 200 and r.json() == {"prompt": tokenizer.decode([504, 3575, 282, 4649, 314])}
+    assert httpx.get(f"{server}/version").json() == {"version": duetserve.__version__}
+    for path, body, status, param, message in (
+            ("/tokenize", {"prompt": "a", "messages": messages}, 400, "prompt", "send exactly one of prompt and messages"),
+            ("/tokenize", {}, 400, "prompt", "send exactly one of prompt and messages"),
+            ("/tokenize", {"messages": []}, 400, "messages", "messages must not be empty"),
+            ("/tokenize", {"prompt": "a", "model": "gpt-4"}, 404, "model", "the model `gpt-4` does not exist"),
+            ("/detokenize", {"tokens": [1, 10**9]}, 400, "tokens", "token ids must be in [0, 49152)"),
+            ("/detokenize", {"tokens": ["a"]}, 400, "tokens", "Input should be a valid integer")):
+        r = httpx.post(f"{server}{path}", json=body)
+        assert r.status_code == status, (path, body, r.text)
+        error = r.json()["error"]
+        assert error["param"] == param and error["message"].startswith(message), (path, body, error)
+    assert httpx.post(f"{server}/v1/completions", headers=AUTH, timeout=120,
+                      json={"prompt": prompt, "max_tokens": 1}).status_code == 200  # still serving

@@ -22,7 +22,14 @@ from duetserve.engine.async_engine import AsyncEngine, EngineError
 from duetserve.engine.engine import RequestOutput
 from duetserve.sampling import ParamError, SamplingParams, check_text
 from duetserve.server.metrics import ServerMetrics
-from duetserve.server.protocol import ChatCompletionRequest, CompletionRequest
+from duetserve import __version__
+from duetserve.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+    template_messages,
+)
 
 log = logging.getLogger(__name__)
 
@@ -167,9 +174,9 @@ def create_app(engine: AsyncEngine, metrics: ServerMetrics, model_name: str, api
         except Exception as exc:  # tokenizer and template errors are the client's input
             raise ParamError(f"cannot tokenize the {param}: {type(exc).__name__}", param) from exc
 
-    def need_tokenizer(param: str) -> None:
+    def need_tokenizer(param: str, hint: str = ": send the prompt as token ids") -> None:
         if tokenizer is None:
-            raise ParamError("this model has no tokenizer: send the prompt as token ids", param)
+            raise ParamError(f"this model has no tokenizer{hint}", param)
 
     @app.api_route("/health", methods=["GET", "HEAD"])  # load balancers probe with either
     async def health():
@@ -195,6 +202,44 @@ def create_app(engine: AsyncEngine, metrics: ServerMetrics, model_name: str, api
             return error_response(404, f"the model `{model_id}` does not exist; this server serves `{model_name}`",
                                   "model")
         return model_card()
+
+    @app.get("/version")
+    async def version():
+        return {"version": __version__}
+
+    @app.post("/tokenize")
+    async def tokenize_endpoint(body: TokenizeRequest):
+        """Token ids of a prompt, or of chat messages as ``/v1/chat/completions`` renders them
+        (vLLM's ``/tokenize``): ``{"count", "max_model_len", "tokens", "token_strs"}``."""
+        check_model(body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise ParamError("send exactly one of prompt and messages", "prompt")
+        param = "prompt" if body.messages is None else "messages"
+        need_tokenizer(param, "")
+        if body.messages is None:
+            check_text(body.prompt, "prompt")
+            text, special = body.prompt, body.add_special_tokens is not False
+        else:
+            messages = template_messages(body.messages)
+            for m in messages:
+                check_text(m["content"], "messages")
+            text = await tokenize(sum(len(m["content"]) for m in messages), "messages",
+                                  lambda: tokenizer.apply_chat_template(
+                                      messages, add_generation_prompt=body.add_generation_prompt, tokenize=False))
+            special = bool(body.add_special_tokens)
+        ids = await tokenize(text, param, lambda: tokenizer.encode(text, add_special_tokens=special))
+        strs = tokenizer.convert_ids_to_tokens(ids) if body.return_token_strs else None
+        return {"count": len(ids), "max_model_len": engine.engine.max_model_len, "tokens": ids, "token_strs": strs}
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest):
+        """The text of token ids (vLLM's ``/detokenize``): ``{"prompt"}``."""
+        check_model(body.model)
+        need_tokenizer("tokens", "")
+        vocab = engine.engine.model.dims.vocab_size
+        if any(not 0 <= t < vocab for t in body.tokens):
+            raise ParamError(f"token ids must be in [0, {vocab})", "tokens")
+        return {"prompt": await run_in_threadpool(tokenizer.decode, body.tokens)}
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):

@@ -217,16 +217,45 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: Int | None = None
 
     def chat_messages(self) -> list[dict[str, str]]:
-        """Messages as plain ``{"role", "content"}`` dicts for the tokenizer's chat template; a
-        message's text parts joined by newlines, as vLLM joins them.
+        """``template_messages(self.messages)``."""
+        return template_messages(self.messages)
 
-        Raises:
-            ParamError: no messages.
-        """
-        if not self.messages:
-            raise ParamError("messages must not be empty", "messages")
-        out = []
-        for m in self.messages:
-            content = m.content if isinstance(m.content, str) else "\n".join(p.text for p in m.content or [])
-            out.append({"role": "system" if m.role == "developer" else m.role, "content": content})
-        return out
+
+def template_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
+    """Messages as plain ``{"role", "content"}`` dicts for the tokenizer's chat template; a
+    message's text parts joined by newlines, as vLLM joins them; ``developer`` becomes ``system``.
+
+    Raises:
+        ParamError: no messages.
+    """
+    if not messages:
+        raise ParamError("messages must not be empty", "messages")
+    out = []
+    for m in messages:
+        content = m.content if isinstance(m.content, str) else "\n".join(p.text for p in m.content or [])
+        out.append({"role": "system" if m.role == "developer" else m.role, "content": content})
+    return out
+
+
+class TokenizeRequest(BaseModel):
+    """``POST /tokenize`` (vLLM's): ``prompt`` text, or chat ``messages`` as the chat template
+    renders them for ``/v1/chat/completions``; exactly one of the two (the endpoint checks).
+
+    ``add_special_tokens`` (default: true for a prompt, false for messages, as vLLM): whether the
+    tokenizer adds its special tokens (e.g. BOS) to the text; ``add_generation_prompt`` (messages
+    only): end with the assistant turn's opening, as chat completions do; ``return_token_strs``:
+    also return each token's string."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: StrictBool | None = None
+    add_generation_prompt: StrictBool = True
+    return_token_strs: StrictBool = False
+
+
+class DetokenizeRequest(BaseModel):
+    """``POST /detokenize`` (vLLM's): ``tokens``, token ids, back to text."""
+
+    model: str | None = None
+    tokens: list[Int]
