@@ -322,14 +322,17 @@ def main(argv: list[str] | None = None) -> int:
     required = [a for command in sub.choices.values() for a in command._actions if a.required and a.option_strings]
     for action in required:
         action.required = False
+    typed = list(sys.argv[1:] if argv is None else argv)
+    joined = join_negative_values(typed)
     try:
-        args, unknown = parser.parse_known_args(join_negative_values(sys.argv[1:] if argv is None else argv))
+        args, unknown = parser.parse_known_args(joined)
     finally:
         for action in required:
             action.required = True
     command = sub.choices[args.command]
     if unknown:  # as the subcommand's own parser words it (its usage line and prog), not the top level's
-        command.error(f"unrecognized arguments: {' '.join(unknown)}")
+        as_typed = {item: item.replace("=", " ", 1) for item in set(joined) - set(typed)}  # --flag -5 was joined
+        command.error(f"unrecognized arguments: {' '.join(as_typed.get(item, item) for item in unknown)}")
     missing = [a.option_strings[0] for a in required if a in command._actions and getattr(args, a.dest) is None]
     if missing:
         command.error(f"the following arguments are required: {', '.join(missing)}")

@@ -539,7 +539,9 @@ def test_version(capsys):
 
 
 @pytest.mark.parametrize("argv", [["serve", "--bogus", "x"], ["bench", "--num-requests", "5", "--qps", "2", "--bogus"],
-                                  ["simulate", "--bogus"], ["calibrate", "--out", "p.json", "--bogus", "1"]])
+                                  ["simulate", "--bogus"], ["calibrate", "--out", "p.json", "--bogus", "1"],
+                                  # a negative value is joined to its flag for argparse, shown as typed
+                                  ["calibrate", "--gpu-name", "x", "--out", "p.json", "--bogus", "-5ms"]])
 def test_an_unknown_flag_gets_the_subcommands_usage(argv, capsys):
     """Named before a missing required flag (``simulate --qps``, ``calibrate --gpu-name``)."""
     with pytest.raises(SystemExit) as exc:
