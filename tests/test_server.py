@@ -138,14 +138,14 @@ def test_sse_events_are_compact_json_with_utf8_text():
 def test_chat_text_parts_are_joined_by_newlines():
     """A message's text parts reach the chat template joined by newlines, as vLLM joins them (they
     were glued together: "Translate to French:Good morning"); developer messages become system."""
-    from duetserve.server.protocol import ChatCompletionRequest
+    from duetserve.server.protocol import ChatCompletionRequest, template_messages
 
     request = ChatCompletionRequest(messages=[
         {"role": "developer", "content": [{"type": "text", "text": "Be brief."}]},
         {"role": "user", "name": "ann", "content": [{"type": "text", "text": "Translate to French:"},
                                                     {"type": "text", "text": "Good morning"}]},
         {"role": "assistant", "content": None}])  # a participant name is accepted, not templated
-    assert request.chat_messages() == [{"role": "system", "content": "Be brief."},
+    assert template_messages(request.messages) == [{"role": "system", "content": "Be brief."},
                                        {"role": "user", "content": "Translate to French:\nGood morning"},
                                        {"role": "assistant", "content": ""}]
 

@@ -18,13 +18,14 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from duetserve import __version__
 from duetserve.engine.async_engine import AsyncEngine, EngineError
 from duetserve.engine.engine import RequestOutput
 from duetserve.sampling import ParamError, SamplingParams, check_text
 from duetserve.server.metrics import ServerMetrics
-from duetserve import __version__
 from duetserve.server.protocol import (
     ChatCompletionRequest,
+    ChatMessage,
     CompletionRequest,
     DetokenizeRequest,
     TokenizeRequest,
@@ -174,6 +175,24 @@ def create_app(engine: AsyncEngine, metrics: ServerMetrics, model_name: str, api
         except Exception as exc:  # tokenizer and template errors are the client's input
             raise ParamError(f"cannot tokenize the {param}: {type(exc).__name__}", param) from exc
 
+    async def chat_prompt_ids(messages: list[ChatMessage], add_generation_prompt: bool = True,
+                              add_special_tokens: bool = False) -> list[int]:
+        """Token ids of chat ``messages`` as the tokenizer's chat template renders them: the text,
+        then its tokens without the tokenizer's special tokens, as transformers'
+        ``apply_chat_template(tokenize=True)`` does (``add_special_tokens`` adds them: vLLM's
+        ``/tokenize`` option). The tokenizer must exist.
+
+        Raises:
+            ParamError: no messages, text that is not valid Unicode or too long for the context, or a
+                template or tokenizer error.
+        """
+        plain = template_messages(messages)
+        for m in plain:
+            check_text(m["content"], "messages")
+        text = await tokenize(sum(len(m["content"]) for m in plain), "messages", lambda: tokenizer.apply_chat_template(
+            plain, add_generation_prompt=add_generation_prompt, tokenize=False))
+        return await tokenize(text, "messages", lambda: tokenizer.encode(text, add_special_tokens=add_special_tokens))
+
     def need_tokenizer(param: str, hint: str = ": send the prompt as token ids") -> None:
         if tokenizer is None:
             raise ParamError(f"this model has no tokenizer{hint}", param)
@@ -218,16 +237,10 @@ def create_app(engine: AsyncEngine, metrics: ServerMetrics, model_name: str, api
         need_tokenizer(param, "")
         if body.messages is None:
             check_text(body.prompt, "prompt")
-            text, special = body.prompt, body.add_special_tokens is not False
+            ids = await tokenize(body.prompt, "prompt", lambda: tokenizer.encode(
+                body.prompt, add_special_tokens=body.add_special_tokens is not False))
         else:
-            messages = template_messages(body.messages)
-            for m in messages:
-                check_text(m["content"], "messages")
-            text = await tokenize(sum(len(m["content"]) for m in messages), "messages",
-                                  lambda: tokenizer.apply_chat_template(
-                                      messages, add_generation_prompt=body.add_generation_prompt, tokenize=False))
-            special = bool(body.add_special_tokens)
-        ids = await tokenize(text, param, lambda: tokenizer.encode(text, add_special_tokens=special))
+            ids = await chat_prompt_ids(body.messages, body.add_generation_prompt, bool(body.add_special_tokens))
         strs = tokenizer.convert_ids_to_tokens(ids) if body.return_token_strs else None
         return {"count": len(ids), "max_model_len": engine.engine.max_model_len, "tokens": ids, "token_strs": strs}
 
@@ -281,14 +294,7 @@ def create_app(engine: AsyncEngine, metrics: ServerMetrics, model_name: str, api
     async def _chat(body: ChatCompletionRequest, request: Request):
         params = body.sampling_params(default_max_tokens=_room(engine, 0))
         need_tokenizer("messages")
-        messages = body.chat_messages()
-        for m in messages:
-            check_text(m["content"], "messages")
-        text = sum(len(m["content"]) for m in messages)
-        prompt_ids = await tokenize(text, "messages", lambda: tokenizer.apply_chat_template(
-            messages, add_generation_prompt=True, tokenize=True))
-        if not isinstance(prompt_ids, list):
-            prompt_ids = list(prompt_ids["input_ids"])
+        prompt_ids = await chat_prompt_ids(body.messages)
         if body.max_tokens is None:
             params.max_tokens = _room(engine, len(prompt_ids))
         return await _respond(request, body, prompt_ids, params, chat=True)

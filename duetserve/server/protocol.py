@@ -216,10 +216,6 @@ class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage]
     max_completion_tokens: Int | None = None
 
-    def chat_messages(self) -> list[dict[str, str]]:
-        """``template_messages(self.messages)``."""
-        return template_messages(self.messages)
-
 
 def template_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
     """Messages as plain ``{"role", "content"}`` dicts for the tokenizer's chat template; a
