@@ -1,6 +1,8 @@
 """Time ``plan_iteration`` on realistic batches (Qwen3-8B on the H200 profile, green-context
-granularity). The optimizer runs once per engine iteration, so each call should take well
-under 1 ms of CPU (docs/design.md section 4). Prints the median and p99 microseconds per scenario.
+granularity), with the paper's rule and with a trim margin of 0.9 (``--trim-margin``, which
+also prices the trimmed temporal batch). The optimizer runs once per engine iteration, on the
+host between two iterations, so each call should take well under 1 ms of CPU (docs/design.md
+section 4). Prints the median and p99 microseconds per scenario.
 
     python scripts/bench_optimizer.py [--iters 2000]
 """
@@ -11,6 +13,7 @@ import argparse
 import random
 import statistics
 import time
+from itertools import product
 
 from duetserve.planner import CostModel, ModelShape, load_profile, plan_iteration
 
@@ -35,18 +38,21 @@ def main() -> None:
     profile = load_profile("h200")
     cost = CostModel(ModelShape.preset("qwen3-8b"), profile)
     granularity = profile.granularity("greenctx")
-    for name, (decode, prefill, tau) in scenarios(random.Random(0)).items():
-        plan = plan_iteration(cost, decode, prefill, tau, profile.num_sms, granularity)
+    for (name, (decode, prefill, tau)), trim in product(scenarios(random.Random(0)).items(), (None, 0.9)):
+        def plan():
+            return plan_iteration(cost, decode, prefill, tau, profile.num_sms, granularity, trim_margin=trim)
+        chosen = plan()
         times = []
         for _ in range(args.iters):
             start = time.perf_counter()
-            plan_iteration(cost, decode, prefill, tau, profile.num_sms, granularity)
+            plan()
             times.append(time.perf_counter() - start)
         times.sort()
-        shape = (f"spatial S_p={plan.s_prefill} S_d={plan.s_decode} k={plan.k}" if plan.spatial
-                 else f"temporal limit={plan.prefill_token_limit}")
-        print(f"{name:42s} median {statistics.median(times) * 1e6:7.1f} us  "
-              f"p99 {times[int(0.99 * len(times))] * 1e6:7.1f} us  ({shape}, {plan.predicted_s * 1e3:.1f} ms)")
+        shape = (f"spatial S_p={chosen.s_prefill} S_d={chosen.s_decode} k={chosen.k}" if chosen.spatial
+                 else f"temporal limit={chosen.prefill_token_limit}")
+        label = f"{name}{'' if trim is None else ', trim 0.9'}"
+        print(f"{label:53s} median {statistics.median(times) * 1e6:7.1f} us  "
+              f"p99 {times[int(0.99 * len(times))] * 1e6:7.1f} us  ({shape}, {chosen.predicted_s * 1e3:.1f} ms)")
 
 
 if __name__ == "__main__":

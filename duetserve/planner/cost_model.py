@@ -284,6 +284,7 @@ class CostModel:
         grid = np.arange(1, profile.num_sms + 1)
         self._pi = np.concatenate(([np.nan], profile.compute_rate(grid)))
         self._bw = np.concatenate(([np.nan], profile.bandwidth(grid)))
+        self._pi_attention = self._pi * profile.attention_efficiency
 
     def predict(self, reqs: Sequence[Request] | np.ndarray, sms: int, lm_head_tokens: int | None = None,
                 graphs: bool | None = None, host: bool = True) -> Breakdown:
@@ -376,12 +377,14 @@ class CostModel:
         pi, bw = self._pi[sms], self._bw[sms]
         # Each group separately, its (1,) sums broadcast over the columns: a group in every
         # variant (the decodes beside trimmed prefills) is summed once, not once a column.
-        width = max(len(pi), *(q.shape[1] for q, _ in groups))
-        n, requests, prefill = np.zeros(width, np.int64), np.zeros(width, np.int64), np.zeros(width, bool)
-        for q, _ in groups:
-            n += q.sum(axis=0)
-            requests += np.count_nonzero(q, axis=0)
-            prefill |= (q > 1).any(axis=0)
+        # The planner calls this several times an iteration on arrays of a few columns, where
+        # numpy's cost is per operation: the sums start from Python zeros and broadcast.
+        n, requests, prefill, attention = 0, 0, False, 0.0
+        for q, c in groups:
+            n = n + q.sum(axis=0)
+            requests = requests + (q > 0).sum(axis=0)
+            prefill = prefill | (q > 1).any(axis=0)
+            attention = attention + self._attention_time(q, c, self._pi_attention[sms], bw)
         if lm_head_tokens is not None:
             lm_tokens = np.asarray(lm_head_tokens)
         else:
@@ -390,8 +393,8 @@ class CostModel:
         token_ops = np.maximum(tokens * self._tok_f / pi, (tokens * self._tok_bt + self._tok_bf) / bw) * (tokens > 0)
         parts = np.empty((6, token_ops.shape[1]))
         parts[[0, 2, 4]] = self._tok_groups @ token_ops  # linear, norm_act, lm_head
-        parts[1] = self.shape.layers * sum(self._attention_time(q, c, pi, bw) for q, c in groups)
-        parts[3] = self.shape.layers * self._allreduce_time(n, pi)
+        parts[1] = self.shape.layers * attention
+        parts[3] = self.shape.layers * self._allreduce_time(n, pi) if self.tp > 1 else 0.0
         parts[5] = self._overhead(parts[:5].sum(axis=0), ~prefill, requests, n, graphs, host)
         return parts
 
@@ -419,20 +422,19 @@ class CostModel:
         eager_host = np.where(piecewise, p.piecewise_host_s, p.host_eager_s) * ~replayed
         return launch + (served * p.host_per_request_s + eager_host) * (served > 0)
 
-    def _attention_time(self, q: np.ndarray, c: np.ndarray, pi: np.ndarray, bw: np.ndarray) -> np.ndarray:
-        """One layer: the sum over requests (rows) of max(F_r/Pi, B_r/BW), per column.
-        Requests with q = 0 cost nothing."""
+    def _attention_time(self, q: np.ndarray, c: np.ndarray, pi_attention: np.ndarray, bw: np.ndarray) -> np.ndarray:
+        """One layer: the sum over requests (rows) of max(F_r/Pi_a, B_r/BW), per column, with
+        ``pi_attention`` Pi(S) times the profile's ``attention_efficiency``. Requests with q = 0
+        cost nothing."""
         qf = q.astype(float)
         dh, b = self.shape.head_dim, self.dtype_bytes
         pairs = qf * c + qf * (qf + 1) / 2 if self.causal else qf * (qf + c)
         flops = (4 * dh + 2) * self._hq * pairs
         nbytes = (b * dh) * (2 * self._hq * qf + 2 * self._hkv * (qf + c)) * (q > 0)
-        return np.maximum(flops / (pi * self.profile.attention_efficiency), nbytes / bw).sum(axis=0)
+        return np.maximum(flops / pi_attention, nbytes / bw).sum(axis=0)
 
     def _allreduce_time(self, n: np.ndarray, pi: np.ndarray) -> np.ndarray:
-        """Two all-reduces of the block output per layer (docs/design.md section 3), 0 when tp == 1."""
-        if self.tp == 1:
-            return np.zeros(np.broadcast(n, pi).shape)
+        """Two all-reduces of the block output per layer (docs/design.md section 3), for tp > 1."""
         N, p = self.tp, self.profile
         out_bytes = n * self.shape.hidden * self.dtype_bytes
         one = 2 * (N - 1) * p.allreduce_alpha_s + 2 * (N - 1) * out_bytes / (N * p.nvlink_bandwidth) \
