@@ -65,13 +65,17 @@ def test_multi_step_decode_on_gpu_equals_hf(tiny_qwen3_folder):
     outputs: dict[str, list[int]] = {str(i): [] for i in range(len(prompts))}
     for i, prompt in enumerate(prompts):
         engine.add_request(str(i), prompt, params)
-    steps = []
+    steps, stats = [], []
     while engine.has_unfinished():
         for out in engine.step():
             outputs[out.request_id].extend(out.new_token_ids)
         steps.append(engine.last_stats.decode_steps)
+        stats.append(engine.last_stats)
     assert [outputs[str(i)] for i in range(len(prompts))] == hf_greedy_cuda(tiny_qwen3_folder, prompts, 20)
     assert steps == [0, 6, 6, 6, 1]  # the prefill iteration (no decode), then 19 tokens in 6 + 6 + 6 + 1
+    # temporal iterations (the prefill, the last single step) carry their GPU span, inside their wall time
+    assert [set(s.stream_s) for s in stats] == [{"gpu"}, {"decode"}, {"decode"}, {"decode"}, {"gpu"}]
+    assert all(0 < s.stream_s["gpu"] < s.duration_s for s in (stats[0], stats[-1]))
 
 
 def test_eager_decode_attention_compiles_nothing_after_start(tiny_qwen3_folder):

@@ -275,6 +275,33 @@ def test_lookahead_offered_is_capped():
     assert sched2.policy.max_k_seen[-1] == 33
 
 
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 300), st.integers(-1, 3), st.integers(-2, 2) | st.integers(3, 400)),
+                min_size=1, max_size=20), st.integers(1, 8), st.integers(1, 400), st.integers(0, 200))
+def test_lookahead_fit_is_the_deepest_depth_that_fits(decodes, block_size, k, free):
+    """``_lookahead_fit`` against its definition, walked depth by depth in Python: the largest
+    depth d <= min(k, MAX_LOOKAHEAD) (1 when none fits) such that every decode's KV for
+    ``len(token_ids) - 1 + max(1, min(d, remaining))`` tokens needs at most ``free`` blocks beyond
+    those it holds (the blocks of its tokens plus ``spare``, which may be one short)."""
+    from duetserve.engine.scheduler import MAX_LOOKAHEAD, ScheduledSeq
+
+    sched = Scheduler(ChunkedPolicy(), BlockManager(10_000, block_size), max_num_seqs=32,
+                      max_num_batched_tokens=64, max_model_len=100_000)
+    scheduled, remaining = [], []
+    for i, (tokens, spare, left) in enumerate(decodes):
+        seq = make_seq(i, tokens, 500)
+        seq.block_table = list(range(max(0, -(-tokens // block_size) + spare)))
+        scheduled.append(ScheduledSeq(seq, 1, tokens - 1))
+        remaining.append(left)
+
+    def need(depth: int) -> int:
+        return sum(max(0, -(-(len(d.seq.token_ids) - 1 + max(1, min(depth, r))) // block_size)
+                          - len(d.seq.block_table)) for d, r in zip(scheduled, remaining))
+
+    fitting = [d for d in range(1, min(k, MAX_LOOKAHEAD) + 1) if need(d) <= free]
+    assert sched._lookahead_fit(scheduled, remaining, k, free) == max(fitting, default=1)
+
+
 def test_can_admit_counts_slots_blocks_and_the_watermark_as_if_ending_sequences_had_finished():
     """``can_admit``: the first waiting request needs a sequence slot and its prompt's blocks plus
     the watermark (1% of 100 blocks = 1); ``ending`` counts running sequences as finished."""

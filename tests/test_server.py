@@ -594,7 +594,7 @@ def test_iteration_log_records_every_iteration(server_proc):
     prompt = [r["requests"][0] for r in rows if r["num_decodes"] == 0 and r["num_prefills"] == 1]
     assert prompt and prompt[-1][1] == 0  # this prompt's prefill, nothing cached before it
     assert all(r["decode_stream_s"] is None and r["prefill_stream_s"] is None and r["decode_tail_s"] is None
-               for r in rows)  # no CUDA events
+               and r["gpu_s"] is None for r in rows)  # no CUDA events
     # temporal plans: one part each; multi-step decodes (temporal, decode-only): one part per step
     assert all(r["launch_s"] is None and (r["handout_s"] == [] if r["k"] == 1 else
                                           r["num_prefills"] == 0 and len(r["handout_s"]) == r["steps"] <= r["k"])

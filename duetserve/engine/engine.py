@@ -67,7 +67,8 @@ class StepStats:
     """One iteration, for metrics: plan, sizes, wall time (seconds), the decode steps that
     ran (at most ``plan.k``: a spatial plan stops at its prefill's end), for plans on
     CUDA streams each stream's busy seconds between CUDA events (``{"decode": s,
-    "prefill": s}``; empty on the CPU and for temporal plans), the ``scheduled``
+    "prefill": s}``; for temporal plans ``{"gpu": s}``, the GPU's span from the forward's first
+    kernel to the sampler's last; empty on the CPU), the ``scheduled``
     sequences (decodes first), whose ``num_new_tokens`` / ``num_cached_tokens`` are the
     ``(q, c)`` they were scheduled with, and ``schedule_s``, the wall seconds of
     ``Scheduler.schedule`` (the policy's plan included; part of ``duration_s``). For plans with

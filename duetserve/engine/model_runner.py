@@ -350,7 +350,7 @@ class ModelRunner:
         temporal plan gives one part with every token; a plan with ``k`` decode steps gives one
         part per step run, each as soon as that step has finished on the device, then the
         prefill's part. ``prefill_done`` and ``last_stream_seconds`` are set once the iterator
-        is exhausted (``last_stream_seconds`` stays empty for a temporal plan)."""
+        is exhausted (for a temporal plan, only the GPU span on CUDA: ``_run_temporal``)."""
         self.prefill_done = True
         self.last_stream_seconds = {}
         self.last_launch_at = None
@@ -367,11 +367,21 @@ class ModelRunner:
 
     @torch.inference_mode()
     def _run_temporal(self, out: SchedulerOutput) -> Sampled:
+        """The whole batch on the current stream; on CUDA ``last_stream_seconds["gpu"]`` is the
+        GPU's span from the forward's first kernel to the sampler's last (CUDA events, read after
+        the token copy's sync), so the iteration's wall time less it is host time with the GPU
+        idle (scheduling, inputs, the token read, outputs)."""
         batch = out.decodes + out.prefills
         inputs = self._prepare(batch, len(out.decodes), [None] * len(batch))
         if inputs is None:
             return Sampled({}, prefills=True)
-        return Sampled(dict(zip(inputs.sample_seq_ids, self._sample(inputs, self.graphs).tolist())), prefills=True)
+        timers = _StreamTimers(self.device.type == "cuda")
+        timers.mark("gpu")
+        tokens = self._sample(inputs, self.graphs)
+        timers.mark("gpu")
+        sampled = Sampled(dict(zip(inputs.sample_seq_ids, tokens.tolist())), prefills=True)
+        self.last_stream_seconds = timers.elapsed(("gpu",))
+        return sampled
 
     def _execute_spatial(self, out: SchedulerOutput) -> Iterator[Sampled]:
         """Decode steps on the decode stream beside the prefill on the prefill stream.
@@ -633,9 +643,9 @@ class ModelRunner:
             if j is not None or s.samples:
                 sample_rows.append(len(ids) - 1)
                 sample_seqs.append(s.seq)
-        tables = np.zeros((len(batch), max(len(t) for t in block_tables)), dtype=np.int32)
-        for row, t in zip(tables, block_tables):
-            row[:len(t)] = t
+        widths = np.fromiter(map(len, block_tables), np.int64, len(block_tables))
+        tables = np.zeros((len(batch), widths.max()), dtype=np.int32)
+        tables[np.arange(tables.shape[1]) < widths[:, None]] = np.concatenate(block_tables)  # rows left-aligned
         starts = np.concatenate(([0], np.cumsum(qlens)))
         owner = np.repeat(np.arange(len(batch)), qlens)  # the sequence of each query token
         positions = np.arange(starts[-1]) - starts[owner] + np.asarray(cached)[owner]

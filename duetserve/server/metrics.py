@@ -38,7 +38,8 @@ class ServerMetrics:
         # "predicted_prefill_s", "decode_stream_s" / "prefill_stream_s" (each stream's busy time
         # between CUDA events, spatial plans on the GPU; else null), "decode_tail_s" (from the decode
         # stream's end to the prefill stream's: the decodes' wait, 0 when decode ended last; the
-        # same events), "handout_s" (wall seconds from the iteration's start at which each decode
+        # same events), "gpu_s" (a temporal plan's GPU span, first kernel to last, the same way;
+        # "measured_s" less it is host time with the GPU idle), "handout_s" (wall seconds from the iteration's start at which each decode
         # step's tokens were handed out) and "launch_s" (those at which the prefill had been
         # launched; null without a prefill beside decode steps), "num_decodes", "num_prefills"
         # (prefill chunks), "num_prefill_tokens", "prefill_layers" (pdmux rounds), "schedule_s"
@@ -173,7 +174,8 @@ class ServerMetrics:
             "measured_s": stats.duration_s, "predicted_decode_s": plan.predicted_decode_s,
             "predicted_prefill_s": plan.predicted_prefill_s,
             "decode_stream_s": stats.stream_s.get("decode"), "prefill_stream_s": stats.stream_s.get("prefill"),
-            "decode_tail_s": stats.stream_s.get("tail"), "handout_s": stats.handout_s,
+            "decode_tail_s": stats.stream_s.get("tail"), "gpu_s": stats.stream_s.get("gpu"),
+            "handout_s": stats.handout_s,
             "launch_s": stats.launch_s,
             "num_decodes": stats.num_decodes, "num_prefills": stats.num_prefills,
             "num_prefill_tokens": stats.num_prefill_tokens, "prefill_layers": plan.prefill_layers,
