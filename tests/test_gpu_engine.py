@@ -74,7 +74,8 @@ def test_multi_step_decode_on_gpu_equals_hf(tiny_qwen3_folder):
     assert [outputs[str(i)] for i in range(len(prompts))] == hf_greedy_cuda(tiny_qwen3_folder, prompts, 20)
     assert steps == [0, 6, 6, 6, 1]  # the prefill iteration (no decode), then 19 tokens in 6 + 6 + 6 + 1
     # temporal iterations (the prefill, the last single step) carry their GPU span, inside their wall time
-    assert [set(s.stream_s) for s in stats] == [{"gpu"}, {"decode"}, {"decode"}, {"decode"}, {"gpu"}]
+    assert [set(s.stream_s) for s in stats[:1] + stats[-1:]] == [{"gpu"}, {"gpu"}]
+    assert all("gpu" not in s.stream_s and s.stream_s["decode"] > 0 for s in stats[1:-1])  # the multi-step ones
     assert all(0 < s.stream_s["gpu"] < s.duration_s for s in (stats[0], stats[-1]))
 
 
