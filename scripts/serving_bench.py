@@ -179,6 +179,11 @@ def iteration_summary(records: list[dict[str, Any]], t0: float, t1: float) -> di
     decode side was priced with (``decode_margin``), ``decode_bias_by_sms`` maps each decode SM
     count to ``[median, count]`` of the decode step over its prediction with that factor divided
     out: the profile's own bias per level, which duet learns (``DuetPolicy.level_corrections``).
+    Where iterations carry the GPU's busy span (``gpu_s`` of temporal plans; the decode stream's for
+    multi-step decodes, the longer stream's for splits), ``host_idle_share`` is the share of the
+    wall time (their ``measured_s`` plus the ``gap_s`` before them) in which the GPU waited for the
+    host: their measured time less the span, plus the gaps; ``host_idle_in_iteration_share`` is
+    its part inside the iterations (scheduling, inputs, the token read and outputs).
     """
     its = [r for r in records if t0 <= r.get("t", -1.0) <= t1]
     spatial = [r for r in its if r.get("spatial")]
@@ -188,6 +193,12 @@ def iteration_summary(records: list[dict[str, Any]], t0: float, t1: float) -> di
                            "spatial_share": len(spatial) / len(its) if its else None,
                            "pred_err_median": errs[len(errs) // 2] if errs else None}
     _add_ms_quantiles(out, "schedule_ms", [r["schedule_s"] for r in its if r.get("schedule_s") is not None])
+    spanned = [(r, span) for r in its if (span := _gpu_span(r)) is not None and r.get("measured_s")]
+    if spanned:
+        wall = sum(r["measured_s"] + (r.get("gap_s") or 0.0) for r, _ in spanned)
+        inside = sum(max(0.0, r["measured_s"] - span) for r, span in spanned)
+        out["host_idle_in_iteration_share"] = inside / wall
+        out["host_idle_share"] = (inside + sum(r.get("gap_s") or 0.0 for r, _ in spanned)) / wall
     splits = [r for r in spatial if r.get("num_prefill_tokens")]
     _add_ms_quantiles(out, "launch_ms", [r["launch_s"] for r in splits if r.get("launch_s") is not None])
     _add_ms_quantiles(out, "first_handout_ms", [r["handout_s"][0] for r in splits if r.get("handout_s")])
@@ -271,6 +282,14 @@ def late_gaps(result: dict[str, Any], records: list[dict[str, Any]], slo_s: floa
                 first = t - start <= 1.5 * (r.get("decode_stream_s") or 0.0) / max(1, r.get("steps") or 1)
             out["split_first_step" if first else "split_later_step"] += 1
     return out
+
+
+def _gpu_span(r: dict[str, Any]) -> float | None:
+    """Seconds the GPU was busy in a logged iteration (``iteration_summary``), None where not logged."""
+    if r.get("gpu_s") is not None:
+        return r["gpu_s"]
+    streams = [r.get("decode_stream_s"), r.get("prefill_stream_s")]
+    return max((x for x in streams if x is not None), default=None)
 
 
 def _median_ratio(records: list[dict[str, Any]], num: Any, den: Any) -> float | None:
@@ -642,6 +661,9 @@ class Bench:
             if it.get("decode_bias_by_sms"):
                 self.log("  decode step / the profile's prediction by decode SMs (median, count): " + ", ".join(
                     f"{s}: {_f(m, '.2f')} ({n})" for s, (m, n) in it["decode_bias_by_sms"].items()), lane)
+            if it.get("host_idle_share") is not None:
+                self.log(f"  host time with the GPU idle: {it['host_idle_share']:.1%} of the wall time "
+                         f"({it['host_idle_in_iteration_share']:.1%} inside iterations, the rest between them)", lane)
             if it.get("schedule_ms_median") is not None:
                 self.log(f"  scheduling a step (planning included), ms p50/p99: {it['schedule_ms_median']:.2f}/"
                          f"{it['schedule_ms_p99']:.2f}", lane)

@@ -248,6 +248,23 @@ def test_iteration_summary_stream_times():
     assert (s["first_handout_ms_median"], s["first_handout_ms_p99"]) == pytest.approx((31.0, 31.0))
 
 
+def test_iteration_summary_host_idle_share():
+    """The GPU's idle share: a temporal iteration of 60 ms with a 54 ms GPU span after a 2 ms gap, a
+    multi-step decode of 40 ms whose decode stream ran 39 ms after 1 ms, a split of 100 ms whose
+    longer stream ran 97 ms (no gap logged); an older record without any span is left out. Wall
+    62 + 41 + 100 = 203 ms, host idle inside 6 + 1 + 3 = 10 ms, with the gaps 13 ms."""
+    recs = [{"t": 1.0, "spatial": False, "measured_s": 0.060, "gpu_s": 0.054, "gap_s": 0.002},
+            {"t": 2.0, "spatial": False, "measured_s": 0.040, "decode_stream_s": 0.039, "prefill_stream_s": None,
+             "gpu_s": None, "gap_s": 0.001},
+            {"t": 3.0, "spatial": True, "measured_s": 0.100, "decode_stream_s": 0.090, "prefill_stream_s": 0.097,
+             "gap_s": None},
+            {"t": 3.5, "spatial": False, "measured_s": 0.050, "gap_s": 0.010}]
+    s = sb.iteration_summary(recs, 0.0, 4.0)
+    assert s["host_idle_in_iteration_share"] == pytest.approx(0.010 / 0.203)
+    assert s["host_idle_share"] == pytest.approx(0.013 / 0.203)
+    assert "host_idle_share" not in sb.iteration_summary(recs[3:], 0.0, 4.0)  # no span logged
+
+
 def test_late_gaps_are_matched_to_the_iteration_that_produced_them():
     """Client gaps over the SLO, placed in time (start 100 s, TTFT 0.5 s), are counted by the
     iteration whose log line comes next, less 10 ms: a temporal one ending at 100.70 s (its token
