@@ -142,6 +142,9 @@ def _add_serve(sub) -> None:
     p.add_argument("--decode-stream", action="store_true",
                    help="experimental, within 1.5%% of the default decode graphs' speed: decode batches of up to 8 "
                         "through the weight-stream kernels (Qwen3 shapes, sm_90 GPU, nvcc and cuda-bindings)")
+    p.add_argument("--engine-process", action="store_true",
+                   help="run the engine loop in a process of its own, apart from the HTTP server's event loop "
+                        "(vLLM's and SGLang's layout; the engine's Python then shares no GIL with the server)")
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"),
                    help="server log level")
     p.add_argument("--shutdown-timeout", type=positive_duration("s"), default="30s", metavar="DURATION",
@@ -234,23 +237,24 @@ def _serve_on(sock: socket.socket, args: argparse.Namespace, parser: argparse.Ar
     """Load the model and serve it on ``sock`` (bound by ``_bind``) until stopped; 0 when it stops."""
     import uvicorn
 
-    from duetserve.engine.async_engine import AsyncEngine
+    from duetserve.engine.async_engine import AsyncEngine, EngineFront
     from duetserve.engine.engine import LLMEngine
+    from duetserve.engine.engine_process import EngineProcess
     from duetserve.server.api import create_app
     from duetserve.server.metrics import ServerMetrics
     from duetserve.server.shutdown import DrainingServer
 
     try:
-        engine = LLMEngine(config)
+        async_engine: EngineFront = EngineProcess(config) if args.engine_process else AsyncEngine(LLMEngine(config))
     except (ValueError, FileNotFoundError, KeyError) as exc:
         parser.error(str(exc))
-    name = args.served_model_name or engine.model_name
+    name = args.served_model_name or async_engine.model_name
     try:
         metrics = ServerMetrics(name, args.iteration_log)
     except OSError as exc:
         parser.error(f"--iteration-log {args.iteration_log}: {exc.strerror}")
-    metrics.watch_engine(engine)
-    async_engine = AsyncEngine(engine, metrics)
+    metrics.watch_engine(async_engine)
+    async_engine.observer = metrics
 
     stopped = False
 
@@ -263,8 +267,9 @@ def _serve_on(sock: socket.socket, args: argparse.Namespace, parser: argparse.Ar
         if async_engine.shutdown(timeout_s=10.0):
             log.info("engine stopped")
         else:
-            log.warning("the engine thread is still in a step 10 s after the stop; exiting without it")
-        _log_allocator(config.device)
+            log.warning("the engine loop is still in a step 10 s after the stop; exiting without it")
+        if not args.engine_process:  # else the allocator is the engine process's
+            _log_allocator(config.device)
 
     app = create_app(async_engine, metrics, name, api_key=args.api_key, on_shutdown=stop)
     async_engine.start()

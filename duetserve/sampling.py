@@ -13,6 +13,9 @@ class ParamError(ValueError):
         super().__init__(message)
         self.param = param
 
+    def __reduce__(self):  # pickled whole (an engine process sends it to the server)
+        return type(self), (str(self), self.param)
+
 
 @dataclass
 class SamplingParams:

@@ -97,6 +97,25 @@ def test_sigterm_stops_the_engine_before_the_process_ends(smollm_folder):
     assert out.count("engine stopped") == 1, out[-2000:]
 
 
+def test_engine_process_serves_as_the_engine_thread_does(server):
+    """``--engine-process``: the same greedy text as the server whose engine runs on a thread, the
+    metrics fed from the engine process's events, and Ctrl-C stops both processes cleanly."""
+    proc, base = start_server("--engine-process", "--num-kv-blocks", "256")
+    body = {"prompt": "The capital of France is", "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+    try:
+        ours = httpx.post(f"{base}/v1/completions", json=body, timeout=60).json()
+        theirs = httpx.post(f"{server}/v1/completions", json=body, headers=AUTH, timeout=60).json()
+        assert ours["choices"][0]["text"] == theirs["choices"][0]["text"] and ours["usage"]["completion_tokens"] == 8
+        deadline = time.monotonic() + 5  # the metrics hear of the last part just after its delivery
+        while time.monotonic() < deadline and metric(base, "vllm:request_success_total") < 1:
+            time.sleep(0.05)
+        assert metric(base, "vllm:generation_tokens_total") == 8 and metric(base, "vllm:num_requests_running") == 0
+    finally:
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=30)
+    assert proc.returncode == 130 and "Traceback" not in out and out.count("engine stopped") == 1, out[-3000:]
+
+
 def test_second_ctrl_c_ends_the_streams_at_once(smollm_folder):
     """A second SIGINT while the shutdown waits for running requests ends them now, as the
     timeout would: the stream gets ``finish_reason`` ``abort`` and ``[DONE]``, and the server exits
@@ -617,8 +636,8 @@ def _logging_metrics(tmp_path, cuda_graphs: bool = False, piecewise_tokens: int 
                            piecewise_tokens=piecewise_tokens)
     log = tmp_path / "it.jsonl"
     metrics = ServerMetrics("m", str(log))
-    metrics.watch_engine(SimpleNamespace(scheduler=SimpleNamespace(running=[], waiting=[]),
-                                         block_manager=SimpleNamespace(usage=0.0), cost_model=cost_model))
+    metrics.watch_engine(SimpleNamespace(num_running=lambda: 0, num_waiting=lambda: 0, kv_usage=lambda: 0.0,
+                                         cost_model=cost_model))
     return metrics, log, cost_model
 
 
@@ -689,8 +708,8 @@ def test_predicted_gauge_is_made_at_scrape_time_without_an_iteration_log():
 
     cost_model = CostModel(ModelShape.preset("qwen3-8b"), load_profile("h200"), cuda_graphs=True)
     metrics = ServerMetrics("m")
-    metrics.watch_engine(SimpleNamespace(scheduler=SimpleNamespace(running=[], waiting=[]),
-                                         block_manager=SimpleNamespace(usage=0.0), cost_model=cost_model))
+    metrics.watch_engine(SimpleNamespace(num_running=lambda: 0, num_waiting=lambda: 0, kv_usage=lambda: 0.0,
+                                         cost_model=cost_model))
 
     def sample(name, **labels):
         return metrics.registry.get_sample_value(name, {"model_name": "m", **labels})
@@ -759,16 +778,15 @@ def test_chat_default_max_tokens_fits_a_small_kv_cache(tmp_path):
     the model's context caps the engine's max_model_len (vLLM refuses to start instead; with
     --num-kv-blocks 5 a chat was refused: "needs 512 KV blocks; the cache has 5"), and an explicit
     --max-model-len the cache cannot hold is refused naming the flag."""
-    from types import SimpleNamespace
-
     from duetserve.config import EngineConfig
+    from duetserve.engine.async_engine import AsyncEngine
     from duetserve.engine.engine import LLMEngine
     from duetserve.server.api import _room
 
     small = LLMEngine(EngineConfig(num_kv_blocks=5))  # the embedded model: 8192 positions, blocks of 16
     assert small.max_model_len == 80
-    assert _room(SimpleNamespace(engine=small), 37) == 80 - 37
-    assert _room(SimpleNamespace(engine=small), 90) == 1  # the engine then refuses the prompt itself
+    assert _room(AsyncEngine(small), 37) == 80 - 37
+    assert _room(AsyncEngine(small), 90) == 1  # the engine then refuses the prompt itself
     with pytest.raises(ValueError, match="--max-model-len 200 is more than the KV cache holds .80 tokens"):
         LLMEngine(EngineConfig(num_kv_blocks=5, max_model_len=200))
 

@@ -1,6 +1,16 @@
-"""Runs the engine loop on its own thread beside an asyncio event loop."""
+"""The engine loop beside an asyncio event loop.
+
+``EngineLoop`` runs an ``LLMEngine``: it takes commands (add, abort, abort all, stop), runs the
+engine's iterations while work exists, and sends what they make (each part's outputs, an
+iteration's stats) to an ``Events`` sink. ``EngineFront`` is the asyncio side: one stream a
+request, and the ``Events`` applied to them and to the metrics' observer. ``AsyncEngine`` runs the
+loop on a thread of the server's process; ``duetserve.engine.engine_process.EngineProcess`` runs
+it in a process of its own, so that the engine's Python does not share a GIL with the event loop
+(docs/design.md section 2, "Host time and the GIL").
+"""
 from __future__ import annotations
 
+import abc
 import asyncio
 import logging
 import queue
@@ -11,12 +21,15 @@ from collections.abc import AsyncIterator
 from typing import Protocol
 
 from duetserve.engine.engine import LLMEngine, RequestOutput, StepStats
+from duetserve.planner.cost_model import CostModel
 from duetserve.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
 
 SWITCH_INTERVAL_S = 5e-4
 """GIL switch interval while serving (seconds; ``AsyncEngine.start``)."""
+IDLE_POLL_S = 0.05
+"""How long an idle ``EngineLoop`` waits for a command before it looks again (seconds)."""
 
 
 class EngineError(RuntimeError):
@@ -24,8 +37,9 @@ class EngineError(RuntimeError):
 
 
 class StepObserver(Protocol):
-    """Receives every iteration's stats and outputs (e.g. Prometheus metrics); every call comes
-    from the engine thread, so an observer needs no locking."""
+    """Receives every iteration's stats and outputs (e.g. Prometheus metrics); all calls come
+    from one thread (the engine thread, or an engine process's reader), so an observer needs no
+    locking."""
 
     def on_step(self, stats: StepStats | None, outputs: list[RequestOutput], now: float) -> None:
         """``outputs`` delivered at ``now`` (monotonic seconds); ``stats`` once per iteration,
@@ -37,49 +51,127 @@ class StepObserver(Protocol):
         """``request_id`` was aborted before it finished."""
 
 
+class Commands(Protocol):
+    """Where an ``EngineLoop`` takes its commands from: tuples ``("add", request_id, prompt token
+    ids, SamplingParams, arrival monotonic seconds)``, ``("abort", request_id)``,
+    ``("abort_all",)`` and ``("stop",)``."""
+
+    def get(self, timeout: float | None) -> tuple | None:
+        """The next command, waiting up to ``timeout`` seconds (None: not waiting); None if none came."""
+
+    def pending(self) -> bool:
+        """Whether a command waits (a multi-step decode then starts no further step)."""
+
+
+class Events(Protocol):
+    """Where an ``EngineLoop`` sends what it makes, in the order it makes it."""
+
+    def deliver(self, request_id: str, item: RequestOutput | BaseException) -> None:
+        """One request's output, or the exception that ended it."""
+
+    def part(self, outputs: list[RequestOutput], stats: StepStats | None, now: float) -> None:
+        """One part of an iteration: its outputs, made at ``now``, and with the last part the
+        iteration's stats (``StepObserver.on_step``)."""
+
+    def arrival(self, request_id: str, now: float) -> None:
+        """``request_id`` reached the engine; it arrived at ``now`` (``StepObserver.on_arrival``)."""
+
+    def forget(self, request_id: str) -> None:
+        """``request_id`` was aborted (``StepObserver.forget``)."""
+
+
+class EngineLoop:
+    """Runs ``engine`` (an ``LLMEngine``): applies ``commands`` and runs iterations while work
+    exists, sending their outputs to ``events``. An exception inside an iteration fails the
+    requests in flight (each gets ``EngineError``) and the loop goes on serving new ones. After
+    ``("abort_all",)`` a request that reaches it is not started: it ends at once, with no tokens."""
+
+    def __init__(self, engine: LLMEngine, commands: Commands, events: Events):
+        self.engine, self.commands, self.events = engine, commands, events
+        self.closing = False
+        engine.set_interrupt(commands.pending)  # new work ends a multi-step decode
+
+    def run(self) -> None:
+        """Until a ``("stop",)`` command (a step in flight finishes first)."""
+        engine = self.engine
+        while True:
+            command = self.commands.get(None if engine.has_unfinished() else IDLE_POLL_S)
+            while command is not None:
+                if command[0] == "stop":
+                    return
+                try:
+                    self._handle(command)
+                except Exception:  # never let one command end the loop
+                    log.exception("engine command %s failed", command[0])
+                command = self.commands.get(None)
+            if not engine.has_unfinished():
+                continue
+            try:
+                for outputs in engine.step_parts():  # a look-ahead plan's steps, one by one
+                    self.events.part(outputs, engine.last_stats, time.monotonic())  # stats with the last part
+            except Exception as exc:
+                log.exception("engine step failed; failing the requests in flight")
+                for request_id in engine.request_ids():
+                    engine.abort(request_id)
+                    self.events.deliver(request_id, EngineError(f"engine step failed: {exc}"))
+
+    def _handle(self, command: tuple) -> None:
+        """Apply an ``add``, ``abort`` or ``abort_all``."""
+        engine, events = self.engine, self.events
+        if command[0] == "add":
+            _, request_id, prompt, params, arrival = command
+            if self.closing:  # counted as aborted (metrics), as those abort_all ended
+                events.arrival(request_id, arrival)
+                events.forget(request_id)
+                events.deliver(request_id, RequestOutput(request_id, [], "", True, "abort", len(prompt), 0))
+                return
+            try:
+                engine.add_request(request_id, prompt, params)
+            except Exception as exc:  # validated before queuing; a race (duplicate id) lands here
+                events.deliver(request_id, exc)
+                return
+            events.arrival(request_id, arrival)
+            return
+        if command[0] == "abort_all":
+            self.closing = True
+        for request_id in engine.request_ids() if command[0] == "abort_all" else [command[1]]:
+            out = engine.abort(request_id)
+            events.forget(request_id)
+            if out is not None:
+                events.deliver(request_id, out)
+
+
 def _put_all(items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
     for stream, item in items:
         stream.put_nowait(item)
 
 
-class AsyncEngine:
-    """Thread-safe front of ``LLMEngine`` for asyncio code.
+class EngineFront(abc.ABC):
+    """The asyncio side of an engine loop: each request's stream, fed by the loop's ``Events``
+    (this class implements them), and the ``observer`` (metrics) told of every part. Subclasses
+    say where the loop runs (``_send`` takes a command to it) and what the server may read of the
+    engine (``tokenizer``, ``max_model_len``, ``vocab_size``, ``cost_model``, ``check_request`` and
+    the gauges ``num_running``, ``num_waiting``, ``kv_usage``)."""
 
-    One background thread owns the engine: it takes new requests and aborts from a queue,
-    runs ``step()`` while work exists, and hands each ``RequestOutput`` to the request's
-    ``asyncio.Queue`` on the event loop. An exception inside ``step()`` fails the requests
-    in flight (they receive ``EngineError``) and the loop goes on serving new ones.
-    """
-
-    def __init__(self, engine: LLMEngine, observer: StepObserver | None = None):
-        self.engine = engine
+    def __init__(self, observer: StepObserver | None = None):
         self.observer = observer
-        self._commands: queue.Queue = queue.Queue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
-        self._stop = threading.Event()
-        self._closing = threading.Event()  # set by abort_all: requests that reach the engine after it end at once
-        self._thread = threading.Thread(target=self._run, name="duetserve-engine", daemon=True)
-        engine.set_interrupt(lambda: not self._commands.empty())  # new work ends a multi-step decode
 
     def start(self) -> None:
-        """Start the engine thread. Also lowers the interpreter's thread switch interval to
-        ``SWITCH_INTERVAL_S`` (process-wide): with Python's 5 ms default, the event loop
-        (streaming every request's tokens) could keep the GIL up to 5 ms after the device
-        finished a step, and the engine thread would launch the next step that much later."""
+        """Lower the interpreter's thread switch interval to ``SWITCH_INTERVAL_S`` (process-wide):
+        with Python's 5 ms default, the event loop (streaming every request's tokens) could keep
+        the GIL up to 5 ms after the device finished a step, while the thread that hands the
+        step's outputs over (and on a thread, launches the next step) waited for it. Subclasses
+        then start the engine's side."""
         sys.setswitchinterval(min(sys.getswitchinterval(), SWITCH_INTERVAL_S))
-        self._thread.start()
 
-    def shutdown(self, timeout_s: float = 10.0) -> bool:
-        """Stop the engine thread; wait up to ``timeout_s`` seconds for it (a step in flight
-        finishes first). True when it has ended."""
-        self._stop.set()
-        self._commands.put(None)
-        self._thread.join(timeout=timeout_s)
-        return not self._thread.is_alive()
+    @abc.abstractmethod
+    def _send(self, command: tuple) -> None:
+        """Take ``command`` (``Commands``) to the engine loop, thread-safe, without waiting."""
 
-    @property
-    def is_alive(self) -> bool:
-        return self._thread.is_alive()
+    @abc.abstractmethod
+    def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """``duetserve.engine.engine.check_request`` for the engine (raises ``ParamError``)."""
 
     async def generate(self, request_id: str, prompt_token_ids: list[int],
                        params: SamplingParams) -> AsyncIterator[RequestOutput]:
@@ -90,10 +182,10 @@ class AsyncEngine:
             EngineError: the engine failed while running it.
         The request is aborted if the consumer stops iterating (e.g. the client disconnected).
         """
-        self.engine.check_request(prompt_token_ids, params)
+        self.check_request(prompt_token_ids, params)
         stream: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = (asyncio.get_running_loop(), stream)
-        self._commands.put(("add", request_id, prompt_token_ids, params, time.monotonic()))
+        self._send(("add", request_id, prompt_token_ids, params, time.monotonic()))
         finished = False
         try:
             while not finished:
@@ -112,17 +204,18 @@ class AsyncEngine:
     def abort(self, request_id: str) -> None:
         """Drop a request (thread-safe, returns at once); its KV blocks are freed by the engine loop."""
         self._streams.pop(request_id, None)
-        self._commands.put(("abort", request_id))
+        self._send(("abort", request_id))
 
     def abort_all(self) -> None:
         """End every request now (thread-safe, returns at once): each stream gets a last output
         with ``finish_reason`` ``abort``, so clients see the response end (``serve``'s shutdown
-        timeout). From this call on, a request that reaches the engine thread (e.g. one that was
-        still being tokenized) is not started: it gets that last output at once, with no tokens."""
-        self._closing.set()
-        self._commands.put(("abort_all",))
+        timeout). From then on a request that reaches the engine loop (e.g. one that was still
+        being tokenized) is not started: it gets that last output at once, with no tokens."""
+        self._send(("abort_all",))
 
-    def _deliver(self, request_id: str, item) -> None:
+    # --- Events ------------------------------------------------------------------------
+
+    def deliver(self, request_id: str, item: RequestOutput | BaseException) -> None:
         target = self._streams.get(request_id)
         if target is not None:
             loop, stream = target
@@ -131,9 +224,10 @@ class AsyncEngine:
             except RuntimeError:  # the event loop is closed (shutting down)
                 self._streams.pop(request_id, None)
 
-    def _deliver_all(self, outputs: list[RequestOutput]) -> None:
+    def part(self, outputs: list[RequestOutput], stats: StepStats | None, now: float) -> None:
         """Hand one part's outputs to their streams with one wake-up per event loop (not one
-        per request: at 64 streams those wake-ups cost the engine thread milliseconds a step)."""
+        per request: at 64 streams those wake-ups cost the engine thread milliseconds a step),
+        then tell the observer."""
         by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, RequestOutput]]] = {}
         for out in outputs:
             target = self._streams.get(out.request_id)
@@ -143,69 +237,101 @@ class AsyncEngine:
             try:
                 loop.call_soon_threadsafe(_put_all, items)
             except RuntimeError:  # the event loop is closed (shutting down)
-                for stream, out in items:
+                for _, out in items:
                     self._streams.pop(out.request_id, None)
-
-    def _handle(self, command) -> None:
-        """Apply an ``add``, ``abort`` or ``abort_all`` on the engine thread (the only thread
-        touching the engine and the observer)."""
-        if command[0] == "add":
-            _, request_id, prompt, params, arrival = command
-            if self._closing.is_set():  # counted as aborted (metrics), as those abort_all ended
-                if self.observer:
-                    self.observer.on_arrival(request_id, arrival)
-                    self.observer.forget(request_id)
-                self._deliver(request_id, RequestOutput(request_id, [], "", True, "abort", len(prompt), 0))
-                return
-            try:
-                self.engine.add_request(request_id, prompt, params)
-            except Exception as exc:  # validated before queuing; a race (duplicate id) lands here
-                self._deliver(request_id, exc)
-                return
-            if self.observer:
-                self.observer.on_arrival(request_id, arrival)
-        else:
-            for request_id in self.engine.request_ids() if command[0] == "abort_all" else [command[1]]:
-                out = self.engine.abort(request_id)
-                if self.observer:
-                    self.observer.forget(request_id)
-                if out is not None:
-                    self._deliver(request_id, out)
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            idle = not self.engine.has_unfinished()
-            try:
-                command = self._commands.get(timeout=0.05) if idle else self._commands.get_nowait()
-            except queue.Empty:
-                command = None
-            while command is not None:
-                try:
-                    self._handle(command)
-                except Exception:  # never let one command end the loop
-                    log.exception("engine command %s failed", command[0])
-                try:
-                    command = self._commands.get_nowait()
-                except queue.Empty:
-                    command = None
-            if self._stop.is_set() or not self.engine.has_unfinished():
-                continue
-            try:
-                for outputs in self.engine.step_parts():  # a look-ahead plan's steps, one by one
-                    self._deliver_all(outputs)
-                    self._observe(self.engine.last_stats, outputs)  # stats with the last part only
-            except Exception as exc:
-                log.exception("engine step failed; failing the requests in flight")
-                self._fail_all(exc)
-
-    def _observe(self, stats: StepStats | None, outputs: list[RequestOutput]) -> None:
         if self.observer:
             try:
-                self.observer.on_step(stats, outputs, time.monotonic())
+                self.observer.on_step(stats, outputs, now)
             except Exception:  # metrics must never stop the engine
                 log.exception("metrics update failed")
 
-    def _fail_all(self, exc: Exception) -> None:
-        for request_id in self.engine.request_ids():
-            self.engine.abort(request_id)
-            self._deliver(request_id, EngineError(f"engine step failed: {exc}"))
+    def arrival(self, request_id: str, now: float) -> None:
+        if self.observer:
+            self.observer.on_arrival(request_id, now)
+
+    def forget(self, request_id: str) -> None:
+        if self.observer:
+            self.observer.forget(request_id)
+
+
+class _QueueCommands:
+    """``Commands`` from a thread-safe queue (``AsyncEngine``)."""
+
+    def __init__(self):
+        self._queue: queue.Queue = queue.Queue()
+
+    def put(self, command: tuple) -> None:
+        self._queue.put(command)
+
+    def get(self, timeout: float | None) -> tuple | None:
+        try:
+            return self._queue.get(timeout=timeout) if timeout else self._queue.get_nowait()
+        except queue.Empty:
+            return None
+
+    def pending(self) -> bool:
+        return not self._queue.empty()
+
+
+class AsyncEngine(EngineFront):
+    """``EngineFront`` whose loop runs ``engine`` on a thread of this process (``start``)."""
+
+    def __init__(self, engine: LLMEngine, observer: StepObserver | None = None):
+        super().__init__(observer)
+        self.engine = engine
+        self._commands = _QueueCommands()
+        self._thread = threading.Thread(target=EngineLoop(engine, self._commands, self).run,
+                                        name="duetserve-engine", daemon=True)
+
+    def start(self) -> None:
+        """Start the engine thread (``EngineFront.start``)."""
+        super().start()
+        self._thread.start()
+
+    def shutdown(self, timeout_s: float = 10.0) -> bool:
+        """Stop the engine thread; wait up to ``timeout_s`` seconds for it (a step in flight
+        finishes first). True when it has ended."""
+        self._send(("stop",))
+        self._thread.join(timeout=timeout_s)
+        return not self._thread.is_alive()
+
+    @property
+    def is_alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def _send(self, command: tuple) -> None:
+        self._commands.put(command)
+
+    def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        self.engine.check_request(prompt_token_ids, params)
+
+    # --- the engine as the server reads it ------------------------------------------------
+
+    @property
+    def model_name(self) -> str:
+        return self.engine.model_name
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    @property
+    def vocab_size(self) -> int:
+        return self.engine.model.dims.vocab_size
+
+    @property
+    def cost_model(self) -> CostModel:
+        return self.engine.cost_model
+
+    def num_running(self) -> int:
+        return len(self.engine.scheduler.running)
+
+    def num_waiting(self) -> int:
+        return len(self.engine.scheduler.waiting)
+
+    def kv_usage(self) -> float:
+        return self.engine.block_manager.usage

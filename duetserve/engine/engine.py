@@ -97,6 +97,49 @@ class StepStats:
     gap_s: float | None = None
 
 
+@dataclass(frozen=True)
+class RequestLimits:
+    """What a request is checked against (``check_request``): the vocabulary size (token ids),
+    the context limit (tokens) and the KV cache (``num_blocks`` blocks of ``block_size`` tokens).
+    Plain numbers, so a server can check requests for an engine in another process."""
+
+    vocab_size: int
+    max_model_len: int
+    block_size: int
+    num_blocks: int
+
+
+def check_request(limits: RequestLimits, prompt_token_ids: list[int], params: SamplingParams) -> None:
+    """Validate a request before it is queued.
+
+    Raises:
+        ParamError: empty or too long prompt, token ids out of the vocabulary, bad sampling
+            parameters, ``max_tokens`` beyond the context left after the prompt, or more KV
+            blocks than the cache has.
+    """
+    params.validate()
+    n = len(prompt_token_ids)
+    if n == 0:
+        raise ParamError("the prompt is empty", "prompt")
+    vocab, max_len = limits.vocab_size, limits.max_model_len
+    if any(not 0 <= t < vocab for t in prompt_token_ids):
+        raise ParamError(f"prompt token ids must be in [0, {vocab})", "prompt")
+    bad = [t for t in params.stop_token_ids if not 0 <= t < vocab]
+    if bad:
+        raise ParamError(f"stop_token_ids must be in [0, {vocab}), got {bad[0]}", "stop_token_ids")
+    if n >= max_len:
+        raise ParamError(f"this model's maximum context length is {max_len} tokens; the "
+                         f"prompt has {n} tokens, leaving no room for output", "prompt")
+    if n + params.max_tokens > max_len:
+        raise ParamError(f"max_tokens={params.max_tokens} plus the {n}-token prompt exceeds the "
+                         f"maximum context length of {max_len} tokens", "max_tokens")
+    blocks_needed = -(-(n + params.max_tokens) // limits.block_size)
+    if blocks_needed > limits.num_blocks:
+        too_long = -(-(n + 1) // limits.block_size) > limits.num_blocks
+        raise ParamError(f"the request needs {blocks_needed} KV blocks; the cache has "
+                         f"{limits.num_blocks}", "prompt" if too_long else "max_tokens")
+
+
 @dataclass
 class _Request:
     request_id: str
@@ -363,34 +406,15 @@ class LLMEngine:
 
     # --- requests -------------------------------------------------------------------------
 
-    def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        """Validate a request before it is queued.
+    @property
+    def limits(self) -> RequestLimits:
+        """What requests are checked against (``check_request``)."""
+        return RequestLimits(self.model.dims.vocab_size, self.max_model_len, self.config.block_size,
+                             self.block_manager.num_blocks)
 
-        Raises:
-            ParamError: empty or too long prompt, token ids out of the vocabulary, bad sampling
-                parameters, or ``max_tokens`` beyond the context left after the prompt.
-        """
-        params.validate()
-        n = len(prompt_token_ids)
-        if n == 0:
-            raise ParamError("the prompt is empty", "prompt")
-        vocab = self.model.dims.vocab_size
-        if any(not 0 <= t < vocab for t in prompt_token_ids):
-            raise ParamError(f"prompt token ids must be in [0, {vocab})", "prompt")
-        bad = [t for t in params.stop_token_ids if not 0 <= t < vocab]
-        if bad:
-            raise ParamError(f"stop_token_ids must be in [0, {vocab}), got {bad[0]}", "stop_token_ids")
-        if n >= self.max_model_len:
-            raise ParamError(f"this model's maximum context length is {self.max_model_len} tokens; the "
-                             f"prompt has {n} tokens, leaving no room for output", "prompt")
-        if n + params.max_tokens > self.max_model_len:
-            raise ParamError(f"max_tokens={params.max_tokens} plus the {n}-token prompt exceeds the "
-                             f"maximum context length of {self.max_model_len} tokens", "max_tokens")
-        blocks_needed = -(-(n + params.max_tokens) // self.config.block_size)
-        if blocks_needed > self.block_manager.num_blocks:
-            too_long = -(-(n + 1) // self.config.block_size) > self.block_manager.num_blocks
-            raise ParamError(f"the request needs {blocks_needed} KV blocks; the cache has "
-                             f"{self.block_manager.num_blocks}", "prompt" if too_long else "max_tokens")
+    def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """``check_request`` against this engine's ``limits`` (raises ``ParamError``)."""
+        check_request(self.limits, prompt_token_ids, params)
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     arrival_time: float | None = None) -> None:

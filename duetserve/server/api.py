@@ -19,7 +19,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from duetserve import __version__
-from duetserve.engine.async_engine import AsyncEngine, EngineError
+from duetserve.engine.async_engine import EngineError, EngineFront
 from duetserve.engine.engine import RequestOutput
 from duetserve.sampling import ParamError, SamplingParams, check_text
 from duetserve.server.metrics import ServerMetrics
@@ -52,7 +52,7 @@ async def unless_disconnected(request: Request, awaitable):
 
     Raises:
         ClientGone: the client went away first. The task was cancelled and has unwound, so an
-            ``AsyncEngine.generate`` stream it was reading has aborted its request, whether still
+            ``EngineFront.generate`` stream it was reading has aborted its request, whether still
             queued, prefilling or decoding.
     """
     task = asyncio.ensure_future(awaitable)
@@ -95,9 +95,9 @@ def _sse(payload: dict | str) -> str:
     return f"data: {body}\n\n"
 
 
-def create_app(engine: AsyncEngine, metrics: ServerMetrics, model_name: str, api_key: str | None = None,
+def create_app(engine: EngineFront, metrics: ServerMetrics, model_name: str, api_key: str | None = None,
                default_max_tokens: int = 16, on_shutdown: Callable[[], None] | None = None) -> FastAPI:
-    """Build the FastAPI app around a started ``AsyncEngine``.
+    """Build the FastAPI app around a started ``EngineFront`` (``AsyncEngine`` or ``EngineProcess``).
 
     Every bad request gets HTTP 400 with an OpenAI error body; a missing or wrong Bearer key
     (when ``api_key`` is set) gets 401 on ``/v1/*``. ``on_shutdown`` runs at the app's (ASGI
@@ -111,7 +111,7 @@ def create_app(engine: AsyncEngine, metrics: ServerMetrics, model_name: str, api
             on_shutdown()
 
     app = FastAPI(title="duetserve", lifespan=lifespan)
-    tokenizer = engine.engine.tokenizer
+    tokenizer = engine.tokenizer
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError):
@@ -156,7 +156,7 @@ def create_app(engine: AsyncEngine, metrics: ServerMetrics, model_name: str, api
             raise ModelNotFound(f"the model `{name}` does not exist; this server serves `{model_name}`", "model")
 
     # A token is at most this many characters, so a longer text cannot fit the context.
-    max_chars = engine.engine.max_model_len * max((len(t) for t in tokenizer.get_vocab()), default=1) \
+    max_chars = engine.max_model_len * max((len(t) for t in tokenizer.get_vocab()), default=1) \
         if tokenizer is not None else 0
 
     async def tokenize(text: str | int, param: str, encode) -> list[int]:
@@ -168,7 +168,7 @@ def create_app(engine: AsyncEngine, metrics: ServerMetrics, model_name: str, api
         """
         length = text if isinstance(text, int) else len(text)
         if length > max_chars:
-            raise ParamError(f"{param}: {length} characters, more than the {engine.engine.max_model_len}-token "
+            raise ParamError(f"{param}: {length} characters, more than the {engine.max_model_len}-token "
                              "context can hold", param)
         try:
             return await run_in_threadpool(encode)
@@ -209,7 +209,7 @@ def create_app(engine: AsyncEngine, metrics: ServerMetrics, model_name: str, api
 
     def model_card() -> dict:
         return {"id": model_name, "object": "model", "created": int(time.time()), "owned_by": "duetserve",
-                "max_model_len": engine.engine.max_model_len}
+                "max_model_len": engine.max_model_len}
 
     @app.get("/v1/models")
     async def models():
@@ -242,14 +242,14 @@ def create_app(engine: AsyncEngine, metrics: ServerMetrics, model_name: str, api
         else:
             ids = await chat_prompt_ids(body.messages, body.add_generation_prompt, bool(body.add_special_tokens))
         strs = tokenizer.convert_ids_to_tokens(ids) if body.return_token_strs else None
-        return {"count": len(ids), "max_model_len": engine.engine.max_model_len, "tokens": ids, "token_strs": strs}
+        return {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids, "token_strs": strs}
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest):
         """The text of token ids (vLLM's ``/detokenize``): ``{"prompt"}``."""
         check_model(body.model)
         need_tokenizer("tokens", "")
-        vocab = engine.engine.model.dims.vocab_size
+        vocab = engine.vocab_size
         if any(not 0 <= t < vocab for t in body.tokens):
             raise ParamError(f"token ids must be in [0, {vocab})", "tokens")
         return {"prompt": await run_in_threadpool(tokenizer.decode, body.tokens)}
@@ -421,8 +421,8 @@ class BearerAuth:
         await self.app(scope, receive, send)
 
 
-def _room(engine: AsyncEngine, prompt_len: int) -> int:
+def _room(engine: EngineFront, prompt_len: int) -> int:
     """Default ``max_tokens`` for chat: the context left after the prompt (vLLM's behaviour), at
     least 1. The engine's ``max_model_len`` is already capped to what the KV cache holds, so a
     chat without ``max_tokens`` is not refused for a length the client never asked for."""
-    return max(1, engine.engine.max_model_len - prompt_len)
+    return max(1, engine.max_model_len - prompt_len)

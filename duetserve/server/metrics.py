@@ -8,7 +8,8 @@ import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from duetserve.engine.engine import LLMEngine, RequestOutput, StepStats
+from duetserve.engine.async_engine import EngineFront
+from duetserve.engine.engine import RequestOutput, StepStats
 from duetserve.planner.cost_model import CostModel
 
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0,
@@ -110,7 +111,7 @@ class ServerMetrics:
         self._arrival: dict[str, float] = {}
         self._last_token: dict[str, float] = {}
 
-    def watch_engine(self, engine: LLMEngine) -> None:
+    def watch_engine(self, engine: EngineFront) -> None:
         """Read running/waiting counts and KV usage from ``engine`` at every scrape; take its cost
         model (``LLMEngine.cost_model``) and the host terms it predicts with for the iteration log."""
         self._cost_model = engine.cost_model
@@ -118,9 +119,9 @@ class ServerMetrics:
         self._planning = {"host_per_request_s": profile.host_per_request_s, "host_eager_s": profile.host_eager_s,
                           "host_piecewise_s": profile.piecewise_host_s, "cuda_graphs": self._cost_model.cuda_graphs,
                           "piecewise_tokens": self._cost_model.piecewise_tokens}
-        self.running.set_function(lambda: len(engine.scheduler.running))
-        self.waiting.set_function(lambda: len(engine.scheduler.waiting))
-        self.kv_usage.set_function(lambda: engine.block_manager.usage)
+        self.running.set_function(engine.num_running)
+        self.waiting.set_function(engine.num_waiting)
+        self.kv_usage.set_function(engine.kv_usage)
 
     def on_arrival(self, request_id: str, now: float) -> None:
         self._arrival[request_id] = now

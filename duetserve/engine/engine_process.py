@@ -1,0 +1,223 @@
+"""The engine loop in a process of its own (``serve --engine-process``).
+
+In one process the engine thread and the HTTP event loop share the GIL, and PyTorch releases it
+in every op, so each launch of an eager pass can wait for the event loop: on the H200 a busy
+second thread stretched such passes 1.3-2.7x, and served eager passes with prefill ran
+1.14-1.20x their predicted GPU time (docs/benchmarks.md, thirty-third session). vLLM (its engine
+core process) and SGLang (its scheduler process) keep the engine loop apart from the server; so
+does ``EngineProcess``.
+
+The server process keeps the requests' streams, the metrics and the tokenizer; the engine
+process (started with ``spawn``: CUDA cannot be forked) builds the ``LLMEngine`` and runs
+``EngineLoop``. One ``multiprocessing`` pipe carries, to the engine, the loop's commands
+(``async_engine.Commands``) and, back, first ``("ready", EngineInfo)`` (or ``("error",
+message)`` when the engine cannot start), then the loop's events in order: ``("part", outputs,
+stats, now, gauges)``, ``("deliver", request_id, output or exception)``, ``("arrival",
+request_id, now)``, ``("forget", request_id)``. An iteration crosses once, whatever its number of
+requests. Times are ``time.monotonic()`` seconds, one clock for both processes on Linux.
+"""
+from __future__ import annotations
+
+import dataclasses
+import gc
+import logging
+import multiprocessing
+import signal
+import threading
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from typing import Any
+
+from duetserve.config import EngineConfig
+from duetserve.engine.async_engine import EngineError, EngineFront, EngineLoop, StepObserver
+from duetserve.engine.engine import LLMEngine, RequestLimits, RequestOutput, StepStats, check_request
+from duetserve.engine.scheduler import ScheduledSeq
+from duetserve.planner.cost_model import CostModel
+from duetserve.sampling import SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class EngineInfo:
+    """What the server reads of an engine in another process, sent once it has started."""
+
+    model_name: str
+    tokenizer: Any  # a Hugging Face tokenizer, or None
+    limits: RequestLimits
+    cost_model: CostModel
+
+
+class EngineProcess(EngineFront):
+    """``EngineFront`` whose loop runs ``LLMEngine(config)`` in a child process.
+
+    The constructor starts the process and waits until the engine is up (the model loaded, its
+    graphs recorded). ``start`` then starts the thread that reads the engine's events.
+
+    Raises:
+        ValueError: the engine could not start (the child's ``ValueError``, ``FileNotFoundError``
+            or ``KeyError`` message, e.g. a flag that does not fit the model or the GPU).
+        RuntimeError: the engine process failed otherwise, or ended before it was up.
+    """
+
+    def __init__(self, config: EngineConfig, observer: StepObserver | None = None):
+        super().__init__(observer)
+        context = multiprocessing.get_context("spawn")
+        self._conn, child = context.Pipe()
+        self._process = context.Process(target=_run_engine, args=(config, child, logging.getLogger().level),
+                                        name="duetserve-engine", daemon=True)
+        self._process.start()
+        child.close()
+        try:
+            kind, payload = self._conn.recv()
+        except EOFError:
+            self._process.join()
+            kind, payload = "failed", f"the engine process ended before it was up (exit code {self._process.exitcode})"
+        if kind != "ready":
+            self._process.join()
+            raise (ValueError if kind == "error" else RuntimeError)(payload)
+        self.info: EngineInfo = payload
+        self._gauges: tuple[int, int, float] = (0, 0, 0.0)  # running, waiting, KV usage: the last part's
+        self._lock = threading.Lock()  # a pipe end takes one sender at a time
+        self._ended = threading.Event()  # the engine process is gone: streams fail, new requests too
+        self._reader = threading.Thread(target=self._read, name="duetserve-engine-events", daemon=True)
+
+    def start(self) -> None:
+        """Start reading the engine's events (its loop already runs; ``EngineFront.start``)."""
+        super().start()
+        self._reader.start()
+
+    def shutdown(self, timeout_s: float = 10.0) -> bool:
+        """Stop the engine loop; wait up to ``timeout_s`` seconds for its process (a step in flight
+        finishes first). True when it has ended."""
+        self._send(("stop",))
+        self._process.join(timeout=timeout_s)
+        return not self._process.is_alive()
+
+    @property
+    def is_alive(self) -> bool:
+        return self._process.is_alive() and not self._ended.is_set()
+
+    def _send(self, command: tuple) -> None:
+        if not self._ended.is_set():
+            try:
+                with self._lock:
+                    self._conn.send(command)
+                return
+            except OSError:  # the process is gone; the reader fails the streams
+                pass
+        if command[0] == "add":
+            self.deliver(command[1], EngineError("the engine process has ended"))
+
+    def _read(self) -> None:
+        """Apply the engine's events until its process ends; then fail every open stream."""
+        try:
+            while True:
+                event = self._conn.recv()
+                if event[0] == "part":
+                    _, outputs, stats, now, self._gauges = event
+                    self.part(outputs, stats, now)
+                elif event[0] == "deliver":
+                    self.deliver(event[1], event[2])
+                elif event[0] == "arrival":
+                    self.arrival(event[1], event[2])
+                else:
+                    self.forget(event[1])
+        except (EOFError, OSError):
+            pass
+        self._ended.set()
+        for request_id in list(self._streams):
+            self.deliver(request_id, EngineError("the engine process has ended"))
+
+    def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        check_request(self.info.limits, prompt_token_ids, params)
+
+    # --- the engine as the server reads it ------------------------------------------------
+
+    @property
+    def model_name(self) -> str:
+        return self.info.model_name
+
+    @property
+    def tokenizer(self):
+        return self.info.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self.info.limits.max_model_len
+
+    @property
+    def vocab_size(self) -> int:
+        return self.info.limits.vocab_size
+
+    @property
+    def cost_model(self) -> CostModel:
+        return self.info.cost_model
+
+    def num_running(self) -> int:
+        return self._gauges[0]
+
+    def num_waiting(self) -> int:
+        return self._gauges[1]
+
+    def kv_usage(self) -> float:
+        return self._gauges[2]
+
+
+class _PipeCommands:
+    """``async_engine.Commands`` read from the pipe (in the engine process)."""
+
+    def __init__(self, conn: Connection):
+        self.conn = conn
+
+    def get(self, timeout: float | None) -> tuple | None:
+        return self.conn.recv() if self.conn.poll(timeout or 0) else None
+
+    def pending(self) -> bool:
+        return self.conn.poll()
+
+
+class _PipeEvents:
+    """``async_engine.Events`` written to the pipe (in the engine process)."""
+
+    def __init__(self, conn: Connection, engine: LLMEngine):
+        self.conn, self.engine = conn, engine
+
+    def deliver(self, request_id: str, item: RequestOutput | BaseException) -> None:
+        self.conn.send(("deliver", request_id, item))
+
+    def part(self, outputs: list[RequestOutput], stats: StepStats | None, now: float) -> None:
+        if stats is not None:  # the metrics read (q, c) of the scheduled sequences, not the sequences
+            stats = dataclasses.replace(stats, scheduled=[ScheduledSeq(None, s.num_new_tokens, s.num_cached_tokens,
+                                                                       s.max_steps) for s in stats.scheduled])
+        scheduler = self.engine.scheduler
+        gauges = (len(scheduler.running), len(scheduler.waiting), self.engine.block_manager.usage)
+        self.conn.send(("part", outputs, stats, now, gauges))
+
+    def arrival(self, request_id: str, now: float) -> None:
+        self.conn.send(("arrival", request_id, now))
+
+    def forget(self, request_id: str) -> None:
+        self.conn.send(("forget", request_id))
+
+
+def _run_engine(config: EngineConfig, conn: Connection, log_level: int) -> None:
+    """The engine process: build the engine, say so, run its loop until told to stop (or until
+    the server's end of the pipe closes)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the server handles Ctrl-C and stops this loop
+    logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        engine = LLMEngine(config)
+    except (ValueError, FileNotFoundError, KeyError) as exc:
+        conn.send(("error", str(exc)))
+        return
+    except BaseException as exc:
+        conn.send(("failed", f"the engine did not start: {type(exc).__name__}: {exc}"))
+        raise
+    conn.send(("ready", EngineInfo(engine.model_name, engine.tokenizer, engine.limits, engine.cost_model)))
+    gc.collect()  # what start-up left leaves the collector's view, as ``serve`` does in its process
+    gc.freeze()
+    try:
+        EngineLoop(engine, _PipeCommands(conn), _PipeEvents(conn, engine)).run()
+    except (EOFError, OSError):  # the server went away
+        pass

@@ -1,0 +1,138 @@
+"""EngineProcess: the engine loop in a child process (CPU, the tiny random Qwen3)."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from duetserve.config import EngineConfig
+from duetserve.engine.async_engine import EngineError
+from duetserve.engine.engine import LLMEngine
+from duetserve.engine.engine_process import EngineProcess
+from duetserve.sampling import ParamError, SamplingParams
+
+
+class Recorder:
+    """A ``StepObserver`` that keeps every call (the process's reader thread makes them)."""
+
+    def __init__(self):
+        self.calls: list[tuple] = []
+
+    def on_arrival(self, request_id, now):
+        self.calls.append(("arrival", request_id))
+
+    def on_step(self, stats, outputs, now):
+        self.calls.append(("step", stats, {o.request_id: len(o.new_token_ids) for o in outputs}))
+
+    def forget(self, request_id):
+        self.calls.append(("forget", request_id))
+
+
+def config(folder, **kw) -> EngineConfig:
+    return EngineConfig(model=str(folder), max_num_batched_tokens=64, num_kv_blocks=64, block_size=16, **kw)
+
+
+async def collect(front, request_id, prompt, params) -> list[int]:
+    return [t for out in [o async for o in front.generate(request_id, prompt, params)] for t in out.new_token_ids]
+
+
+def test_tokens_metrics_and_gauges_as_with_the_engine_in_this_process(tiny_qwen3_folder):
+    """Greedy tokens of three concurrent requests equal the in-process engine's; the observer
+    hears each arrival before that request's outputs and gets every iteration's stats with the
+    scheduled (q, c) but no sequences; the gauges read the engine's last counts."""
+    prompts = [[5, 9, 13], list(range(3, 40)), [7] * 20]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    expected = LLMEngine(config(tiny_qwen3_folder)).generate(prompts, params)
+    observer = Recorder()
+    front = EngineProcess(config(tiny_qwen3_folder), observer)
+    front.start()
+    try:
+        assert front.is_alive and front.max_model_len == 512 and front.vocab_size == 320
+        assert front.tokenizer is None and front.cost_model.shape.hidden == 64
+
+        async def main():
+            return await asyncio.gather(*(collect(front, str(i), p, params) for i, p in enumerate(prompts)))
+
+        assert asyncio.run(main()) == expected
+    finally:
+        assert front.shutdown(timeout_s=30) is True
+    assert not front.is_alive
+    steps = [c for c in observer.calls if c[0] == "step"]
+    assert [sum(c[2].get(str(i), 0) for c in steps) for i in range(3)] == [12, 12, 12]  # every token told
+    for i in range(3):  # arrival first
+        first_out = next(k for k, c in enumerate(observer.calls) if c[0] == "step" and str(i) in c[2])
+        assert observer.calls.index(("arrival", str(i))) < first_out
+    stats = [c[1] for c in steps if c[1] is not None]
+    assert stats and all(s.seq is None and s.num_new_tokens >= 1 for st in stats for s in st.scheduled)
+    assert sum(st.num_prefill_tokens for st in stats) == sum(len(p) for p in prompts)
+    assert (front.num_running(), front.num_waiting(), front.kv_usage()) == (0, 0, 0.0)
+
+
+def test_bad_requests_are_refused_in_the_server(tiny_qwen3_folder):
+    """``check_request`` runs in this process against the engine's limits: the request never
+    reaches the engine (no arrival)."""
+    observer = Recorder()
+    front = EngineProcess(config(tiny_qwen3_folder), observer)
+    front.start()
+    try:
+        async def main(prompt, params):
+            return await collect(front, "r", prompt, params)
+
+        with pytest.raises(ParamError, match=r"prompt token ids must be in \[0, 320\)") as err:
+            asyncio.run(main([1, 320], SamplingParams(max_tokens=2)))
+        assert err.value.param == "prompt"
+        with pytest.raises(ParamError, match="exceeds the maximum context length of 512"):
+            asyncio.run(main([1, 2], SamplingParams(max_tokens=511)))
+    finally:
+        front.shutdown(timeout_s=30)
+    assert observer.calls == []
+
+
+def test_an_engine_that_cannot_start_names_the_reason(tmp_path):
+    with pytest.raises(ValueError, match="config.json"):
+        EngineProcess(EngineConfig(model=str(tmp_path)))
+
+
+def test_a_dead_engine_process_fails_its_streams_and_new_requests(tiny_qwen3_folder):
+    """The engine process killed mid-request: the open stream ends with EngineError, the front
+    says it is not alive, and a new request fails at once instead of waiting."""
+    front = EngineProcess(config(tiny_qwen3_folder))
+    front.start()
+    params = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
+
+    async def main():
+        stream = front.generate("long", [5, 6, 7], params)
+        await anext(stream)
+        front._process.kill()
+        with pytest.raises(EngineError, match="engine process has ended"):
+            async for _ in stream:
+                pass
+        assert not front.is_alive
+        with pytest.raises(EngineError, match="engine process has ended"):
+            await asyncio.wait_for(collect(front, "new", [5], SamplingParams(max_tokens=2)), 5)
+
+    asyncio.run(asyncio.wait_for(main(), 60))
+    assert front.shutdown(timeout_s=5) is True
+
+
+def test_abort_all_ends_every_stream_with_abort(tiny_qwen3_folder):
+    front = EngineProcess(config(tiny_qwen3_folder))
+    front.start()
+    params = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
+
+    async def main():
+        streams = [front.generate(str(i), [5, 6, 7 + i], params) for i in range(2)]
+        for s in streams:
+            await anext(s)
+        front.abort_all()
+        lasts = []
+        for s in streams:
+            async for out in s:
+                last = out
+            lasts.append((last.finished, last.finish_reason))
+        return lasts
+
+    try:
+        assert asyncio.run(asyncio.wait_for(main(), 60)) == [(True, "abort"), (True, "abort")]
+    finally:
+        front.shutdown(timeout_s=30)
