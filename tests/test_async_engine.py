@@ -6,7 +6,7 @@ import sys
 import time
 
 from duetserve.engine.async_engine import SWITCH_INTERVAL_S, AsyncEngine
-from duetserve.engine.engine import RequestOutput
+from duetserve.engine.engine import RequestLimits, RequestOutput
 from duetserve.sampling import SamplingParams
 
 
@@ -14,13 +14,13 @@ class FakeEngine:
     """Runs every added request for ``steps`` iterations of two parts each (a look-ahead step,
     then the prefill part), one token per request per part."""
 
+    model_name, tokenizer, cost_model = "fake", None, None
+    limits = RequestLimits(vocab_size=100, max_model_len=8192, block_size=16, num_blocks=1024)
+
     def __init__(self, steps: int):
         self.steps, self.requests, self.last_stats = steps, {}, None
 
     def set_interrupt(self, fn) -> None:
-        pass
-
-    def check_request(self, prompt, params) -> None:
         pass
 
     def add_request(self, request_id, prompt, params) -> None:

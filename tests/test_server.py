@@ -16,6 +16,7 @@ import httpx
 import pytest
 
 import duetserve
+from duetserve.engine.engine import RequestLimits
 
 pytestmark = pytest.mark.slow
 
@@ -940,9 +941,8 @@ class SlowPrefillEngine:
     """A stand-in ``LLMEngine`` (no tokenizer) whose requests never get a token: one runs (a
     prefill of ``steps_per_request`` steps of 10 ms), the others wait in the queue behind it."""
 
-    tokenizer = None
-    max_model_len = 8192
-    last_stats = None
+    model_name, tokenizer, cost_model, last_stats = "fake", None, None, None
+    limits = RequestLimits(vocab_size=100_000, max_model_len=8192, block_size=16, num_blocks=1024)
 
     def __init__(self, steps_per_request: int = 10_000):
         self.steps_per_request = steps_per_request
@@ -951,9 +951,6 @@ class SlowPrefillEngine:
         self.aborted: list[str] = []
 
     def set_interrupt(self, fn) -> None:
-        pass
-
-    def check_request(self, prompt, params) -> None:
         pass
 
     def add_request(self, request_id, prompt, params) -> None:

@@ -12,15 +12,18 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import functools
 import logging
+import multiprocessing.process
 import queue
 import sys
 import threading
 import time
 from collections.abc import AsyncIterator
-from typing import Protocol
+from dataclasses import dataclass
+from typing import Any, Protocol
 
-from duetserve.engine.engine import LLMEngine, RequestOutput, StepStats
+from duetserve.engine.engine import LLMEngine, RequestLimits, RequestOutput, StepStats, check_request
 from duetserve.planner.cost_model import CostModel
 from duetserve.sampling import SamplingParams
 
@@ -146,32 +149,102 @@ def _put_all(items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
         stream.put_nowait(item)
 
 
+@dataclass
+class EngineInfo:
+    """What the server reads of an engine: its name, tokenizer (Hugging Face, or None), the
+    limits requests are checked against, and its cost model (the iteration log's predictions).
+    Plain data, so an engine in another process can send it (``EngineProcess``)."""
+
+    model_name: str
+    tokenizer: Any
+    limits: RequestLimits
+    cost_model: CostModel | None
+
+    @classmethod
+    def of(cls, engine: LLMEngine) -> EngineInfo:
+        return cls(engine.model_name, engine.tokenizer, engine.limits, engine.cost_model)
+
+
 class EngineFront(abc.ABC):
     """The asyncio side of an engine loop: each request's stream, fed by the loop's ``Events``
     (this class implements them), and the ``observer`` (metrics) told of every part. Subclasses
     say where the loop runs (``_send`` takes a command to it) and what the server may read of the
-    engine (``tokenizer``, ``max_model_len``, ``vocab_size``, ``cost_model``, ``check_request`` and
-    the gauges ``num_running``, ``num_waiting``, ``kv_usage``)."""
+    engine (``info``, and the gauges ``num_running``, ``num_waiting``, ``kv_usage``)."""
 
     def __init__(self, observer: StepObserver | None = None):
         self.observer = observer
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
 
+    # Set by subclasses: the thread or process that runs the engine loop, and the thread that
+    # ``start`` starts (the loop's own thread, or the reader of an engine process's events).
+    _loop_runner: threading.Thread | multiprocessing.process.BaseProcess
+    _starts: threading.Thread
+
     def start(self) -> None:
-        """Lower the interpreter's thread switch interval to ``SWITCH_INTERVAL_S`` (process-wide):
-        with Python's 5 ms default, the event loop (streaming every request's tokens) could keep
-        the GIL up to 5 ms after the device finished a step, while the thread that hands the
-        step's outputs over (and on a thread, launches the next step) waited for it. Subclasses
-        then start the engine's side."""
+        """Start the engine's side. Also lowers the interpreter's thread switch interval to
+        ``SWITCH_INTERVAL_S`` (process-wide): with Python's 5 ms default, the event loop
+        (streaming every request's tokens) could keep the GIL up to 5 ms after the device
+        finished a step, while the thread that hands the step's outputs over (and on a thread,
+        launches the next step) waited for it."""
         sys.setswitchinterval(min(sys.getswitchinterval(), SWITCH_INTERVAL_S))
+        self._starts.start()
+
+    def shutdown(self, timeout_s: float = 10.0) -> bool:
+        """Stop the engine loop; wait up to ``timeout_s`` seconds for its thread or process (a
+        step in flight finishes first). True when it has ended."""
+        self._send(("stop",))
+        self._loop_runner.join(timeout=timeout_s)
+        return not self._loop_runner.is_alive()
+
+    @property
+    def is_alive(self) -> bool:
+        """Whether the engine loop's thread or process runs."""
+        return self._loop_runner.is_alive()
 
     @abc.abstractmethod
     def _send(self, command: tuple) -> None:
         """Take ``command`` (``Commands``) to the engine loop, thread-safe, without waiting."""
 
+    @property
     @abc.abstractmethod
+    def info(self) -> EngineInfo:
+        """The engine as the server reads it."""
+
     def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        """``duetserve.engine.engine.check_request`` for the engine (raises ``ParamError``)."""
+        """``duetserve.engine.engine.check_request`` against the engine's limits (raises ``ParamError``)."""
+        check_request(self.info.limits, prompt_token_ids, params)
+
+    @property
+    def model_name(self) -> str:
+        return self.info.model_name
+
+    @property
+    def tokenizer(self):
+        return self.info.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self.info.limits.max_model_len
+
+    @property
+    def vocab_size(self) -> int:
+        return self.info.limits.vocab_size
+
+    @property
+    def cost_model(self) -> CostModel | None:
+        return self.info.cost_model
+
+    @abc.abstractmethod
+    def num_running(self) -> int:
+        """Requests in the running batch (the ``vllm:num_requests_running`` gauge)."""
+
+    @abc.abstractmethod
+    def num_waiting(self) -> int:
+        """Requests waiting to be scheduled."""
+
+    @abc.abstractmethod
+    def kv_usage(self) -> float:
+        """KV-cache usage, 0 to 1."""
 
     async def generate(self, request_id: str, prompt_token_ids: list[int],
                        params: SamplingParams) -> AsyncIterator[RequestOutput]:
@@ -280,52 +353,15 @@ class AsyncEngine(EngineFront):
         super().__init__(observer)
         self.engine = engine
         self._commands = _QueueCommands()
-        self._thread = threading.Thread(target=EngineLoop(engine, self._commands, self).run,
-                                        name="duetserve-engine", daemon=True)
-
-    def start(self) -> None:
-        """Start the engine thread (``EngineFront.start``)."""
-        super().start()
-        self._thread.start()
-
-    def shutdown(self, timeout_s: float = 10.0) -> bool:
-        """Stop the engine thread; wait up to ``timeout_s`` seconds for it (a step in flight
-        finishes first). True when it has ended."""
-        self._send(("stop",))
-        self._thread.join(timeout=timeout_s)
-        return not self._thread.is_alive()
-
-    @property
-    def is_alive(self) -> bool:
-        return self._thread.is_alive()
+        self._loop_runner = self._starts = threading.Thread(target=EngineLoop(engine, self._commands, self).run,
+                                                            name="duetserve-engine", daemon=True)
 
     def _send(self, command: tuple) -> None:
         self._commands.put(command)
 
-    def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        self.engine.check_request(prompt_token_ids, params)
-
-    # --- the engine as the server reads it ------------------------------------------------
-
-    @property
-    def model_name(self) -> str:
-        return self.engine.model_name
-
-    @property
-    def tokenizer(self):
-        return self.engine.tokenizer
-
-    @property
-    def max_model_len(self) -> int:
-        return self.engine.max_model_len
-
-    @property
-    def vocab_size(self) -> int:
-        return self.engine.model.dims.vocab_size
-
-    @property
-    def cost_model(self) -> CostModel:
-        return self.engine.cost_model
+    @functools.cached_property
+    def info(self) -> EngineInfo:
+        return EngineInfo.of(self.engine)
 
     def num_running(self) -> int:
         return len(self.engine.scheduler.running)

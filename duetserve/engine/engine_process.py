@@ -24,35 +24,21 @@ import logging
 import multiprocessing
 import signal
 import threading
-from dataclasses import dataclass
 from multiprocessing.connection import Connection
-from typing import Any
 
 from duetserve.config import EngineConfig
-from duetserve.engine.async_engine import EngineError, EngineFront, EngineLoop, StepObserver
-from duetserve.engine.engine import LLMEngine, RequestLimits, RequestOutput, StepStats, check_request
+from duetserve.engine.async_engine import EngineError, EngineFront, EngineInfo, EngineLoop, StepObserver
+from duetserve.engine.engine import LLMEngine, RequestOutput, StepStats
 from duetserve.engine.scheduler import ScheduledSeq
-from duetserve.planner.cost_model import CostModel
-from duetserve.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class EngineInfo:
-    """What the server reads of an engine in another process, sent once it has started."""
-
-    model_name: str
-    tokenizer: Any  # a Hugging Face tokenizer, or None
-    limits: RequestLimits
-    cost_model: CostModel
 
 
 class EngineProcess(EngineFront):
     """``EngineFront`` whose loop runs ``LLMEngine(config)`` in a child process.
 
     The constructor starts the process and waits until the engine is up (the model loaded, its
-    graphs recorded). ``start`` then starts the thread that reads the engine's events.
+    graphs recorded); ``start`` then starts the thread that reads the engine's events.
 
     Raises:
         ValueError: the engine could not start (the child's ``ValueError``, ``FileNotFoundError``
@@ -76,27 +62,12 @@ class EngineProcess(EngineFront):
         if kind != "ready":
             self._process.join()
             raise (ValueError if kind == "error" else RuntimeError)(payload)
-        self.info: EngineInfo = payload
+        self._info: EngineInfo = payload
         self._gauges: tuple[int, int, float] = (0, 0, 0.0)  # running, waiting, KV usage: the last part's
         self._lock = threading.Lock()  # a pipe end takes one sender at a time
         self._ended = threading.Event()  # the engine process is gone: streams fail, new requests too
-        self._reader = threading.Thread(target=self._read, name="duetserve-engine-events", daemon=True)
-
-    def start(self) -> None:
-        """Start reading the engine's events (its loop already runs; ``EngineFront.start``)."""
-        super().start()
-        self._reader.start()
-
-    def shutdown(self, timeout_s: float = 10.0) -> bool:
-        """Stop the engine loop; wait up to ``timeout_s`` seconds for its process (a step in flight
-        finishes first). True when it has ended."""
-        self._send(("stop",))
-        self._process.join(timeout=timeout_s)
-        return not self._process.is_alive()
-
-    @property
-    def is_alive(self) -> bool:
-        return self._process.is_alive() and not self._ended.is_set()
+        self._loop_runner = self._process
+        self._starts = threading.Thread(target=self._read, name="duetserve-engine-events", daemon=True)
 
     def _send(self, command: tuple) -> None:
         if not self._ended.is_set():
@@ -129,30 +100,9 @@ class EngineProcess(EngineFront):
         for request_id in list(self._streams):
             self.deliver(request_id, EngineError("the engine process has ended"))
 
-    def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        check_request(self.info.limits, prompt_token_ids, params)
-
-    # --- the engine as the server reads it ------------------------------------------------
-
     @property
-    def model_name(self) -> str:
-        return self.info.model_name
-
-    @property
-    def tokenizer(self):
-        return self.info.tokenizer
-
-    @property
-    def max_model_len(self) -> int:
-        return self.info.limits.max_model_len
-
-    @property
-    def vocab_size(self) -> int:
-        return self.info.limits.vocab_size
-
-    @property
-    def cost_model(self) -> CostModel:
-        return self.info.cost_model
+    def info(self) -> EngineInfo:
+        return self._info
 
     def num_running(self) -> int:
         return self._gauges[0]
@@ -214,7 +164,7 @@ def _run_engine(config: EngineConfig, conn: Connection, log_level: int) -> None:
     except BaseException as exc:
         conn.send(("failed", f"the engine did not start: {type(exc).__name__}: {exc}"))
         raise
-    conn.send(("ready", EngineInfo(engine.model_name, engine.tokenizer, engine.limits, engine.cost_model)))
+    conn.send(("ready", EngineInfo.of(engine)))
     gc.collect()  # what start-up left leaves the collector's view, as ``serve`` does in its process
     gc.freeze()
     try:
