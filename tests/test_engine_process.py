@@ -93,9 +93,10 @@ def test_an_engine_that_cannot_start_names_the_reason(tmp_path):
         EngineProcess(EngineConfig(model=str(tmp_path)))
 
 
-def test_a_dead_engine_process_fails_its_streams_and_new_requests(tiny_qwen3_folder):
-    """The engine process killed mid-request: the open stream ends with EngineError, the front
-    says it is not alive, and a new request fails at once instead of waiting."""
+def test_a_dead_engine_process_fails_its_streams_and_new_requests(tiny_qwen3_folder, caplog):
+    """The engine process killed mid-request: the open stream ends with EngineError, the server
+    logs it, the front says it is not alive and its gauges read 0, and a new request fails at
+    once instead of waiting."""
     front = EngineProcess(config(tiny_qwen3_folder))
     front.start()
     params = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
@@ -107,12 +108,13 @@ def test_a_dead_engine_process_fails_its_streams_and_new_requests(tiny_qwen3_fol
         with pytest.raises(EngineError, match="engine process has ended"):
             async for _ in stream:
                 pass
-        assert not front.is_alive
+        assert not front.is_alive and (front.num_running(), front.kv_usage()) == (0, 0.0)
         with pytest.raises(EngineError, match="engine process has ended"):
             await asyncio.wait_for(collect(front, "new", [5], SamplingParams(max_tokens=2)), 5)
 
     asyncio.run(asyncio.wait_for(main(), 60))
     assert front.shutdown(timeout_s=5) is True
+    assert [r.levelname for r in caplog.records if "engine process has ended" in r.getMessage()] == ["ERROR"]
 
 
 def test_abort_all_ends_every_stream_with_abort(tiny_qwen3_folder):
@@ -134,5 +136,24 @@ def test_abort_all_ends_every_stream_with_abort(tiny_qwen3_folder):
 
     try:
         assert asyncio.run(asyncio.wait_for(main(), 60)) == [(True, "abort"), (True, "abort")]
+        # the gauges come with every event: the aborts' (no iteration ran after them)
+        assert (front.num_running(), front.num_waiting(), front.kv_usage()) == (0, 0, 0.0)
     finally:
         front.shutdown(timeout_s=30)
+
+
+def test_the_engine_process_ends_quietly_when_the_server_goes(tiny_qwen3_folder, capfd):
+    """The server's end of the pipe closed mid-request (the server killed): the engine process
+    exits with status 0 and no traceback, instead of reporting a failed step."""
+    front = EngineProcess(config(tiny_qwen3_folder))
+    front.start()
+
+    async def main():
+        stream = front.generate("long", [5, 6, 7], SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True))
+        await anext(stream)
+        front._conn.close()
+        front._process.join(30)
+
+    asyncio.run(asyncio.wait_for(main(), 60))
+    assert front._process.exitcode == 0
+    assert "Traceback" not in capfd.readouterr().err

@@ -12,9 +12,11 @@ process (started with ``spawn``: CUDA cannot be forked) builds the ``LLMEngine``
 ``EngineLoop``. One ``multiprocessing`` pipe carries, to the engine, the loop's commands
 (``async_engine.Commands``) and, back, first ``("ready", EngineInfo)`` (or ``("error",
 message)`` when the engine cannot start), then the loop's events in order: ``("part", outputs,
-stats, now, gauges)``, ``("deliver", request_id, output or exception)``, ``("arrival",
-request_id, now)``, ``("forget", request_id)``. An iteration crosses once, whatever its number of
-requests. Times are ``time.monotonic()`` seconds, one clock for both processes on Linux.
+stats, now, gauges)``, ``("deliver", request_id, output or exception, gauges)``, ``("arrival",
+request_id, now, gauges)``, ``("forget", request_id, gauges)``, the gauges (running and waiting
+requests, KV usage) as they stand after the event. An iteration crosses once, whatever its number
+of requests. If the engine process dies, the server logs it, fails the open requests and every new
+one (HTTP 500), and ``/health`` answers 500. Times are ``time.monotonic()`` seconds, one clock for both processes on Linux.
 """
 from __future__ import annotations
 
@@ -63,9 +65,10 @@ class EngineProcess(EngineFront):
             self._process.join()
             raise (ValueError if kind == "error" else RuntimeError)(payload)
         self._info: EngineInfo = payload
-        self._gauges: tuple[int, int, float] = (0, 0, 0.0)  # running, waiting, KV usage: the last part's
+        self._gauges: tuple[int, int, float] = (0, 0, 0.0)  # running, waiting, KV usage: the last event's
         self._lock = threading.Lock()  # a pipe end takes one sender at a time
         self._ended = threading.Event()  # the engine process is gone: streams fail, new requests too
+        self._stopping = False  # shutdown asked the loop to stop (its end is no failure)
         self._loop_runner = self._process
         self._starts = threading.Thread(target=self._read, name="duetserve-engine-events", daemon=True)
 
@@ -81,13 +84,14 @@ class EngineProcess(EngineFront):
             self.deliver(command[1], EngineError("the engine process has ended"))
 
     def _read(self) -> None:
-        """Apply the engine's events until its process ends; then fail every open stream."""
+        """Apply the engine's events until its process ends; then fail every open stream. Each
+        event carries the engine's gauges as they stand after it."""
         try:
             while True:
                 event = self._conn.recv()
+                self._gauges = event[-1]
                 if event[0] == "part":
-                    _, outputs, stats, now, self._gauges = event
-                    self.part(outputs, stats, now)
+                    self.part(*event[1:4])
                 elif event[0] == "deliver":
                     self.deliver(event[1], event[2])
                 elif event[0] == "arrival":
@@ -97,8 +101,17 @@ class EngineProcess(EngineFront):
         except (EOFError, OSError):
             pass
         self._ended.set()
+        if self._streams or not self._stopping:
+            log.error("the engine process has ended (exit code %s); failing %d open requests, and every new one",
+                      self._process.exitcode, len(self._streams))
+        self._gauges = (0, 0, 0.0)
         for request_id in list(self._streams):
             self.deliver(request_id, EngineError("the engine process has ended"))
+
+    def shutdown(self, timeout_s: float = 10.0) -> bool:
+        """``EngineFront.shutdown``; the process's end is then no failure to log."""
+        self._stopping = True
+        return super().shutdown(timeout_s)
 
     @property
     def info(self) -> EngineInfo:
@@ -127,28 +140,39 @@ class _PipeCommands:
         return self.conn.poll()
 
 
+class _ServerGone(BaseException):
+    """The server's end of the pipe closed: the engine process ends (not an engine failure, which
+    ``EngineLoop`` would report and go on from)."""
+
+
 class _PipeEvents:
-    """``async_engine.Events`` written to the pipe (in the engine process)."""
+    """``async_engine.Events`` written to the pipe (in the engine process), each with the engine's
+    gauges (running and waiting requests, KV usage) as they stand after it."""
 
     def __init__(self, conn: Connection, engine: LLMEngine):
         self.conn, self.engine = conn, engine
 
+    def _send(self, *event) -> None:
+        scheduler = self.engine.scheduler
+        try:
+            self.conn.send((*event, (len(scheduler.running), len(scheduler.waiting), self.engine.block_manager.usage)))
+        except OSError as exc:
+            raise _ServerGone from exc
+
     def deliver(self, request_id: str, item: RequestOutput | BaseException) -> None:
-        self.conn.send(("deliver", request_id, item))
+        self._send("deliver", request_id, item)
 
     def part(self, outputs: list[RequestOutput], stats: StepStats | None, now: float) -> None:
         if stats is not None:  # the metrics read (q, c) of the scheduled sequences, not the sequences
             stats = dataclasses.replace(stats, scheduled=[ScheduledSeq(None, s.num_new_tokens, s.num_cached_tokens,
                                                                        s.max_steps) for s in stats.scheduled])
-        scheduler = self.engine.scheduler
-        gauges = (len(scheduler.running), len(scheduler.waiting), self.engine.block_manager.usage)
-        self.conn.send(("part", outputs, stats, now, gauges))
+        self._send("part", outputs, stats, now)
 
     def arrival(self, request_id: str, now: float) -> None:
-        self.conn.send(("arrival", request_id, now))
+        self._send("arrival", request_id, now)
 
     def forget(self, request_id: str) -> None:
-        self.conn.send(("forget", request_id))
+        self._send("forget", request_id)
 
 
 def _run_engine(config: EngineConfig, conn: Connection, log_level: int) -> None:
@@ -169,5 +193,5 @@ def _run_engine(config: EngineConfig, conn: Connection, log_level: int) -> None:
     gc.freeze()
     try:
         EngineLoop(engine, _PipeCommands(conn), _PipeEvents(conn, engine)).run()
-    except (EOFError, OSError):  # the server went away
+    except (EOFError, OSError, _ServerGone):  # the server went away
         pass
