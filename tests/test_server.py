@@ -117,6 +117,43 @@ def test_engine_process_serves_as_the_engine_thread_does(server):
     assert proc.returncode == 130 and "Traceback" not in out and out.count("engine stopped") == 1, out[-3000:]
 
 
+def test_a_dead_engine_process_ends_streams_with_an_error_and_fails_new_requests():
+    """``--engine-process`` with its engine process killed mid-stream: the stream gets an error
+    event and ``[DONE]``, ``/health`` answers 500, a new request gets 500 at once, and Ctrl-C still
+    stops the server cleanly."""
+    import os
+    from pathlib import Path
+
+    proc, base = start_server("--engine-process", "--num-kv-blocks", "256")
+    engine_pids = [int(d.name) for d in Path("/proc").iterdir() if d.name.isdigit() and _parent_of(d) == proc.pid
+                   and b"spawn_main" in (d / "cmdline").read_bytes()]
+    assert len(engine_pids) == 1
+    body = {"prompt": "Hi", "max_tokens": 3000, "ignore_eos": True, "stream": True}
+    try:
+        with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=60) as resp:
+            lines = resp.iter_lines()
+            assert next(lines).startswith("data: ")
+            os.kill(engine_pids[0], signal.SIGKILL)
+            rest = [line for line in lines if line]
+        assert rest[-1] == "data: [DONE]"
+        assert json.loads(rest[-2].removeprefix("data: "))["error"]["message"] == "the engine process has ended"
+        assert httpx.get(f"{base}/health", timeout=5).status_code == 500
+        r = httpx.post(f"{base}/v1/completions", json={"prompt": "Hi", "max_tokens": 2}, timeout=5)
+        assert r.status_code == 500 and r.json()["error"]["message"] == "the engine process has ended"
+    finally:
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=30)
+    assert proc.returncode == 130 and "the engine process has ended (exit code -9)" in out, out[-3000:]
+
+
+def _parent_of(proc_dir) -> int | None:
+    """The parent pid of the process whose ``/proc`` folder is ``proc_dir`` (None if it is gone)."""
+    try:
+        return int((proc_dir / "stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
 def test_second_ctrl_c_ends_the_streams_at_once(smollm_folder):
     """A second SIGINT while the shutdown waits for running requests ends them now, as the
     timeout would: the stream gets ``finish_reason`` ``abort`` and ``[DONE]``, and the server exits

@@ -369,8 +369,9 @@ def create_app(engine: EngineFront, metrics: ServerMetrics, model_name: str, api
             if include_usage:
                 yield _sse({**head, "choices": [], "usage": _usage(last)})
             yield _sse("[DONE]")
-        except EngineError as exc:
+        except EngineError as exc:  # then [DONE], as vLLM ends a stream that failed
             yield _sse({"error": {"message": str(exc), "type": "InternalServerError", "param": None, "code": 500}})
+            yield _sse("[DONE]")
         finally:
             if not last.finished:  # client went away: no await here, the task may be cancelled
                 engine.abort(request_id)
