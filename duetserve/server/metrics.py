@@ -40,8 +40,9 @@ class ServerMetrics:
         # between CUDA events, spatial plans on the GPU; else null), "decode_tail_s" (from the decode
         # stream's end to the prefill stream's: the decodes' wait, 0 when decode ended last; the
         # same events), "gpu_s" (a temporal plan's GPU span, first kernel to last, the same way;
-        # "measured_s" less it is host time with the GPU idle), "handout_s" (wall seconds from the iteration's start at which each decode
-        # step's tokens were handed out) and "launch_s" (those at which the prefill had been
+        # "measured_s" less it is host time with the GPU idle), "handout_s" (wall seconds from the
+        # iteration's start at which each decode step's tokens were handed out) and "launch_s"
+        # (those at which the prefill had been
         # launched; null without a prefill beside decode steps), "num_decodes", "num_prefills"
         # (prefill chunks), "num_prefill_tokens", "prefill_layers" (pdmux rounds), "schedule_s"
         # (the scheduler's wall seconds, planning included, within "measured_s"), "trim_rates"
