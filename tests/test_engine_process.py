@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
@@ -144,16 +145,61 @@ def test_abort_all_ends_every_stream_with_abort(tiny_qwen3_folder):
 
 def test_the_engine_process_ends_quietly_when_the_server_goes(tiny_qwen3_folder, capfd):
     """The server's end of the pipe closed mid-request (the server killed): the engine process
-    exits with status 0 and no traceback, instead of reporting a failed step."""
+    exits with status 0 and no traceback, instead of reporting a failed step. (Nothing reads the
+    events here: closing the pipe under a reading thread is not what a dying server does.)"""
     front = EngineProcess(config(tiny_qwen3_folder))
-    front.start()
-
-    async def main():
-        stream = front.generate("long", [5, 6, 7], SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True))
-        await anext(stream)
-        front._conn.close()
-        front._process.join(30)
-
-    asyncio.run(asyncio.wait_for(main(), 60))
+    params = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
+    front._send(("add", "long", [5, 6, 7], params, time.monotonic()))
+    assert front._conn.poll(30)  # its first events are out: the request runs
+    front._conn.close()
+    front._process.join(30)
     assert front._process.exitcode == 0
     assert "Traceback" not in capfd.readouterr().err
+
+
+def test_events_to_a_closed_pipe_end_the_loop_instead_of_failing_a_step():
+    """What the engine process's loop does when the server's end of the pipe is gone: sending an
+    event raises ``_ServerGone``, which ``EngineLoop`` does not take for a failed step (that would
+    be logged with a traceback, and the loop would go on), so the loop ends."""
+    from multiprocessing import Pipe
+    from types import SimpleNamespace
+
+    from duetserve.engine.async_engine import EngineLoop
+    from duetserve.engine.engine import RequestOutput
+    from duetserve.engine.engine_process import _PipeEvents, _ServerGone
+
+    class OneRequest:
+        scheduler = SimpleNamespace(running=[], waiting=[])
+        block_manager = SimpleNamespace(usage=0.0)
+        last_stats = None
+
+        def set_interrupt(self, fn):
+            pass
+
+        def add_request(self, request_id, prompt, params):
+            self.added = request_id
+
+        def has_unfinished(self):
+            return True
+
+        def request_ids(self):
+            return [self.added]
+
+        def step_parts(self):
+            yield [RequestOutput(self.added, [5], "x", False, None, 1, 1)]
+
+    class Commands:
+        def __init__(self):
+            self.queue = [("add", "r", [1], SamplingParams(max_tokens=2), 0.0)]
+
+        def get(self, timeout):
+            return self.queue.pop(0) if self.queue else None
+
+        def pending(self):
+            return bool(self.queue)
+
+    ours, theirs = Pipe()
+    theirs.close()
+    engine = OneRequest()
+    with pytest.raises(_ServerGone):
+        EngineLoop(engine, Commands(), _PipeEvents(ours, engine)).run()
