@@ -42,8 +42,8 @@ class ServerMetrics:
         # same events), "gpu_s" (a temporal plan's GPU span, first kernel to last, the same way;
         # "measured_s" less it is host time with the GPU idle), "handout_s" (wall seconds from the
         # iteration's start at which each decode step's tokens were handed out) and "launch_s"
-        # (those at which the prefill had been
-        # launched; null without a prefill beside decode steps), "num_decodes", "num_prefills"
+        # (those at which the prefill had been launched; null without a prefill beside decode
+        # steps), "num_decodes", "num_prefills"
         # (prefill chunks), "num_prefill_tokens", "prefill_layers" (pdmux rounds), "schedule_s"
         # (the scheduler's wall seconds, planning included, within "measured_s"), "trim_rates"
         # (Plan.trim_rates: trimmed temporal and split tokens/s that duet weighed), "decode_margin"
@@ -113,8 +113,9 @@ class ServerMetrics:
         self._last_token: dict[str, float] = {}
 
     def watch_engine(self, engine: EngineFront) -> None:
-        """Read running/waiting counts and KV usage from ``engine`` at every scrape; take its cost
-        model (``LLMEngine.cost_model``) and the host terms it predicts with for the iteration log."""
+        """Read running/waiting counts and KV usage from ``engine`` (``EngineFront.num_running``,
+        ``num_waiting``, ``kv_usage``) at every scrape; take its cost model (``EngineFront.cost_model``)
+        and the host terms it predicts with for the iteration log."""
         self._cost_model = engine.cost_model
         profile = self._cost_model.profile
         self._planning = {"host_per_request_s": profile.host_per_request_s, "host_eager_s": profile.host_eager_s,
