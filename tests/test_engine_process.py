@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import time
 
 import pytest
@@ -116,6 +118,32 @@ def test_a_dead_engine_process_fails_its_streams_and_new_requests(tiny_qwen3_fol
     asyncio.run(asyncio.wait_for(main(), 60))
     assert front.shutdown(timeout_s=5) is True
     assert [r.levelname for r in caplog.records if "engine process has ended" in r.getMessage()] == ["ERROR"]
+
+
+def test_a_sigterm_to_the_process_group_leaves_the_engine_to_the_server(tiny_qwen3_folder, caplog):
+    """SIGTERM reaches the engine process too when it is sent to the server's process group (as
+    the serving benchmark's launcher and systemd do): the engine keeps running, so the request
+    under the server's drain gets all its tokens, and its end at shutdown logs no error. (Before
+    the fix, the engine died at once and the drain failed its requests.)"""
+    front = EngineProcess(config(tiny_qwen3_folder))
+    front.start()
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+
+    async def main():
+        stream = front.generate("r", [5, 6, 7], params)
+        tokens = list((await anext(stream)).new_token_ids)
+        os.kill(front._process.pid, signal.SIGTERM)
+        async for out in stream:
+            tokens += out.new_token_ids
+        return tokens
+
+    try:
+        assert len(asyncio.run(asyncio.wait_for(main(), 60))) == 40
+        assert front.is_alive
+    finally:
+        assert front.shutdown(timeout_s=30) is True
+    assert front._process.exitcode == 0
+    assert not [r for r in caplog.records if r.levelname == "ERROR"]
 
 
 def test_abort_all_ends_every_stream_with_abort(tiny_qwen3_folder):

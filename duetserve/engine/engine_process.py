@@ -179,7 +179,11 @@ class _PipeEvents:
 def _run_engine(config: EngineConfig, conn: Connection, log_level: int) -> None:
     """The engine process: build the engine, say so, run its loop until told to stop (or until
     the server's end of the pipe closes)."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the server handles Ctrl-C and stops this loop
+    # The server handles Ctrl-C and SIGTERM, drains its requests, then stops this loop. A signal
+    # to the whole process group (a terminal's Ctrl-C, systemd's default KillMode, a launcher's
+    # killpg) must not end the engine under that drain; if the server dies, the pipe's close does.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         engine = LLMEngine(config)
