@@ -60,6 +60,17 @@ TINY_QWEN3 = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hid
 """A tiny Qwen3 for the CPU smoke run (vocabulary above bench's default token-id range 1000:32000)."""
 
 
+def served_cost_model(model: Path) -> Any:
+    """The cost model the server builds for ``model`` (a ``write_model`` folder) on the default
+    hardware profile, without piecewise graphs (``iteration_summary`` prices eager iterations)."""
+    from duetserve.config import EngineConfig
+    from duetserve.planner.cost_model import CostModel, ModelShape
+    from duetserve.planner.hardware import load_profile
+
+    config = json.loads((model / "config.json").read_text())
+    return CostModel(ModelShape.from_hf_config(config), load_profile(EngineConfig.hardware_profile))
+
+
 @dataclass
 class TraceRun:
     """One trace's runs: ``NAME:QPS,QPS:SECONDS[:MAX_INPUT[:MAX_OUTPUT]]`` on the command line."""
@@ -160,7 +171,8 @@ def _add_ms_quantiles(out: dict[str, Any], key: str, seconds: list[float]) -> No
         out[key + "_p99"] = seconds[min(len(seconds) - 1, int(0.99 * len(seconds)))] * 1e3
 
 
-def iteration_summary(records: list[dict[str, Any]], t0: float, t1: float) -> dict[str, Any]:
+def iteration_summary(records: list[dict[str, Any]], t0: float, t1: float,
+                      cost_model: Any = None) -> dict[str, Any]:
     """Iterations logged in ``[t0, t1]``: count, spatial share, plan shapes, prediction error.
 
     ``pred_err_median`` is the median of ``|predicted - measured| / measured`` over iterations
@@ -184,6 +196,11 @@ def iteration_summary(records: list[dict[str, Any]], t0: float, t1: float) -> di
     wall time (their ``measured_s`` plus the ``gap_s`` before them) in which the GPU waited for the
     host: their measured time less the span, plus the gaps; ``host_idle_in_iteration_share`` is
     its part inside the iterations (scheduling, inputs, the token read and outputs).
+    With ``cost_model`` (the served model's ``CostModel``), ``eager_span_over_predicted`` is the
+    median of the GPU span over the cost model's GPU time (``host=False``) of the temporal
+    iterations with prefill that ran eagerly (more tokens than the logged ``piecewise_tokens``),
+    ``eager_span_count`` their count: how far the served GPU time strays from the model's
+    (1.14-1.20 on the H200, docs/benchmarks.md, thirty-third and thirty-fourth sessions).
     """
     its = [r for r in records if t0 <= r.get("t", -1.0) <= t1]
     spatial = [r for r in its if r.get("spatial")]
@@ -199,6 +216,12 @@ def iteration_summary(records: list[dict[str, Any]], t0: float, t1: float) -> di
         inside = sum(max(0.0, r["measured_s"] - span) for r, span in spanned)
         out["host_idle_in_iteration_share"] = inside / wall
         out["host_idle_share"] = (inside + sum(r.get("gap_s") or 0.0 for r, _ in spanned)) / wall
+    if cost_model is not None:
+        eager = [r for r in its if not r.get("spatial") and r.get("num_prefill_tokens") and r.get("gpu_s")
+                 and r.get("requests") and sum(q for q, _ in r["requests"]) > (r.get("piecewise_tokens") or 0)]
+        out["eager_span_count"] = len(eager)
+        out["eager_span_over_predicted"] = _median_ratio(eager, lambda r: r["gpu_s"], lambda r: float(
+            cost_model.predict_total(r["requests"], cost_model.profile.num_sms, graphs=False, host=False)))
     splits = [r for r in spatial if r.get("num_prefill_tokens")]
     _add_ms_quantiles(out, "launch_ms", [r["launch_s"] for r in splits if r.get("launch_s") is not None])
     _add_ms_quantiles(out, "first_handout_ms", [r["handout_s"][0] for r in splits if r.get("handout_s")])
@@ -485,6 +508,7 @@ class Bench:
         self.servers: list[dict[str, Any]] = []
         self.iter_logs: dict[str, Path] = {}
         self.env: dict[str, Any] = {}
+        self.cost_model: Any = None  # the served model's, for the iteration summary (main sets it)
         self.slo_ms = args.tbt_slo_ms
         self.lanes = [Lane(i, configs, args.port + i, i if args.gpus > 1 else None)
                       for i, configs in enumerate(assign_lanes(args.configs, args.gpus))]
@@ -638,7 +662,7 @@ class Bench:
             run["result"] = res
             t0 = res["start_time_unix"]
             records = _read_jsonl(iter_log)
-            run["iterations"] = iteration_summary(records, t0, t0 + res["duration"])
+            run["iterations"] = iteration_summary(records, t0, t0 + res["duration"], self.cost_model)
             run["late_gaps"] = late_gaps(res, records, a.tbt_slo_ms / 1e3)
             r = run_row(run)
             self.log(f"{label} {tr.name} qps {qps:g}: done {r['done']}/{n} failed {r['failed']}, "
@@ -664,6 +688,9 @@ class Bench:
             if it.get("host_idle_share") is not None:
                 self.log(f"  host time with the GPU idle: {it['host_idle_share']:.1%} of the wall time "
                          f"({it['host_idle_in_iteration_share']:.1%} inside iterations, the rest between them)", lane)
+            if it.get("eager_span_count"):
+                self.log(f"  eager iterations with prefill, GPU span / the cost model's GPU time (median): "
+                         f"{_f(it['eager_span_over_predicted'], '.3f')} ({it['eager_span_count']})", lane)
             if it.get("schedule_ms_median") is not None:
                 self.log(f"  scheduling a step (planning included), ms p50/p99: {it['schedule_ms_median']:.2f}/"
                          f"{it['schedule_ms_p99']:.2f}", lane)
@@ -734,7 +761,9 @@ class Bench:
         for lane in self.lanes:
             gpu = "" if lane.gpu is None else f", CUDA_VISIBLE_DEVICES={lane.gpu}"
             self.log(f"{', '.join(c.label for c in lane.configs)} (port {lane.port}{gpu})", lane)
-        self.run_lanes(write_model(self.work, a.model_config))
+        model = write_model(self.work, a.model_config)
+        self.cost_model = served_cost_model(model)
+        self.run_lanes(model)
         self.plots()
         self.save()
         self.log(f"done in {time.monotonic() - self.t_start:.0f} s\n")

@@ -366,3 +366,40 @@ def test_select_wheels(tmp_path, monkeypatch):
     names = sorted(p.name.split("-")[0] for p in sw.select(site, opt))
     assert names == ["dep_abc", "nosuchpkg_abc", "pytest"]
     assert [p.name.split("-")[0] for p in sw.select(site, opt, ["pluggy>=9999"])].count("pluggy") == 1
+
+
+def test_iteration_summary_eager_span_over_the_cost_models_gpu_time():
+    """Temporal iterations with prefill over the logged piecewise limit (1024 tokens): GPU span over
+    the cost model's GPU time, here a stand-in pricing 10 us a query token. 2000 tokens in 24 ms
+    (1.2x), 3000 in 33 ms (1.1x), 1502 in 19.526 ms (1.3x): median 1.2 of 3. Left out: a
+    1000-token iteration (piecewise graphs), a split, one without a span, a decode-only one."""
+    calls = []
+
+    class Model:
+        profile = type("P", (), {"num_sms": 132})()
+
+        def predict_total(self, reqs, sms, graphs=None, host=True):
+            calls.append((sms, graphs, host))
+            return 1e-5 * sum(q for q, _ in reqs)
+
+    base = {"t": 1.0, "spatial": False, "piecewise_tokens": 1024, "measured_s": 0.05}
+    recs = [{**base, "requests": [[1, 50], [1999, 0]], "num_prefill_tokens": 1999, "gpu_s": 0.024},
+            {**base, "requests": [[3000, 0]], "num_prefill_tokens": 3000, "gpu_s": 0.033},
+            {**base, "requests": [[1, 10], [1, 10], [1500, 100]], "num_prefill_tokens": 1500, "gpu_s": 0.019526},
+            {**base, "requests": [[1000, 0]], "num_prefill_tokens": 1000, "gpu_s": 0.5},
+            {**base, "spatial": True, "requests": [[3000, 0]], "num_prefill_tokens": 3000, "gpu_s": 0.5},
+            {**base, "requests": [[3000, 0]], "num_prefill_tokens": 3000, "gpu_s": None},
+            {**base, "requests": [[1, 5000]] * 2000, "num_prefill_tokens": 0, "gpu_s": 0.5}]
+    s = sb.iteration_summary(recs, 0.0, 2.0, Model())
+    assert s["eager_span_count"] == 3
+    assert s["eager_span_over_predicted"] == pytest.approx(1.2)
+    assert calls == [(132, False, False)] * 3
+    assert "eager_span_over_predicted" not in sb.iteration_summary(recs, 0.0, 2.0)  # no cost model given
+
+
+def test_served_cost_model_prices_the_written_model(tmp_path):
+    """The cost model serving_bench builds is the served model's: Qwen3-8B's 36 layers on the
+    H200's 132 SMs; an 8192-token prompt alone takes ~2 x 8.2e9 x 8192 FLOPs at well under 1 PFLOP/s."""
+    cm = sb.served_cost_model(sb.write_model(tmp_path, "qwen3-8b"))
+    assert cm.shape.layers == 36 and cm.profile.num_sms == 132
+    assert 0.1 < float(cm.predict_total([(8192, 0)], 132, host=False)) < 0.3
