@@ -11,6 +11,7 @@ import re
 import signal
 import socket
 import sys
+import threading
 from pathlib import Path
 
 from duetserve import __version__
@@ -144,7 +145,8 @@ def _add_serve(sub) -> None:
                         "through the weight-stream kernels (Qwen3 shapes, sm_90 GPU, nvcc and cuda-bindings)")
     p.add_argument("--engine-process", action="store_true",
                    help="run the engine loop in a process of its own, apart from the HTTP server's event loop "
-                        "(vLLM's and SGLang's layout; the engine's Python then shares no GIL with the server)")
+                        "(vLLM's and SGLang's layout; the engine's Python then shares no GIL with the server); "
+                        "if that process dies, the server fails its requests and exits with status 1")
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"),
                    help="server log level")
     p.add_argument("--shutdown-timeout", type=positive_duration("s"), default="30s", metavar="DURATION",
@@ -272,6 +274,17 @@ def _serve_on(sock: socket.socket, args: argparse.Namespace, parser: argparse.Ar
             _log_allocator(config.device)
 
     app = create_app(async_engine, metrics, name, api_key=args.api_key, on_shutdown=stop)
+    server = DrainingServer(uvicorn.Config(app, log_level=args.log_level,
+                                           timeout_graceful_shutdown=args.shutdown_timeout + ABORT_GRACE_S),
+                            async_engine.abort_all, args.shutdown_timeout)
+    engine_died = threading.Event()
+    if args.engine_process:
+        def on_engine_death() -> None:  # on the engine's reader thread; the streams have failed
+            logging.getLogger(__name__).error("shutting the server down: its engine is gone")
+            engine_died.set()
+            server.should_exit = True  # uvicorn's main loop looks every 0.1 s
+
+        async_engine.on_death = on_engine_death
     async_engine.start()
     logging.getLogger(__name__).info("serving %s on http://%s:%d (policy %s, TBT SLO %.0f ms)", name, args.host,
                                      sock.getsockname()[1], args.policy, args.tbt_slo * 1e3)
@@ -284,9 +297,6 @@ def _serve_on(sock: socket.socket, args: argparse.Namespace, parser: argparse.Ar
     gc.collect()
     gc.freeze()
 
-    server = DrainingServer(uvicorn.Config(app, log_level=args.log_level,
-                                           timeout_graceful_shutdown=args.shutdown_timeout + ABORT_GRACE_S),
-                            async_engine.abort_all, args.shutdown_timeout)
     try:
         server.run(sockets=[sock])
     finally:  # not reached on SIGTERM (see create_app): the app's shutdown runs stop()
@@ -296,7 +306,7 @@ def _serve_on(sock: socket.socket, args: argparse.Namespace, parser: argparse.Ar
         # uvicorn raises the signal again once it has stopped, which ends here as KeyboardInterrupt;
         # a process started with SIGINT ignored (`&` in a script) returns instead: end the same way
         raise KeyboardInterrupt
-    return 0
+    return 1 if engine_died.is_set() else 0
 
 
 def _log_allocator(device: str) -> None:

@@ -115,7 +115,11 @@ def test_a_dead_engine_process_fails_its_streams_and_new_requests(tiny_qwen3_fol
         with pytest.raises(EngineError, match="engine process has ended"):
             await asyncio.wait_for(collect(front, "new", [5], SamplingParams(max_tokens=2)), 5)
 
+    deaths = []
+    front.on_death = lambda: deaths.append(front.is_alive)  # told once, the process gone
     asyncio.run(asyncio.wait_for(main(), 60))
+    front._starts.join(10)  # the reader ends after telling
+    assert deaths == [False]
     assert front.shutdown(timeout_s=5) is True
     assert [r.levelname for r in caplog.records if "engine process has ended" in r.getMessage()] == ["ERROR"]
 
@@ -137,11 +141,13 @@ def test_a_sigterm_to_the_process_group_leaves_the_engine_to_the_server(tiny_qwe
             tokens += out.new_token_ids
         return tokens
 
+    front.on_death = lambda: pytest.fail("a shutdown is no death")
     try:
         assert len(asyncio.run(asyncio.wait_for(main(), 60))) == 40
         assert front.is_alive
     finally:
         assert front.shutdown(timeout_s=30) is True
+    front._starts.join(10)  # the reader has seen the pipe close
     assert front._process.exitcode == 0
     assert not [r for r in caplog.records if r.levelname == "ERROR"]
 

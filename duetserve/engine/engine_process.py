@@ -17,7 +17,8 @@ stats, now, gauges)``, ``("deliver", request_id, output or exception, gauges)``,
 request_id, now, gauges)``, ``("forget", request_id, gauges)``, the gauges (running and waiting
 requests, KV usage) as they stand after the event. An iteration crosses once, whatever its number
 of requests. If the engine process dies, the server logs it, fails the open requests and every new
-one (HTTP 500), and ``/health`` answers 500. Times are ``time.monotonic()`` seconds, one clock for
+one (HTTP 500), ``/health`` answers 500, and ``on_death`` (``serve``: shut the server down and
+exit with status 1, as vLLM's server does, so that a supervisor restarts it) is called. Times are ``time.monotonic()`` seconds, one clock for
 both processes on Linux.
 """
 from __future__ import annotations
@@ -28,6 +29,7 @@ import logging
 import multiprocessing
 import signal
 import threading
+from collections.abc import Callable
 from multiprocessing.connection import Connection
 
 from duetserve.config import EngineConfig
@@ -43,6 +45,8 @@ class EngineProcess(EngineFront):
 
     The constructor starts the process and waits until the engine is up (the model loaded, its
     graphs recorded); ``start`` then starts the thread that reads the engine's events.
+    ``on_death`` (attribute, None at first): called on that thread once the engine process has
+    ended without ``shutdown`` and its streams have failed.
 
     Raises:
         ValueError: the engine could not start (the child's ``ValueError``, ``FileNotFoundError``
@@ -71,6 +75,7 @@ class EngineProcess(EngineFront):
         self._lock = threading.Lock()  # a pipe end takes one sender at a time
         self._ended = threading.Event()  # the engine process is gone: streams fail, new requests too
         self._stopping = False  # shutdown asked the loop to stop (its end is no failure)
+        self.on_death: Callable[[], None] | None = None
         self._loop_runner = self._process
         self._starts = threading.Thread(target=self._read, name="duetserve-engine-events", daemon=True)
 
@@ -103,12 +108,16 @@ class EngineProcess(EngineFront):
         except (EOFError, OSError):
             pass
         self._ended.set()
+        if not self._stopping:
+            self._process.join(timeout=5)  # its pipe closes as it dies: wait for its exit code
         if self._streams or not self._stopping:
             log.error("the engine process has ended (exit code %s); failing %d open requests, and every new one",
                       self._process.exitcode, len(self._streams))
         self._gauges = (0, 0, 0.0)
         for request_id in list(self._streams):
             self.deliver(request_id, EngineError("the engine process has ended"))
+        if not self._stopping and self.on_death is not None:
+            self.on_death()
 
     def shutdown(self, timeout_s: float = 10.0) -> bool:
         """``EngineFront.shutdown``; the process's end is then no failure to log."""
