@@ -17,9 +17,9 @@ stats, now, gauges)``, ``("deliver", request_id, output or exception, gauges)``,
 request_id, now, gauges)``, ``("forget", request_id, gauges)``, the gauges (running and waiting
 requests, KV usage) as they stand after the event. An iteration crosses once, whatever its number
 of requests. If the engine process dies, the server logs it, fails the open requests and every new
-one (HTTP 500), ``/health`` answers 500, and ``on_death`` (``serve``: shut the server down and
-exit with status 1, as vLLM's server does, so that a supervisor restarts it) is called. Times are ``time.monotonic()`` seconds, one clock for
-both processes on Linux.
+one (HTTP 500), ``/health`` answers 500, and ``on_death`` is called (``serve``: shut the server
+down and exit with status 1, as vLLM's server does, so that a supervisor restarts it). Times are
+``time.monotonic()`` seconds, one clock for both processes on Linux.
 """
 from __future__ import annotations
 
