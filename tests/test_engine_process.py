@@ -6,6 +6,7 @@ import os
 import signal
 import time
 
+import httpx
 import pytest
 
 from duetserve.config import EngineConfig
@@ -13,6 +14,8 @@ from duetserve.engine.async_engine import EngineError
 from duetserve.engine.engine import LLMEngine
 from duetserve.engine.engine_process import EngineProcess
 from duetserve.sampling import ParamError, SamplingParams
+from duetserve.server.api import create_app
+from duetserve.server.metrics import ServerMetrics
 
 
 class Recorder:
@@ -98,8 +101,8 @@ def test_an_engine_that_cannot_start_names_the_reason(tmp_path):
 
 def test_a_dead_engine_process_fails_its_streams_and_new_requests(tiny_qwen3_folder, caplog):
     """The engine process killed mid-request: the open stream ends with EngineError, the server
-    logs it, the front says it is not alive and its gauges read 0, and a new request fails at
-    once instead of waiting."""
+    logs it, the front says it is not alive and its gauges read 0, a new request fails at once
+    instead of waiting (HTTP 500 from the app, /health 500 too), and ``on_death`` is told once."""
     front = EngineProcess(config(tiny_qwen3_folder))
     front.start()
     params = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
@@ -114,6 +117,12 @@ def test_a_dead_engine_process_fails_its_streams_and_new_requests(tiny_qwen3_fol
         assert not front.is_alive and (front.num_running(), front.kv_usage()) == (0, 0.0)
         with pytest.raises(EngineError, match="engine process has ended"):
             await asyncio.wait_for(collect(front, "new", [5], SamplingParams(max_tokens=2)), 5)
+        # and the server, until it has shut itself down (``on_death``), answers 500 at once
+        app = create_app(front, ServerMetrics("tiny"), "tiny")
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://t") as client:
+            assert (await client.get("/health")).status_code == 500
+            r = await asyncio.wait_for(client.post("/v1/completions", json={"prompt": [5], "max_tokens": 2}), 5)
+            assert r.status_code == 500 and r.json()["error"]["message"] == "the engine process has ended"
 
     deaths = []
     front.on_death = lambda: deaths.append(front.is_alive)  # told once, the process gone
