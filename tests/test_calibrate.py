@@ -170,6 +170,20 @@ def test_plan_shapes_skips_what_does_not_fit_in_the_kv_cache():
     assert [s.sms for s in shapes if s.sms < 132] == [16, 16, 16, 32, 32, 32, 64, 64, 64]
     assert all(s.k == 8 for s in shapes if s.sms < 132)
     assert "needs 65536 KV blocks" in skipped[0][1]
+    mixed = [s for s in shapes if s.kind == "mixed"]
+    assert [s.label for s in mixed] == ["mixed 16x1024+2032/0 @132", "mixed 64x2048+1984/0 @132",
+                                        "mixed 120x1024+1928/4096 @132", "mixed 120x2048+1024/0 @132"]
+    assert mixed[2].reqs == [(1, 1023)] * 120 + [(1928, 4096)]
+
+
+def test_a_mixed_shape_needs_room_for_its_decodes_and_its_chunk():
+    shape = Shape("mixed", 120, 1, 1023, 132, chunk=1928, chunk_cached=4096)
+    # 120 x ceil(1024 / 16) + ceil((1928 + 4096) / 16) = 7680 + 377 blocks; 121 sequences; 2048 tokens
+    assert capacity(kv_blocks=8057).misfit(shape) is None
+    assert capacity(kv_blocks=8056).misfit(shape) == "needs 8057 KV blocks, the cache has 8056"
+    assert capacity(max_num_seqs=120).misfit(shape) == "batch 121 > max_num_seqs 120"
+    assert capacity(max_num_batched_tokens=2047).misfit(shape) == "2048 tokens > max_num_batched_tokens 2047"
+    assert capacity(max_model_len=6000).misfit(shape) == "6024 tokens > max_model_len 6000"
 
 
 def test_plan_shapes_quick_none_backend_and_limits():
@@ -205,6 +219,8 @@ def test_make_batch_allocates_context_and_lookahead_slots():
     prefill = make_batch(engine, 1, 32, 32)[0]
     assert (prefill.num_cached_tokens, prefill.seq.num_prompt_tokens, len(prefill.seq.block_table)) == (0, 32, 2)
     assert engine.block_manager.num_free_blocks == 100 - 8
+    assert [s.seq.seq_id for s in seqs + [prefill]] == [10_000_000, 10_000_001, 10_000_000]
+    assert make_batch(engine, 1, 16, 16, first_id=5)[0].seq.seq_id == 5
 
 
 # --- the procedure with a fake GPU --------------------------------------------------------------
@@ -285,7 +301,7 @@ def test_run_calibration_measures_writes_and_reports_failures(tmp_path):
     assert result.profile.bandwidth_points == H200.bandwidth_points  # envelope = copy = the H200 curve
     assert result.skipped == ["decode 128x8192 @132: needs 65536 KV blocks, the cache has 40960"]
     written = json.loads((tmp_path / "p.json").read_text())
-    assert written["calibration"] == result.rows and len(result.rows) == 14 + 4 + 9 - 2
+    assert written["calibration"] == result.rows and len(result.rows) == 14 + 4 + 4 + 9 - 2
     assert load_profile(tmp_path / "p.json") == result.profile
     # kernels: 28 / 30 per layer, the final norm, lm_head and embedding (+ an index for prefill) outside;
     # graphs of at most 8 decodes 26 (the first decode shape, 1 x 512, counted again from its graph)
@@ -305,7 +321,13 @@ def test_run_calibration_measures_writes_and_reports_failures(tmp_path):
     for key in ("predicted_s", "holdout_predicted_s"):
         stats = error_stats(result.rows, key)
         assert max(s.p90 for s in stats.values()) < 1e-3
-    assert (stats["decode"].count, stats["decode, split SMs"].count, stats["prefill"].count) == (6, 4, 2)
+    assert (stats["decode"].count, stats["decode, split SMs"].count, stats["prefill"].count,
+            stats["mixed"].count) == (6, 4, 2, 2)
+    mixed = [r for r in result.rows if r["kind"] == "mixed"]
+    assert [(r["batch"], r["c"], r["chunk"], r["chunk_cached"], r["graphs"]) for r in mixed] == [
+        (16, 1023, 2032, 0, False), (64, 2047, 1984, 0, False), (120, 1023, 1928, 4096, False),
+        (120, 2047, 1024, 0, False)]
+    assert {r["kernels"] for r in mixed} == {36 * 30 + 4}  # eager: the prefill count
     assert {r["split"] for r in result.rows} == {"fit", "holdout"}
     split_16 = [r for r in result.rows if r["sms"] == 16]
     assert [r["graphs"] for r in split_16] == [False, False] and split_16[0]["kernels"] == 36 * 28 + 3
@@ -469,13 +491,17 @@ def test_cuda_bench_rates_and_iterations(tiny_qwen3_folder):
         assert bench.primitive_rate("copy", 16) < copy
     cap = bench.load_model(tiny_qwen3_folder, "auto")
     assert cap.num_sms == n and cap.kv_blocks > 0
-    shapes = [Shape("decode", 8, 1, 63, n), Shape("prefill", 2, 100, 0, n)]
+    shapes = [Shape("decode", 8, 1, 63, n), Shape("prefill", 2, 100, 0, n),
+              Shape("mixed", 4, 1, 63, n, chunk=100, chunk_cached=32)]
     if bench.facts.levels:
         shapes.append(Shape("decode", 8, 1, 63, bench.facts.levels[1], k=4))
     times = [bench.iteration_seconds(s) for s in shapes]
     assert all(0 < t < 1 for t in times) and bench.engine.block_manager.num_free_blocks == cap.kv_blocks
     assert np.isfinite(times).all()
-    assert bench.runs_graphs(shapes[0]) and not bench.runs_graphs(shapes[1])
+    assert bench.runs_graphs(shapes[0]) and not bench.runs_graphs(shapes[1]) and not bench.runs_graphs(shapes[2])
+    with bench._temporal(shapes[2]) as out:  # the mixed shape: 4 decodes of 64 tokens and a chunk of 100 on 32
+        assert [(s.num_new_tokens, s.num_cached_tokens) for s in out.decodes + out.prefills] == [(1, 63)] * 4 + [(100, 32)]
+        assert len({s.seq.seq_id for s in out.decodes + out.prefills}) == 5
     for shape in shapes[:2]:
         names = bench.kernel_names(shape)
         per_layer, _ = split_kernel_counts(names, 2)  # the tiny model's 2 layers

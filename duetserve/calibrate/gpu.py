@@ -212,18 +212,23 @@ class CudaBench:
 
     @contextlib.contextmanager
     def _temporal(self, shape: Shape, extra_tokens: int = 0):
-        """A ``SchedulerOutput`` running ``shape`` as one temporal iteration on all SMs; its KV
-        blocks (plus ``extra_tokens`` look-ahead slots per request) are freed on exit."""
+        """A ``SchedulerOutput`` running ``shape`` as one temporal iteration on all SMs (a mixed
+        shape's decodes and chunk together); its KV blocks (plus ``extra_tokens`` look-ahead slots
+        per request) are freed on exit."""
         from duetserve.engine.policy import Plan
         from duetserve.engine.scheduler import SchedulerOutput
 
         engine = self.engine
         seqs = make_batch(engine, shape.batch, shape.q + shape.c, shape.q, extra_tokens)
+        chunk = []
         try:
-            decodes, prefills = (seqs, []) if shape.kind == "decode" else ([], seqs)
+            if shape.chunk:  # a mixed shape's prefill chunk, numbered after the decodes
+                chunk = make_batch(engine, 1, shape.chunk_cached + shape.chunk, shape.chunk,
+                                   first_id=20_000_000)
+            decodes, prefills = ([], seqs) if shape.kind == "prefill" else (seqs, chunk)
             yield SchedulerOutput(decodes, prefills, Plan(), [])
         finally:
-            for s in seqs:
+            for s in seqs + chunk:
                 engine.block_manager.free(s.seq)
 
     def iteration_seconds(self, shape: Shape) -> float:

@@ -1,16 +1,17 @@
 """The cost model's prediction error against measured iteration latencies (docs/design.md section 3:
 "validate predictions against measured iteration latencies"): statistics, tables, a plot.
 
-A row is one entry of a calibrated profile's ``"calibration"`` list: ``kind`` (``decode`` or
-``prefill``), ``batch``, ``q``, ``c``, ``sms``, ``k`` (look-ahead steps, > 1 for decode on a
-split of the SMs), ``graphs`` (replayed from CUDA graphs), ``kernels`` (launched per
+A row is one entry of a calibrated profile's ``"calibration"`` list: ``kind`` (``decode``,
+``prefill`` or ``mixed``), ``batch``, ``q``, ``c``, ``sms``, ``k`` (look-ahead steps, > 1 for
+decode on a split of the SMs), ``chunk`` and ``chunk_cached`` (a mixed row's prefill chunk beside
+its ``batch`` decodes, and the chunk's cached tokens; 0 otherwise), ``graphs`` (replayed from CUDA graphs), ``kernels`` (launched per
 iteration), ``split`` (``fit`` or ``holdout``: which half of the overhead fit it belongs to),
 ``measured_s`` and the predictions in seconds: ``roofline_s`` (the measured curves, no
 overheads: before the fit), ``predicted_s`` (the calibrated profile, overheads fitted on every
 row: after the fit, in-sample), ``holdout_predicted_s`` (overheads fitted on the ``fit`` rows;
 held-out rows only) and ``base_predicted_s`` (base profile; None when the base profile has
 fewer SMs than the shape uses). Missing keys read as None. Statistics are kept per group:
-prefill, decode on all SMs, and decode on split SM levels.
+prefill, decode on all SMs, decode on split SM levels, and mixed (decodes beside a chunk).
 """
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ import numpy as np
 
 from duetserve.calibrate.profile import Curve
 
-GROUPS = {"prefill": "tab:orange", "decode": "tab:blue", "decode, split SMs": "tab:green"}
+GROUPS = {"prefill": "tab:orange", "decode": "tab:blue", "decode, split SMs": "tab:green", "mixed": "tab:red"}
 """Row groups of the statistics and their plot colours."""
 PREDICTIONS = {"roofline_s": "roofline", "predicted_s": "fitted", "holdout_predicted_s": "held out",
                "base_predicted_s": "base"}
@@ -97,9 +98,9 @@ def format_errors(rows: Sequence[Mapping]) -> str:
 
 
 def format_rows(rows: Sequence[Mapping]) -> str:
-    """Table: one line per measured shape, whether it ran from graphs, its kernels and split,
-    times in ms, errors in %."""
-    lines = [f"{'kind':<8} {'batch':>5} {'q':>5} {'c':>5} {'SMs':>4} {'graph':>5} {'kernels':>7} {'split':>7} "
+    """Table: one line per measured shape (a mixed one's chunk as tokens / cached), whether it ran
+    from graphs, its kernels and split, times in ms, errors in %."""
+    lines = [f"{'kind':<8} {'batch':>5} {'q':>5} {'c':>5} {'chunk':>10} {'SMs':>4} {'graph':>5} {'kernels':>7} {'split':>7} "
              f"{'meas ms':>9}" + "".join(f" {name + ' ms':>14} {'err':>6}" for name in PREDICTIONS.values())]
     for r in rows:
         cells = []
@@ -109,7 +110,8 @@ def format_rows(rows: Sequence[Mapping]) -> str:
             else:
                 err = relative_errors([r[key]], [r["measured_s"]])[0]
                 cells.append(f"{1e3 * r[key]:14.3f} {100 * err:5.1f}%")
-        lines.append(f"{r['kind']:<8} {r['batch']:>5} {r['q']:>5} {r['c']:>5} {r['sms']:>4} "
+        chunk = f"{r['chunk']}/{r.get('chunk_cached') or 0}" if r.get("chunk") else "-"
+        lines.append(f"{r['kind']:<8} {r['batch']:>5} {r['q']:>5} {r['c']:>5} {chunk:>10} {r['sms']:>4} "
                      f"{'yes' if r.get('graphs') else 'no':>5} {r.get('kernels') or '-':>7} {r.get('split') or '-':>7} "
                      f"{1e3 * r['measured_s']:9.3f} {' '.join(cells)}")
     return "\n".join(lines)

@@ -183,7 +183,7 @@ def prediction_row(shape: Shape, measured_s: float, graphs: bool, kernels: int |
     base_s = float(base.predict_total(shape.reqs, shape.sms, graphs=graphs, host=False)) \
         if shape.sms <= base.profile.num_sms else None
     return {"kind": shape.kind, "batch": shape.batch, "q": shape.q, "c": shape.c, "sms": shape.sms, "k": shape.k,
-            "graphs": graphs, "kernels": kernels, "measured_s": measured_s, "roofline_s": rooflined,
+            "chunk": shape.chunk, "chunk_cached": shape.chunk_cached, "graphs": graphs, "kernels": kernels, "measured_s": measured_s, "roofline_s": rooflined,
             "predicted_s": rooflined, "base_predicted_s": base_s}
 
 

@@ -37,6 +37,12 @@ CONTEXTS = (512, 2048, 8192)
 PREFILLS = ((1, 512), (1, 2048), (1, 8192), (8, 1024))
 """Prefill iterations as (requests, prompt tokens each)."""
 
+MIXED = ((16, 1024, 2032, 0), (64, 2048, 1984, 0), (120, 1024, 1928, 4096), (120, 2048, 1024, 0))
+"""Mixed iterations as (decodes, their context tokens, prefill chunk tokens, the chunk's cached
+tokens): decodes beside one chunk of a prompt under a 2048-token budget, as chunked prefill and
+duet's temporal plans run them in serving (more tokens than the piecewise graphs take, so eager;
+at most 120 decodes, so the chunk's sequence fits ``max(DECODE_BATCHES)``)."""
+
 SPLIT_SMS = (16, 32, 64)
 SPLIT_DECODES = ((8, 2048), (32, 2048), (128, 2048))
 """Decode batches (requests, context tokens) also measured on ``SPLIT_SMS`` SMs; ``--quick``
@@ -52,21 +58,25 @@ MAX_CONTEXT = max(CONTEXTS) + LOOKAHEAD_K
 @dataclass(frozen=True)
 class Shape:
     """One measured iteration: ``batch`` requests of ``q`` new tokens on ``c`` cached ones, on
-    ``sms`` SMs. Decode has ``q == 1``; prefill ``c == 0``. ``k > 1`` (decode on fewer than all
-    SMs) runs ``k`` look-ahead steps, as spatial plans do, and reports seconds per step.
+    ``sms`` SMs. Decode has ``q == 1``; prefill ``c == 0``; mixed is ``batch`` decodes (``q ==
+    1``) beside one prefill chunk of ``chunk`` tokens on ``chunk_cached`` cached ones. ``k > 1``
+    (decode on fewer than all SMs) runs ``k`` look-ahead steps, as spatial plans do, and reports
+    seconds per step.
     """
 
-    kind: Literal["decode", "prefill"]
+    kind: Literal["decode", "prefill", "mixed"]
     batch: int
     q: int
     c: int
     sms: int
     k: int = 1
+    chunk: int = 0
+    chunk_cached: int = 0
 
     @property
     def reqs(self) -> list[tuple[int, int]]:
-        """The batch as the cost model takes it: ``(q, c)`` per request."""
-        return [(self.q, self.c)] * self.batch
+        """The batch as the cost model takes it: ``(q, c)`` per request, the chunk last."""
+        return [(self.q, self.c)] * self.batch + ([(self.chunk, self.chunk_cached)] if self.chunk else [])
 
     @property
     def tokens_per_request(self) -> int:
@@ -75,9 +85,11 @@ class Shape:
 
     @property
     def label(self) -> str:
-        """``"decode 32x2048 @132"``: kind, requests x tokens each (context or prompt), SMs."""
-        size = self.q + self.c if self.kind == "decode" else self.q
-        return f"{self.kind} {self.batch}x{size} @{self.sms}"
+        """``"decode 32x2048 @132"``: kind, requests x tokens each (context or prompt), SMs; a mixed
+        shape adds its chunk, ``"mixed 120x1024+1928/4096 @132"`` (chunk tokens / cached)."""
+        size = self.q if self.kind == "prefill" else self.q + self.c
+        chunk = f"+{self.chunk}/{self.chunk_cached}" if self.chunk else ""
+        return f"{self.kind} {self.batch}x{size}{chunk} @{self.sms}"
 
 
 @dataclass(frozen=True)
@@ -101,15 +113,17 @@ class Capacity:
 
     def misfit(self, shape: Shape) -> str | None:
         """Why ``shape`` cannot run on this engine (None when it fits)."""
-        blocks = shape.batch * math.ceil(shape.tokens_per_request / self.block_size)
+        chunk_len = shape.chunk + shape.chunk_cached
+        blocks = shape.batch * math.ceil(shape.tokens_per_request / self.block_size) \
+            + math.ceil(chunk_len / self.block_size)
         if blocks > self.kv_blocks:
             return f"needs {blocks} KV blocks, the cache has {self.kv_blocks}"
-        if shape.batch > self.max_num_seqs:
-            return f"batch {shape.batch} > max_num_seqs {self.max_num_seqs}"
-        if shape.batch * shape.q > self.max_num_batched_tokens:
-            return f"{shape.batch * shape.q} tokens > max_num_batched_tokens {self.max_num_batched_tokens}"
-        if shape.tokens_per_request > self.max_model_len:
-            return f"{shape.tokens_per_request} tokens > max_model_len {self.max_model_len}"
+        if (seqs := shape.batch + (shape.chunk > 0)) > self.max_num_seqs:
+            return f"batch {seqs} > max_num_seqs {self.max_num_seqs}"
+        if (tokens := shape.batch * shape.q + shape.chunk) > self.max_num_batched_tokens:
+            return f"{tokens} tokens > max_num_batched_tokens {self.max_num_batched_tokens}"
+        if (longest := max(shape.tokens_per_request, chunk_len)) > self.max_model_len:
+            return f"{longest} tokens > max_model_len {self.max_model_len}"
         return None
 
 
@@ -136,13 +150,14 @@ def plan_shapes(capacity: Capacity, split_levels: Iterable[int], quick: bool = F
                 ) -> tuple[list[Shape], list[tuple[Shape, str]]]:
     """The iteration shapes to measure and the ones skipped, each with its reason.
 
-    Temporal (all SMs): decode ``DECODE_BATCHES x CONTEXTS``, then ``PREFILLS``. Then decode
+    Temporal (all SMs): decode ``DECODE_BATCHES x CONTEXTS``, then ``PREFILLS``, then ``MIXED``. Then decode
     ``SPLIT_DECODES`` on each SM count of ``SPLIT_SMS`` found in ``split_levels`` (the levels
     the partition backend offers; empty for ``none``), with ``LOOKAHEAD_K`` steps.
     """
     n = capacity.num_sms
     shapes = [Shape("decode", b, 1, ctx - 1, n) for b in DECODE_BATCHES for ctx in CONTEXTS]
     shapes += [Shape("prefill", b, length, 0, n) for b, length in PREFILLS]
+    shapes += [Shape("mixed", d, 1, ctx - 1, n, chunk=p, chunk_cached=pc) for d, ctx, p, pc in MIXED]
     split_decodes = SPLIT_DECODES[1:2] if quick else SPLIT_DECODES
     levels = set(split_levels)
     shapes += [Shape("decode", b, 1, ctx - 1, s, LOOKAHEAD_K)
@@ -151,10 +166,12 @@ def plan_shapes(capacity: Capacity, split_levels: Iterable[int], quick: bool = F
     return [s for s, why in reasons if why is None], [(s, why) for s, why in reasons if why is not None]
 
 
-def make_batch(engine, batch: int, ctx: int, q: int, extra_tokens: int = 0) -> list[ScheduledSeq]:
+def make_batch(engine, batch: int, ctx: int, q: int, extra_tokens: int = 0,
+               first_id: int = 10_000_000) -> list[ScheduledSeq]:
     """``batch`` sequences of ``ctx`` tokens, ``ctx - q`` of them cached and ``q`` new, with KV
     blocks allocated in ``engine.block_manager`` for ``ctx + extra_tokens`` tokens (look-ahead
-    steps write past ``ctx``). Free them with ``engine.block_manager.free(s.seq)``.
+    steps write past ``ctx``), numbered from ``first_id`` (two batches in one iteration need
+    distinct numbers). Free them with ``engine.block_manager.free(s.seq)``.
 
     Raises RuntimeError when the cache runs out of blocks (``Capacity.misfit`` says beforehand).
     """
@@ -162,7 +179,7 @@ def make_batch(engine, batch: int, ctx: int, q: int, extra_tokens: int = 0) -> l
     for i in range(batch):
         # A decode holds one generated token (the one it feeds); a prefill holds only prompt tokens.
         prompt_len = ctx - 1 if q == 1 else ctx
-        seq = Sequence(10_000_000 + i, [7] * ctx, prompt_len, SamplingParams(max_tokens=1 << 20, ignore_eos=True))
+        seq = Sequence(first_id + i, [7] * ctx, prompt_len, SamplingParams(max_tokens=1 << 20, ignore_eos=True))
         seq.num_computed_tokens = ctx - q
         engine.block_manager.allocate(seq, ctx + extra_tokens)
         out.append(ScheduledSeq(seq, q, ctx - q, max_steps=1 + extra_tokens))
