@@ -39,6 +39,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, is_dataclass
 from pathlib import Path
@@ -60,15 +61,22 @@ TINY_QWEN3 = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hid
 """A tiny Qwen3 for the CPU smoke run (vocabulary above bench's default token-id range 1000:32000)."""
 
 
-def served_cost_model(model: Path) -> Any:
-    """The cost model the server builds for ``model`` (a ``write_model`` folder) on the default
-    hardware profile, without piecewise graphs (``iteration_summary`` prices eager iterations)."""
+def served_cost_model(model: Path, serve_args: Sequence[str] = ()) -> Any:
+    """The cost model the server builds for ``model`` (a ``write_model`` folder) on the hardware
+    profile its ``serve_args`` name (``--profile NAME|PATH``, the last one as serve reads them;
+    serve's default without one), without piecewise graphs (``iteration_summary`` prices eager
+    iterations).
+
+    Raises ValueError (a malformed profile) or OSError (an unreadable one), as ``load_profile``."""
     from duetserve.config import EngineConfig
     from duetserve.planner.cost_model import CostModel, ModelShape
     from duetserve.planner.hardware import load_profile
 
+    flags = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    flags.add_argument("--profile", default=EngineConfig.hardware_profile)
+    profile = flags.parse_known_args(list(serve_args))[0].profile
     config = json.loads((model / "config.json").read_text())
-    return CostModel(ModelShape.from_hf_config(config), load_profile(EngineConfig.hardware_profile))
+    return CostModel(ModelShape.from_hf_config(config), load_profile(profile))
 
 
 @dataclass
@@ -508,7 +516,7 @@ class Bench:
         self.servers: list[dict[str, Any]] = []
         self.iter_logs: dict[str, Path] = {}
         self.env: dict[str, Any] = {}
-        self.cost_model: Any = None  # the served model's, for the iteration summary (main sets it)
+        self.cost_models: dict[str, Any] = {}  # label: the served model's, for the iteration summary
         self.slo_ms = args.tbt_slo_ms
         self.lanes = [Lane(i, configs, args.port + i, i if args.gpus > 1 else None)
                       for i, configs in enumerate(assign_lanes(args.configs, args.gpus))]
@@ -662,7 +670,7 @@ class Bench:
             run["result"] = res
             t0 = res["start_time_unix"]
             records = _read_jsonl(iter_log)
-            run["iterations"] = iteration_summary(records, t0, t0 + res["duration"], self.cost_model)
+            run["iterations"] = iteration_summary(records, t0, t0 + res["duration"], self.cost_models.get(label))
             run["late_gaps"] = late_gaps(res, records, a.tbt_slo_ms / 1e3)
             r = run_row(run)
             self.log(f"{label} {tr.name} qps {qps:g}: done {r['done']}/{n} failed {r['failed']}, "
@@ -762,7 +770,12 @@ class Bench:
             gpu = "" if lane.gpu is None else f", CUDA_VISIBLE_DEVICES={lane.gpu}"
             self.log(f"{', '.join(c.label for c in lane.configs)} (port {lane.port}{gpu})", lane)
         model = write_model(self.work, a.model_config)
-        self.cost_model = served_cost_model(model)
+        extra = shlex.split(a.serve_args) if a.serve_args else []
+        try:
+            self.cost_models = {c.label: served_cost_model(model, [*c.serve_args, *extra]) for c in a.configs}
+        except (ValueError, OSError) as exc:
+            print(f"serving_bench: a configuration's --profile does not load: {exc}", file=sys.stderr)
+            return 2
         self.run_lanes(model)
         self.plots()
         self.save()

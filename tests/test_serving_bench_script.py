@@ -403,3 +403,17 @@ def test_served_cost_model_prices_the_written_model(tmp_path):
     cm = sb.served_cost_model(sb.write_model(tmp_path, "qwen3-8b"))
     assert cm.shape.layers == 36 and cm.profile.num_sms == 132
     assert 0.1 < float(cm.predict_total([(8192, 0)], 132, host=False)) < 0.3
+
+
+
+def test_served_cost_model_takes_the_profile_the_serve_args_name(tmp_path):
+    """A configuration served with ``--profile`` is priced on that profile (the last one given, as
+    serve's argparse reads them; a name or a path); without one, on serve's default (the H200)."""
+    model = sb.write_model(tmp_path, "qwen3-8b")
+    assert sb.served_cost_model(model, ["--num-decode-steps", "4"]).profile.num_sms == 132
+    assert sb.served_cost_model(model, ["--profile", "h200", "--profile=a100"]).profile.num_sms == 108
+    custom = tmp_path / "a100-copy.json"
+    custom.write_text((sb.ROOT / "duetserve/planner/profiles/a100.json").read_text())
+    assert sb.served_cost_model(model, ["--profile", str(custom)]).profile.num_sms == 108
+    with pytest.raises(ValueError, match="no profile"):
+        sb.served_cost_model(model, ["--profile", str(tmp_path / "missing.json")])
