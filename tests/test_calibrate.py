@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 from dataclasses import dataclass, field, replace
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -209,6 +210,7 @@ def test_lookahead_steps_need_their_kv_slots():
 @dataclass
 class FakeEngine:
     block_manager: BlockManager = field(default_factory=lambda: BlockManager(100, 16))
+    model: SimpleNamespace = field(default_factory=lambda: SimpleNamespace(dims=SimpleNamespace(vocab_size=50)))
 
 
 def test_make_batch_allocates_context_and_lookahead_slots():
@@ -221,6 +223,14 @@ def test_make_batch_allocates_context_and_lookahead_slots():
     assert engine.block_manager.num_free_blocks == 100 - 8
     assert [s.seq.seq_id for s in seqs + [prefill]] == [10_000_000, 10_000_001, 10_000_000]
     assert make_batch(engine, 1, 16, 16, first_id=5)[0].seq.seq_id == 5
+
+
+def test_make_batch_prompts_vary_within_and_across_sequences_reproducibly():
+    # One repeated id keeps every activation row equal (docs/benchmarks.md, thirty-fifth H200 session).
+    a, b = (s.seq.token_ids for s in make_batch(FakeEngine(), 2, 400, 400))
+    assert all(0 <= t < 50 for t in a + b)
+    assert len(set(a)) > 40 and a != b  # 400 draws from 50 ids: all but a few appear
+    assert make_batch(FakeEngine(), 1, 400, 400)[0].seq.token_ids == a
 
 
 # --- the procedure with a fake GPU --------------------------------------------------------------

@@ -11,6 +11,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Literal
 
+import numpy as np
+
 from duetserve.engine.scheduler import ScheduledSeq
 from duetserve.engine.sequence import Sequence
 from duetserve.sampling import SamplingParams
@@ -173,13 +175,21 @@ def make_batch(engine, batch: int, ctx: int, q: int, extra_tokens: int = 0,
     steps write past ``ctx``), numbered from ``first_id`` (two batches in one iteration need
     distinct numbers). Free them with ``engine.block_manager.free(s.seq)``.
 
+    Token ids are drawn uniformly from ``engine.model.dims.vocab_size``, seeded by the sequence
+    number (reproducible). They must differ: with one repeated id every row of a prompt's
+    activations stays equal through every layer (attention averages equal value rows), the
+    GEMMs' inputs barely toggle, and a power-capped H200 ran such prefills 1.10-1.22x faster
+    than prompts of varied ids (docs/benchmarks.md, thirty-fifth H200 session).
+
     Raises RuntimeError when the cache runs out of blocks (``Capacity.misfit`` says beforehand).
     """
+    vocab = engine.model.dims.vocab_size
     out = []
     for i in range(batch):
         # A decode holds one generated token (the one it feeds); a prefill holds only prompt tokens.
         prompt_len = ctx - 1 if q == 1 else ctx
-        seq = Sequence(first_id + i, [7] * ctx, prompt_len, SamplingParams(max_tokens=1 << 20, ignore_eos=True))
+        tokens = np.random.default_rng(first_id + i).integers(0, vocab, ctx).tolist()
+        seq = Sequence(first_id + i, tokens, prompt_len, SamplingParams(max_tokens=1 << 20, ignore_eos=True))
         seq.num_computed_tokens = ctx - q
         engine.block_manager.allocate(seq, ctx + extra_tokens)
         out.append(ScheduledSeq(seq, q, ctx - q, max_steps=1 + extra_tokens))
