@@ -241,17 +241,18 @@ G, H = 3e-6, 15e-6
 
 class FakeBench:
     """Rates from the shipped H200 profile (gemv 10% above copy); iteration times from the H200
-    roofline plus per-kernel overheads ``G`` and ``H`` (decode 28 kernels per layer + 3 outside,
+    roofline with ``Pi(S)`` scaled by ``efficiency``, plus per-kernel overheads ``G`` and ``H`` (decode 28 kernels per layer + 3 outside,
     prefill 30 + 4, and with ``narrow`` > 0 graph-replayed decodes of at most ``narrow``
     sequences 26 + 3); decode replayed from CUDA graphs except on the 16-SM level; failures
     where asked."""
 
-    def __init__(self, facts=FACTS, fail=(), layers=36, narrow=8):
+    def __init__(self, facts=FACTS, fail=(), layers=36, narrow=8, efficiency=1.0):
         self.facts, self.fail, self.layers, self.narrow = facts, set(fail), layers, narrow
         counts = ({"decode": 28, "prefill": 30}, {"decode": 3, "prefill": 4})
         if narrow:
             counts = ({**counts[0], NARROW_DECODE: 26}, {**counts[1], NARROW_DECODE: 3})
         self.truth = CostModel(QWEN, replace(H200, kernel_gpu_s=G, launch_cpu_s=H, kernels_per_layer=counts[0],
+                                             compute_efficiency=efficiency,
                                              kernels_per_forward=counts[1], narrow_decode_batch=narrow,
                                              provenance={**H200.provenance, **dict.fromkeys(OVERHEAD_FIELDS, "measured")}))
         self.loaded = None
@@ -325,6 +326,7 @@ def test_run_calibration_measures_writes_and_reports_failures(tmp_path):
     # decode on 16 SMs, bandwidth bound, barely feels), so both fits recover the constants
     for fit in (result.fit, result.holdout_fit):
         assert fit.kernel_gpu_s == pytest.approx(G) and fit.launch_cpu_s == pytest.approx(H)
+        assert fit.compute_efficiency == 1.0
     assert (result.profile.kernel_gpu_s, result.profile.launch_cpu_s) == (result.fit.kernel_gpu_s, result.fit.launch_cpu_s)
     roofline = error_stats(result.rows, "roofline_s")
     assert roofline["decode"].median > 0.2 and roofline["prefill"].p90 > 0.2  # small prefills: host bound
@@ -376,6 +378,20 @@ def test_a_base_profile_with_overheads_does_not_leak_into_the_roofline(tmp_path)
     result = run_calibration(FakeBench(), options(tmp_path, base=base), lambda _: None)
     assert result.fit.kernel_gpu_s == pytest.approx(G)
     assert all(r["base_predicted_s"] == pytest.approx(r["measured_s"]) for r in result.rows)
+
+
+def test_the_fit_finds_the_share_of_the_gemm_curve_the_model_reaches(tmp_path):
+    # the engine at 0.85 of the measured 8192^3 GEMM rate, and a base profile already carrying 0.85:
+    # the rows' roofline is the measured curves' own (efficiency 1), the fit finds 0.85
+    bench = FakeBench(efficiency=0.85)
+    result = run_calibration(bench, options(tmp_path, base=bench.truth.profile), lambda _: None)
+    for fit in (result.fit, result.holdout_fit):
+        assert (fit.kernel_gpu_s, fit.launch_cpu_s, fit.compute_efficiency) == (pytest.approx(G), pytest.approx(H), 0.85)
+    assert load_profile(tmp_path / "p.json").compute_efficiency == result.profile.compute_efficiency == 0.85
+    prefill = next(r for r in result.rows if (r["kind"], r["batch"], r["q"]) == ("prefill", 1, 8192))
+    assert prefill["measured_s"] / prefill["roofline_s"] > 1.1  # GEMM-bound: about 1 / 0.85
+    assert max(s.p90 for s in error_stats(result.rows, "predicted_s").values()) < 1e-3
+    assert "compute_efficiency 0.85" in calibrate_cli.fit_summary(result)
 
 
 def test_profile_is_written_before_the_iterations(tmp_path):

@@ -15,8 +15,11 @@ import numpy as np
 import pytest
 
 from duetserve.calibrate.overhead import (
+    OverheadFit,
     fit_overheads,
+    fit_with_efficiency,
     holdout_mask,
+    predict_fitted,
     split_kernel_counts,
 )
 from duetserve.planner.cost_model import CostModel, ModelShape
@@ -289,23 +292,32 @@ def test_split_kernel_counts_and_holdout_mask():
     assert holdout_mask(groups).tolist() == [False, True, False, False, True, True, False]
 
 
-def synthetic(g, h, noise=0.0, seed=0):
-    """Calibration-like iterations of Qwen3-8B on the H200: decode from graphs (all SMs and
-    split levels), eager prefills and eager split decodes, timed by the overhead model with
-    ``g``, ``h`` and ~1000 kernels a forward, times (1 + noise * N(0, 1))."""
-    h200 = roofline_only(load_profile("h200"))
+CASES = [([(1, ctx - 1)] * b, 132, True) for b in (1, 8, 32, 64, 128) for ctx in (512, 2048, 8192)]
+CASES += [([(1, 2047)] * b, s, graphs) for b in (8, 32) for s in (16, 32, 64) for graphs in (True, False)]
+CASES += [([(n, 0)] * b, 132, False) for b, n in ((1, 512), (1, 2048), (1, 8192), (8, 1024), (4, 256))]
+"""Calibration-like iterations of Qwen3-8B on the H200: (requests, SMs, replayed from graphs):
+decode from graphs (all SMs and split levels), eager prefills and eager split decodes."""
+
+
+def rooflines(efficiency=1.0):
+    """The H200 roofline of each of ``CASES``, ``Pi(S)`` scaled by ``efficiency``, seconds."""
+    roof = CostModel(QWEN, replace(roofline_only(load_profile("h200")), compute_efficiency=efficiency))
+    return [float(roof.predict_total(reqs, sms)) for reqs, sms, _ in CASES]
+
+
+def synthetic(g, h, noise=0.0, seed=0, efficiency=1.0):
+    """``CASES`` as (roofline, kernels, graphs, measured) columns, timed by the overhead model with
+    ``g``, ``h`` (~1000 kernels a forward) and ``Pi(S)`` scaled by ``efficiency``, times
+    (1 + noise * N(0, 1)); the roofline column at efficiency 1."""
+    h200 = replace(roofline_only(load_profile("h200")), compute_efficiency=efficiency)
     truth = CostModel(QWEN, with_overheads(h200, kernel_gpu_s=g, launch_cpu_s=h,
                                            kernels_per_layer={"decode": 28, "prefill": 30}))
-    roof = CostModel(QWEN, h200)
-    cases = [([(1, ctx - 1)] * b, 132, True) for b in (1, 8, 32, 64, 128) for ctx in (512, 2048, 8192)]
-    cases += [([(1, 2047)] * b, s, graphs) for b in (8, 32) for s in (16, 32, 64) for graphs in (True, False)]
-    cases += [([(n, 0)] * b, 132, False) for b, n in ((1, 512), (1, 2048), (1, 8192), (8, 1024), (4, 256))]
     rng = np.random.default_rng(seed)
     rows = []
-    for reqs, sms, graphs in cases:
+    for (reqs, sms, graphs), roof in zip(CASES, rooflines()):
         kind = "decode" if reqs[0][0] == 1 else "prefill"
         measured = float(truth.predict_total(reqs, sms, graphs=graphs)) * (1 + noise * rng.standard_normal())
-        rows.append((float(roof.predict_total(reqs, sms)), truth.profile.kernel_count(kind, 36), graphs, measured))
+        rows.append((roof, truth.profile.kernel_count(kind, 36), graphs, measured))
     return [list(col) for col in zip(*rows)]
 
 
@@ -330,3 +342,33 @@ def test_fit_of_a_pure_roofline_is_zero_and_bad_input_raises():
         fit_overheads([], [], [], [])
     with pytest.raises(ValueError):
         fit_overheads([1.0], [0], [True], [1.0])
+
+
+def test_predict_fitted_by_hand():
+    fit = OverheadFit(kernel_gpu_s=2e-6, launch_cpu_s=10e-6)
+    # replayed: 1 ms + 100 x 2 us; eager: max(1 ms + 200 us, 100 x 10 us = 1 ms); eager, host bound:
+    # max(0.1 ms + 200 x 2 us, 200 x 10 us = 2 ms)
+    got = predict_fitted([1e-3, 1e-3, 1e-4], [100, 100, 200], [True, False, False], fit)
+    assert got == pytest.approx([1.2e-3, 1.2e-3, 2e-3])
+
+
+def test_fit_with_efficiency_recovers_the_compute_share_and_constants():
+    for e in (0.85, 0.62):
+        _, kernels, graphs, measured = synthetic(3e-6, 15e-6, efficiency=e)
+        fit = fit_with_efficiency(rooflines, kernels, graphs, measured)
+        assert fit.compute_efficiency == e
+        assert fit.kernel_gpu_s == pytest.approx(3e-6) and fit.launch_cpu_s == pytest.approx(15e-6)
+    # the plain stages on the efficiency-1 roofline misfit what the prefills lose
+    roof, kernels, graphs, measured = synthetic(3e-6, 15e-6, efficiency=0.85)
+    plain = fit_overheads(roof, kernels, graphs, measured)
+    assert np.median(np.abs(predict_fitted(roof, kernels, graphs, plain) / measured - 1)[-5:]) > 0.05
+
+
+def test_fit_with_efficiency_ties_keep_the_larger_share_and_bad_grids_raise():
+    _, kernels, graphs, measured = synthetic(3e-6, 15e-6)
+    flat = rooflines()  # rooflines that do not depend on e: every e fits equally well
+    fit = fit_with_efficiency(lambda e: flat, kernels, graphs, measured, grid=(0.7, 0.9, 0.8))
+    assert fit.compute_efficiency == 0.9
+    for grid in ((), (0.0, 0.5), (0.9, 1.1)):
+        with pytest.raises(ValueError):
+            fit_with_efficiency(rooflines, kernels, graphs, measured, grid=grid)

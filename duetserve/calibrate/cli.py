@@ -41,6 +41,7 @@ from duetserve.argtypes import (
     write_output,
 )
 from duetserve.calibrate.host import fit_gap, fit_host_overheads, gap_summary, read_iteration_log
+from duetserve.calibrate.overhead import OverheadFit
 from duetserve.calibrate.report import (
     format_curves,
     format_errors,
@@ -110,6 +111,11 @@ def model_folder(args: argparse.Namespace, scratch: Path) -> tuple[Path, ModelSh
     return scratch, ModelShape.from_hf_config(config)
 
 
+def _fitted(fit: OverheadFit) -> str:
+    return (f"kernel_gpu_s {fit.kernel_gpu_s * 1e6:.2f} us, launch_cpu_s {fit.launch_cpu_s * 1e6:.2f} us, "
+            f"compute_efficiency {fit.compute_efficiency:.2f}")
+
+
 def fit_summary(result: Calibration) -> str:
     """The kernel counts, the fitted overheads (every shape, and the fit half) and which shapes
     were held out, or why nothing was fitted."""
@@ -120,10 +126,9 @@ def fit_summary(result: Calibration) -> str:
     held = [f"{r['kind']} {r['batch']}x{r['q'] + r['c']} @{r['sms']}" for r in result.rows if r.get("split") == "holdout"]
     return "\n".join([
         f"kernels per iteration: {counts}",
-        (f"per-kernel overheads (written to the profile, fitted on all {len(result.rows)} shapes): "
-         f"kernel_gpu_s {result.fit.kernel_gpu_s * 1e6:.2f} us, launch_cpu_s {result.fit.launch_cpu_s * 1e6:.2f} us"),
-        (f"fit half ({len(result.rows) - len(held)} shapes): kernel_gpu_s {result.holdout_fit.kernel_gpu_s * 1e6:.2f} "
-         f"us, launch_cpu_s {result.holdout_fit.launch_cpu_s * 1e6:.2f} us"),
+        f"per-kernel overheads and compute efficiency (written to the profile, fitted on all {len(result.rows)} "
+        f"shapes): {_fitted(result.fit)}",
+        f"fit half ({len(result.rows) - len(held)} shapes): {_fitted(result.holdout_fit)}",
         "held out (every second shape of each group): " + ", ".join(held)])
 
 

@@ -8,8 +8,8 @@
    with fewer kernels (``hardware.NARROW_DECODE``).
 3. Iteration latencies of the served model over ``workload.plan_shapes``, each noting whether
    the engine replayed it from CUDA graphs.
-4. The per-kernel overheads ``kernel_gpu_s`` and ``launch_cpu_s`` fitted to the measured
-   latencies (``overhead.fit_overheads``): once on a fit half of the shapes, to predict the
+4. ``compute_efficiency`` and the per-kernel overheads ``kernel_gpu_s`` and ``launch_cpu_s``
+   fitted to the measured latencies (``overhead.fit_with_efficiency``): once on a fit half of the shapes, to predict the
    held-out half (``overhead.holdout_mask``), and once on every shape for the profile.
 5. Predictions for each shape, kept in the profile's ``"calibration"`` list: the roofline of
    the measured curves (before the fit), the calibrated profile (after), the fit half's
@@ -22,14 +22,17 @@ The GPU side is a ``Bench`` (``duetserve.calibrate.gpu.CudaBench`` on CUDA; test
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from functools import partial
 from pathlib import Path
 from typing import Protocol, TypeVar
 
+import numpy as np
+
 from duetserve.calibrate.overhead import (
+    EFFICIENCY_GRID,
     OverheadFit,
-    fit_overheads,
+    fit_with_efficiency,
     holdout_mask,
     split_kernel_counts,
 )
@@ -223,21 +226,26 @@ def count_kernels(bench: Bench, shapes: list[Shape], layers: int, errors: list[s
 def apply_fit(shapes: list[Shape], rows: list[dict], profile: HardwareProfile, model_shape: ModelShape,
               counts: dict[str, tuple[int, int]], narrow_decode_batch: int = 0
               ) -> tuple[HardwareProfile, OverheadFit, OverheadFit]:
-    """Fit the overheads to ``rows`` (measured ``shapes``, with their kernel counts) and fill
-    in each row's ``split`` (``fit`` or ``holdout``), ``predicted_s`` (overheads fitted on
-    every row) and ``holdout_predicted_s`` (fitted on the fit rows; held-out rows only).
+    """Fit ``compute_efficiency`` and the overheads to ``rows`` (measured ``shapes``, with their
+    kernel counts; ``overhead.fit_with_efficiency``, the rooflines of ``profile``, which has
+    none of them, at each efficiency) and fill in each row's ``split`` (``fit`` or ``holdout``),
+    ``predicted_s`` (fitted on every row) and ``holdout_predicted_s`` (fitted on the fit rows;
+    held-out rows only).
 
     The held-out rows are every second row of each (report group, graphs) group in
-    measurement order (``holdout_mask``). Returns the profile with the overheads fitted on
+    measurement order (``holdout_mask``). Returns the profile with the terms fitted on
     every row, that fit, and the fit half's.
     """
     held = holdout_mask((group(r), r["graphs"]) for r in rows)
+    rooflines = {e: np.array([CostModel(model_shape, replace(profile, compute_efficiency=e)).predict_total(
+        shape.reqs, shape.sms, graphs=r["graphs"], host=False) for shape, r in zip(shapes, rows)])
+        for e in EFFICIENCY_GRID}
+    kernels, graphs, measured = (np.array([r[k] for r in rows]) for k in ("kernels", "graphs", "measured_s"))
 
-    def fit(sel: list[dict]) -> OverheadFit:
-        return fit_overheads([r["roofline_s"] for r in sel], [r["kernels"] for r in sel],
-                             [r["graphs"] for r in sel], [r["measured_s"] for r in sel])
+    def fit(sel: np.ndarray) -> OverheadFit:
+        return fit_with_efficiency(lambda e: rooflines[e][sel], kernels[sel], graphs[sel], measured[sel])
 
-    full, half = fit(rows), fit([r for r, h in zip(rows, held) if not h])
+    full, half = fit(np.ones(len(rows), dtype=bool)), fit(~held)
     calibrated = with_overheads(profile, full, counts, narrow_decode_batch)
     full_model = CostModel(model_shape, calibrated)
     half_model = CostModel(model_shape, with_overheads(profile, half, counts, narrow_decode_batch))

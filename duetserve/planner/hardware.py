@@ -366,8 +366,9 @@ def _profile_dir():  # a Traversable (importlib.resources)
 
 def roofline_only(profile: HardwareProfile) -> HardwareProfile:
     """``profile`` without the calibrated per-kernel and host overheads (the gap between
-    iterations included) and attention efficiency: the pure roofline of docs/design.md section 3."""
+    iterations included) and compute and attention efficiencies: the pure roofline of
+    docs/design.md section 3."""
     provenance = {k: v for k, v in profile.provenance.items() if k not in _OPTIONAL_PROVENANCE_FIELDS}
     return replace(profile, kernel_gpu_s=0.0, launch_cpu_s=0.0, kernels_per_layer={}, kernels_per_forward={},
-                   attention_efficiency=1.0, host_per_request_s=0.0, host_eager_s=0.0, narrow_decode_batch=0,
-                   host_piecewise_s=None, host_gap_s=0.0, host_gap_per_request_s=0.0, provenance=provenance)
+                   compute_efficiency=1.0, attention_efficiency=1.0, host_per_request_s=0.0, host_eager_s=0.0,
+                   narrow_decode_batch=0, host_piecewise_s=None, host_gap_s=0.0, host_gap_per_request_s=0.0, provenance=provenance)
