@@ -252,7 +252,7 @@ class FakeBench:
         if narrow:
             counts = ({**counts[0], NARROW_DECODE: 26}, {**counts[1], NARROW_DECODE: 3})
         self.truth = CostModel(QWEN, replace(H200, kernel_gpu_s=G, launch_cpu_s=H, kernels_per_layer=counts[0],
-                                             compute_efficiency=efficiency,
+                                             gemm_efficiency=efficiency,
                                              kernels_per_forward=counts[1], narrow_decode_batch=narrow,
                                              provenance={**H200.provenance, **dict.fromkeys(OVERHEAD_FIELDS, "measured")}))
         self.loaded = None
@@ -326,7 +326,7 @@ def test_run_calibration_measures_writes_and_reports_failures(tmp_path):
     # decode on 16 SMs, bandwidth bound, barely feels), so both fits recover the constants
     for fit in (result.fit, result.holdout_fit):
         assert fit.kernel_gpu_s == pytest.approx(G) and fit.launch_cpu_s == pytest.approx(H)
-        assert fit.compute_efficiency == 1.0
+        assert fit.gemm_efficiency == 1.0
     assert (result.profile.kernel_gpu_s, result.profile.launch_cpu_s) == (result.fit.kernel_gpu_s, result.fit.launch_cpu_s)
     roofline = error_stats(result.rows, "roofline_s")
     assert roofline["decode"].median > 0.2 and roofline["prefill"].p90 > 0.2  # small prefills: host bound
@@ -386,12 +386,12 @@ def test_the_fit_finds_the_share_of_the_gemm_curve_the_model_reaches(tmp_path):
     bench = FakeBench(efficiency=0.85)
     result = run_calibration(bench, options(tmp_path, base=bench.truth.profile), lambda _: None)
     for fit in (result.fit, result.holdout_fit):
-        assert (fit.kernel_gpu_s, fit.launch_cpu_s, fit.compute_efficiency) == (pytest.approx(G), pytest.approx(H), 0.85)
-    assert load_profile(tmp_path / "p.json").compute_efficiency == result.profile.compute_efficiency == 0.85
+        assert (fit.kernel_gpu_s, fit.launch_cpu_s, fit.gemm_efficiency) == (pytest.approx(G), pytest.approx(H), 0.85)
+    assert load_profile(tmp_path / "p.json").gemm_efficiency == result.profile.gemm_efficiency == 0.85
     prefill = next(r for r in result.rows if (r["kind"], r["batch"], r["q"]) == ("prefill", 1, 8192))
     assert prefill["measured_s"] / prefill["roofline_s"] > 1.1  # GEMM-bound: about 1 / 0.85
     assert max(s.p90 for s in error_stats(result.rows, "predicted_s").values()) < 1e-3
-    assert "compute_efficiency 0.85" in calibrate_cli.fit_summary(result)
+    assert "gemm_efficiency 0.85" in calibrate_cli.fit_summary(result)
 
 
 def test_profile_is_written_before_the_iterations(tmp_path):

@@ -70,6 +70,16 @@ def test_attention_efficiency_scales_only_the_flops(gpu):
     assert cm.predict([(1, 1023)], 100).attention == pytest.approx(1.052672e-6)
 
 
+def test_gemm_efficiency_scales_only_the_token_level_flops(gpu):
+    cm = CostModel(SHAPE, replace(gpu, gemm_efficiency=0.8, provenance={**gpu.provenance, "gemm_efficiency": "measured"}))
+    # lm_head over 1000 tokens on 10 SMs (test_one_linear_layer_by_hand): F = 6.5536e10 at 0.8 x 1e13 -> 8.192e-3 s
+    assert cm.predict([(1000, 0)], 10, lm_head_tokens=1000).lm_head == pytest.approx(8.192e-3)
+    # 4 tokens on 100 SMs: memory-bound, unchanged
+    assert cm.predict([(1, 10)] * 4, 100).lm_head == pytest.approx(6.5800192e-5)
+    # attention keeps Pi(S) x attention_efficiency (test_prefill_attention_by_hand)
+    assert cm.predict([(4096, 0)], 100).attention == pytest.approx(3.4502377472e-4)
+
+
 def test_norm_act_and_allreduce_by_hand(gpu):
     # 4 tokens, 100 SMs. Each RMSNorm: B = 2*(2*4*1024 + 1024) = 18,432 bytes -> 1.8432e-8 s;
     # SiLU-and-mul: B = 3*2*4*4096 = 98,304 bytes -> 9.8304e-8 s (FLOPs negligible).

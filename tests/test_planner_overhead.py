@@ -299,18 +299,23 @@ CASES += [([(n, 0)] * b, 132, False) for b, n in ((1, 512), (1, 2048), (1, 8192)
 decode from graphs (all SMs and split levels), eager prefills and eager split decodes."""
 
 
+def h200_at(efficiency):
+    """The H200's pure roofline with ``gemm_efficiency`` ``efficiency``."""
+    h200 = roofline_only(load_profile("h200"))
+    return replace(h200, gemm_efficiency=efficiency, provenance={**h200.provenance, "gemm_efficiency": "measured"})
+
+
 def rooflines(efficiency=1.0):
-    """The H200 roofline of each of ``CASES``, ``Pi(S)`` scaled by ``efficiency``, seconds."""
-    roof = CostModel(QWEN, replace(roofline_only(load_profile("h200")), compute_efficiency=efficiency))
+    """The H200 roofline of each of ``CASES`` with ``gemm_efficiency`` ``efficiency``, seconds."""
+    roof = CostModel(QWEN, h200_at(efficiency))
     return [float(roof.predict_total(reqs, sms)) for reqs, sms, _ in CASES]
 
 
 def synthetic(g, h, noise=0.0, seed=0, efficiency=1.0):
     """``CASES`` as (roofline, kernels, graphs, measured) columns, timed by the overhead model with
-    ``g``, ``h`` (~1000 kernels a forward) and ``Pi(S)`` scaled by ``efficiency``, times
+    ``g``, ``h`` (~1000 kernels a forward) and ``gemm_efficiency`` ``efficiency``, times
     (1 + noise * N(0, 1)); the roofline column at efficiency 1."""
-    h200 = replace(roofline_only(load_profile("h200")), compute_efficiency=efficiency)
-    truth = CostModel(QWEN, with_overheads(h200, kernel_gpu_s=g, launch_cpu_s=h,
+    truth = CostModel(QWEN, with_overheads(h200_at(efficiency), kernel_gpu_s=g, launch_cpu_s=h,
                                            kernels_per_layer={"decode": 28, "prefill": 30}))
     rng = np.random.default_rng(seed)
     rows = []
@@ -356,7 +361,7 @@ def test_fit_with_efficiency_recovers_the_compute_share_and_constants():
     for e in (0.85, 0.62):
         _, kernels, graphs, measured = synthetic(3e-6, 15e-6, efficiency=e)
         fit = fit_with_efficiency(rooflines, kernels, graphs, measured)
-        assert fit.compute_efficiency == e
+        assert fit.gemm_efficiency == e
         assert fit.kernel_gpu_s == pytest.approx(3e-6) and fit.launch_cpu_s == pytest.approx(15e-6)
     # the plain stages on the efficiency-1 roofline misfit what the prefills lose
     roof, kernels, graphs, measured = synthetic(3e-6, 15e-6, efficiency=0.85)
@@ -368,7 +373,7 @@ def test_fit_with_efficiency_ties_keep_the_larger_share_and_bad_grids_raise():
     _, kernels, graphs, measured = synthetic(3e-6, 15e-6)
     flat = rooflines()  # rooflines that do not depend on e: every e fits equally well
     fit = fit_with_efficiency(lambda e: flat, kernels, graphs, measured, grid=(0.7, 0.9, 0.8))
-    assert fit.compute_efficiency == 0.9
+    assert fit.gemm_efficiency == 0.9
     for grid in ((), (0.0, 0.5), (0.9, 1.1)):
         with pytest.raises(ValueError):
             fit_with_efficiency(rooflines, kernels, graphs, measured, grid=grid)

@@ -113,7 +113,7 @@ def model_folder(args: argparse.Namespace, scratch: Path) -> tuple[Path, ModelSh
 
 def _fitted(fit: OverheadFit) -> str:
     return (f"kernel_gpu_s {fit.kernel_gpu_s * 1e6:.2f} us, launch_cpu_s {fit.launch_cpu_s * 1e6:.2f} us, "
-            f"compute_efficiency {fit.compute_efficiency:.2f}")
+            f"gemm_efficiency {fit.gemm_efficiency:.2f}")
 
 
 def fit_summary(result: Calibration) -> str:

@@ -19,14 +19,14 @@ calibration reports):
    with breaks where ``n h`` meets ``meas`` or ``r + n g``, so its minimum over ``h >= 0`` is
    at 0 or one of those breaks; all are tried (ties: the smallest ``h``).
 
-Stage 0, beneath both: the profile's ``compute_efficiency`` ``e`` (``HardwareProfile``: it
-scales ``Pi(S)``, the GEMM curve measured on one bf16 8192^3 product). The served model's
-GEMMs at a few thousand tokens reach less of that curve (on the H200 0.88-0.93: other shapes,
-and a power-capped chip clocking down under a long prefill), and its small elementwise kernels
-and short-prompt attention less still; a per-kernel constant cannot carry a shortfall that
-grows with the tokens. Each ``e`` of ``EFFICIENCY_GRID`` rescales the roofline
-(``fit_with_efficiency``'s ``roofline_at``), stages 1 and 2 fit at it, and the ``e`` whose fit
-has the least sum of relative errors over all rows wins (ties: the larger ``e``).
+Stage 0, beneath both: the profile's ``gemm_efficiency`` ``e`` (``HardwareProfile``: the share
+of ``Pi(S)``, the GEMM curve measured on one bf16 8192^3 product, that the model's token-level
+operators reach). The served model's GEMMs at a few thousand tokens reach less of that curve
+(on the H200 0.78-0.88 of it in eager iterations: other shapes, and a power-capped chip clocking
+down under a long prefill), a shortfall that grows with the tokens, which no per-kernel constant
+can carry. Each ``e`` of ``EFFICIENCY_GRID`` rescales the roofline (``fit_with_efficiency``'s
+``roofline_at``), stages 1 and 2 fit at it, and the ``e`` whose fit has the least sum of
+relative errors over all rows wins (ties: the larger ``e``).
 
 Kernel counts come from the engine (``split_kernel_counts`` of a profiled forward). The fit
 is checked on shapes it did not see (``holdout_mask``).
@@ -44,16 +44,16 @@ from numpy.typing import ArrayLike
 @dataclass(frozen=True)
 class OverheadFit:
     """Fitted per-kernel constants, seconds: ``kernel_gpu_s`` (GPU time beyond the roofline)
-    and ``launch_cpu_s`` (host time of one eager launch); ``compute_efficiency`` (in (0, 1]) the
+    and ``launch_cpu_s`` (host time of one eager launch); ``gemm_efficiency`` (in (0, 1]) the
     share of ``Pi(S)`` the roofline took (stage 0, module docstring)."""
 
     kernel_gpu_s: float
     launch_cpu_s: float
-    compute_efficiency: float = 1.0
+    gemm_efficiency: float = 1.0
 
 
 EFFICIENCY_GRID = tuple(round(0.5 + 0.01 * i, 2) for i in range(51))
-"""``compute_efficiency`` values stage 0 tries: 0.50, 0.51, ..., 1.00."""
+"""``gemm_efficiency`` values stage 0 tries: 0.50, 0.51, ..., 1.00."""
 
 
 def split_kernel_counts(names: Iterable[str], layers: int) -> tuple[int, int]:
@@ -122,7 +122,7 @@ def fit_overheads(roofline: ArrayLike, kernels: ArrayLike, graphs: ArrayLike, me
 def predict_fitted(roofline: ArrayLike, kernels: ArrayLike, graphs: ArrayLike, fit: OverheadFit) -> np.ndarray:
     """Seconds the model gives iterations of ``roofline`` seconds and ``kernels`` launched,
     ``graphs`` True where replayed (module docstring: ``r + n g``, eager ``max(r + n g, n h)``).
-    ``roofline`` must already carry ``fit.compute_efficiency``."""
+    ``roofline`` must already carry ``fit.gemm_efficiency``."""
     r, n = np.asarray(roofline, dtype=float), np.asarray(kernels, dtype=float)
     gpu = r + n * fit.kernel_gpu_s
     return np.where(np.asarray(graphs, dtype=bool), gpu, np.maximum(gpu, n * fit.launch_cpu_s))
@@ -132,19 +132,19 @@ def fit_with_efficiency(roofline_at: Callable[[float], ArrayLike], kernels: Arra
                         measured: ArrayLike, grid: Iterable[float] = EFFICIENCY_GRID) -> OverheadFit:
     """Stages 0-2 of the module docstring: for each ``e`` of ``grid``, ``fit_overheads`` on the
     rooflines ``roofline_at(e)`` (seconds, one per iteration, with ``Pi(S)`` scaled by ``e``);
-    returns the fit, ``compute_efficiency`` included, whose predictions have the least sum of
+    returns the fit, ``gemm_efficiency`` included, whose predictions have the least sum of
     relative errors ``|pred - meas| / meas`` (ties: the larger ``e``).
 
     Raises ValueError as ``fit_overheads``, and for an empty grid or one outside (0, 1].
     """
     values = sorted(set(grid), reverse=True)
     if not values or not 0.0 < values[-1] <= values[0] <= 1.0:
-        raise ValueError(f"compute_efficiency grid must be non-empty and in (0, 1], got {values}")
+        raise ValueError(f"gemm_efficiency grid must be non-empty and in (0, 1], got {values}")
     m = np.asarray(measured, dtype=float)
     best, best_cost = None, np.inf
     for e in values:
         r = np.asarray(roofline_at(e), dtype=float)
-        fit = replace(fit_overheads(r, kernels, graphs, m), compute_efficiency=e)
+        fit = replace(fit_overheads(r, kernels, graphs, m), gemm_efficiency=e)
         cost = float((np.abs(predict_fitted(r, kernels, graphs, fit) - m) / m).sum())
         if cost < best_cost * (1 - 1e-12):
             best, best_cost = fit, cost

@@ -24,8 +24,10 @@ Curve = dict[int, float]
 
 MEASURED_FIELDS = ("num_sms", "num_tpcs", "compute_capability_major", "compute_points", "bandwidth_points",
                    "hbm_bytes")
-OVERHEAD_FIELDS = ("kernel_gpu_s", "launch_cpu_s", "kernels_per_layer", "kernels_per_forward", "narrow_decode_batch")
-"""``HardwareProfile``'s per-kernel overhead fields, fitted by calibration (``overhead`` module)."""
+OVERHEAD_FIELDS = ("kernel_gpu_s", "launch_cpu_s", "kernels_per_layer", "kernels_per_forward", "narrow_decode_batch",
+                   "gemm_efficiency")
+"""``HardwareProfile``'s per-kernel overhead fields and GEMM efficiency, fitted by calibration
+(``overhead`` module)."""
 
 
 @dataclass(frozen=True)
@@ -73,8 +75,8 @@ def build_profile(base: HardwareProfile, name: str, facts: DeviceFacts, compute:
                   bandwidth: Mapping[int, float], method: str) -> dict:
     """A profile dict (the JSON schema of ``duetserve/planner/profiles``) named ``name``:
     ``MEASURED_FIELDS`` from ``facts`` and the curves (FLOP/s and bytes/s by SM count), no
-    per-kernel overheads and ``compute_efficiency`` 1 (both fitted later, ``with_overheads``),
-    every other field copied from ``base`` with its provenance.
+    per-kernel overheads and ``gemm_efficiency`` 1 (fitted later, ``with_overheads``), every other
+    field copied from ``base`` with its provenance.
     ``method`` goes into ``notes``.
 
     Raises ValueError as ``curve_points``; ``write_profile`` checks the rest.
@@ -90,7 +92,6 @@ def build_profile(base: HardwareProfile, name: str, facts: DeviceFacts, compute:
         compute_points=curve_points(compute, facts.num_sms, "gemm"),
         bandwidth_points=curve_points(bandwidth, facts.num_sms, "copy/gemv"),
         hbm_bytes=facts.hbm_bytes,
-        compute_efficiency=1.0,
         provenance={**provenance, **dict.fromkeys(MEASURED_FIELDS, "measured")},
         notes=f"{method} Fields not measured come from the base profile {base.name!r}: {base.notes}",
     )
@@ -99,11 +100,11 @@ def build_profile(base: HardwareProfile, name: str, facts: DeviceFacts, compute:
 
 def with_overheads(profile: HardwareProfile, fit: OverheadFit, counts: Mapping[str, tuple[int, int]],
                    narrow_decode_batch: int = 0) -> HardwareProfile:
-    """``profile`` with the fitted constants (``compute_efficiency`` too) and the engine's kernel
+    """``profile`` with the fitted constants (``gemm_efficiency`` too) and the engine's kernel
     counts (``counts``: per iteration kind, ``(per layer, per forward outside the layers)``; a
     ``NARROW_DECODE`` count goes with ``narrow_decode_batch`` > 0), all marked measured."""
     fields = {"kernel_gpu_s": fit.kernel_gpu_s, "launch_cpu_s": fit.launch_cpu_s,
-              "compute_efficiency": fit.compute_efficiency,
+              "gemm_efficiency": fit.gemm_efficiency,
               "kernels_per_layer": {kind: c[0] for kind, c in counts.items()},
               "kernels_per_forward": {kind: c[1] for kind, c in counts.items()},
               "narrow_decode_batch": narrow_decode_batch}

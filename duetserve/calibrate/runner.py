@@ -8,7 +8,7 @@
    with fewer kernels (``hardware.NARROW_DECODE``).
 3. Iteration latencies of the served model over ``workload.plan_shapes``, each noting whether
    the engine replayed it from CUDA graphs.
-4. ``compute_efficiency`` and the per-kernel overheads ``kernel_gpu_s`` and ``launch_cpu_s``
+4. ``gemm_efficiency`` and the per-kernel overheads ``kernel_gpu_s`` and ``launch_cpu_s``
    fitted to the measured latencies (``overhead.fit_with_efficiency``): once on a fit half of the shapes, to predict the
    held-out half (``overhead.holdout_mask``), and once on every shape for the profile.
 5. Predictions for each shape, kept in the profile's ``"calibration"`` list: the roofline of
@@ -226,7 +226,7 @@ def count_kernels(bench: Bench, shapes: list[Shape], layers: int, errors: list[s
 def apply_fit(shapes: list[Shape], rows: list[dict], profile: HardwareProfile, model_shape: ModelShape,
               counts: dict[str, tuple[int, int]], narrow_decode_batch: int = 0
               ) -> tuple[HardwareProfile, OverheadFit, OverheadFit]:
-    """Fit ``compute_efficiency`` and the overheads to ``rows`` (measured ``shapes``, with their
+    """Fit ``gemm_efficiency`` and the overheads to ``rows`` (measured ``shapes``, with their
     kernel counts; ``overhead.fit_with_efficiency``, the rooflines of ``profile``, which has
     none of them, at each efficiency) and fill in each row's ``split`` (``fit`` or ``holdout``),
     ``predicted_s`` (fitted on every row) and ``holdout_predicted_s`` (fitted on the fit rows;
@@ -237,9 +237,10 @@ def apply_fit(shapes: list[Shape], rows: list[dict], profile: HardwareProfile, m
     every row, that fit, and the fit half's.
     """
     held = holdout_mask((group(r), r["graphs"]) for r in rows)
-    rooflines = {e: np.array([CostModel(model_shape, replace(profile, compute_efficiency=e)).predict_total(
-        shape.reqs, shape.sms, graphs=r["graphs"], host=False) for shape, r in zip(shapes, rows)])
-        for e in EFFICIENCY_GRID}
+    provenance = {**profile.provenance, "gemm_efficiency": "measured"}
+    rooflines = {e: np.array([CostModel(model_shape, replace(profile, gemm_efficiency=e, provenance=provenance))
+                              .predict_total(shape.reqs, shape.sms, graphs=r["graphs"], host=False)
+                              for shape, r in zip(shapes, rows)]) for e in EFFICIENCY_GRID}
     kernels, graphs, measured = (np.array([r[k] for r in rows]) for k in ("kernels", "graphs", "measured_s"))
 
     def fit(sel: np.ndarray) -> OverheadFit:

@@ -10,7 +10,10 @@ Operators per block (one decoder layer of the Llama / Qwen3 family, per GPU unde
   ``B = b (n d_i + d_i d_o + n d_o)`` for ``n`` batch tokens and ``b`` bytes per element;
 * norm_act (token-level): two RMSNorms (``F = 4 n d``, ``B = b (2 n d + d)``) and the
   SiLU-and-multiply (``F = 5 n i``, ``B = 3 b n i``). Residual adds, RoPE and Qwen3's q/k
-  norms are taken as fused into neighbouring kernels and not counted;
+  norms are taken as fused into neighbouring kernels and not counted. Token-level operators
+  (these, and lm_head) take their FLOPs at ``Pi(S)`` times the profile's ``gemm_efficiency``
+  (beyond the paper: the share of the measured square-GEMM rate the served model's own GEMMs
+  reach, fitted by ``duetserve calibrate``);
 * attention (sequence-level), per request with ``q`` new and ``c`` cached tokens:
   ``F = (4 d_h + 2) h_q P`` and ``B = b (2 h_q q d_h + 2 h_kv (q + c) d_h)`` where ``P`` is
   the number of (query, key) pairs computed; the batch's time is the sum of each request's
@@ -285,6 +288,7 @@ class CostModel:
         self._pi = np.concatenate(([np.nan], profile.compute_rate(grid)))
         self._bw = np.concatenate(([np.nan], profile.bandwidth(grid)))
         self._pi_attention = self._pi * profile.attention_efficiency
+        self._pi_tokens = self._pi * profile.gemm_efficiency
 
     def predict(self, reqs: Sequence[Request] | np.ndarray, sms: int, lm_head_tokens: int | None = None,
                 graphs: bool | None = None, host: bool = True) -> Breakdown:
@@ -390,7 +394,7 @@ class CostModel:
         else:
             lm_tokens = n if self.lm_head == "all" else requests
         tokens = np.where(self._tok_is_lm_head, lm_tokens, n)
-        token_ops = np.maximum(tokens * self._tok_f / pi, (tokens * self._tok_bt + self._tok_bf) / bw) * (tokens > 0)
+        token_ops = np.maximum(tokens * self._tok_f / self._pi_tokens[sms], (tokens * self._tok_bt + self._tok_bf) / bw) * (tokens > 0)
         parts = np.empty((6, token_ops.shape[1]))
         parts[[0, 2, 4]] = self._tok_groups @ token_ops  # linear, norm_act, lm_head
         parts[1] = self.shape.layers * attention

@@ -106,9 +106,15 @@ class HardwareProfile:
     ``attention_efficiency`` (in (0, 1], default 1): the share of ``Pi(S)`` that the engine's
     prefill attention kernel reaches on attention FLOPs (a GEMM-rate roofline is optimistic for
     flash-style attention: the Triton kernel measured 311-342 TFLOP/s against 797 on the H200).
+    ``gemm_efficiency`` (in (0, 1], default 1): the share of ``Pi(S)`` that the served model's
+    token-level operators (its weight GEMMs, norms and lm_head) reach on their FLOPs, fitted by
+    ``duetserve calibrate`` (``calibrate.overhead``): ``Pi(S)`` is measured on one square 8192^3
+    product, and on the H200 the model's GEMMs at 1-8k tokens of varied prompts ran 0.78-0.88 of it
+    in eager iterations (docs/benchmarks.md, thirty-fifth H200 session).
 
     ``provenance`` maps every number field to ``"measured"`` or ``"datasheet"``; the overhead
-    fields and ``attention_efficiency`` need an entry only when they differ from their default.
+    fields, ``attention_efficiency`` and ``gemm_efficiency`` need an entry only when they differ
+    from their default.
 
     Raises:
         ValueError: on inconsistent fields (unsorted or out-of-range points, a curve
@@ -141,6 +147,7 @@ class HardwareProfile:
     kernels_per_layer: Mapping[str, int] = field(default_factory=dict)
     kernels_per_forward: Mapping[str, int] = field(default_factory=dict)
     attention_efficiency: float = 1.0
+    gemm_efficiency: float = 1.0
     host_per_request_s: float = 0.0
     host_eager_s: float = 0.0
     narrow_decode_batch: int = 0
@@ -161,7 +168,7 @@ class HardwareProfile:
                 raise ValueError(f"{self.name}: {f.name} must be {kind} (finite), got {value!r}")
         self._check_points("compute_points", self.compute_points, self.peak_flops)
         self._check_points("bandwidth_points", self.bandwidth_points, self.peak_bandwidth)
-        for eff in ("compute_efficiency", "bandwidth_efficiency", "attention_efficiency"):
+        for eff in ("compute_efficiency", "bandwidth_efficiency", "attention_efficiency", "gemm_efficiency"):
             if not 0.0 < getattr(self, eff) <= 1.0:
                 raise ValueError(f"{self.name}: {eff} must be in (0, 1]")
         if min(self.decode_interference, self.prefill_interference) < 1.0:
@@ -293,7 +300,7 @@ class HardwareProfile:
 
 
 _OPTIONAL_PROVENANCE_FIELDS = ("kernel_gpu_s", "launch_cpu_s", "kernels_per_layer", "kernels_per_forward",
-                               "attention_efficiency", "host_per_request_s", "host_eager_s", "narrow_decode_batch",
+                               "attention_efficiency", "gemm_efficiency", "host_per_request_s", "host_eager_s", "narrow_decode_batch",
                                "host_piecewise_s", "host_gap_s", "host_gap_per_request_s")
 _PROVENANCE_FIELDS = tuple(
     f.name
@@ -366,9 +373,9 @@ def _profile_dir():  # a Traversable (importlib.resources)
 
 def roofline_only(profile: HardwareProfile) -> HardwareProfile:
     """``profile`` without the calibrated per-kernel and host overheads (the gap between
-    iterations included) and compute and attention efficiencies: the pure roofline of
+    iterations included) and GEMM and attention efficiencies: the pure roofline of
     docs/design.md section 3."""
     provenance = {k: v for k, v in profile.provenance.items() if k not in _OPTIONAL_PROVENANCE_FIELDS}
     return replace(profile, kernel_gpu_s=0.0, launch_cpu_s=0.0, kernels_per_layer={}, kernels_per_forward={},
-                   compute_efficiency=1.0, attention_efficiency=1.0, host_per_request_s=0.0, host_eager_s=0.0,
+                   gemm_efficiency=1.0, attention_efficiency=1.0, host_per_request_s=0.0, host_eager_s=0.0,
                    narrow_decode_batch=0, host_piecewise_s=None, host_gap_s=0.0, host_gap_per_request_s=0.0, provenance=provenance)
