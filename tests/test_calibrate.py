@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from types import SimpleNamespace
 
 import numpy as np
@@ -40,7 +40,7 @@ from duetserve.calibrate.workload import (
 )
 from duetserve.engine.kv_cache import BlockManager
 from duetserve.planner.cost_model import CostModel, ModelShape
-from duetserve.planner.hardware import NARROW_DECODE, load_profile, roofline_only
+from duetserve.planner.hardware import NARROW_DECODE, PIECEWISE, load_profile, roofline_only
 
 H200 = roofline_only(load_profile("h200"))
 QWEN = ModelShape.preset("qwen3-8b")
@@ -392,6 +392,40 @@ def test_the_fit_finds_the_share_of_the_gemm_curve_the_model_reaches(tmp_path):
     assert prefill["measured_s"] / prefill["roofline_s"] > 1.1  # GEMM-bound: about 1 / 0.85
     assert max(s.p90 for s in error_stats(result.rows, "predicted_s").values()) < 1e-3
     assert "gemm_efficiency 0.85" in calibrate_cli.fit_summary(result)
+
+
+def test_refit_on_another_profiles_curves(tmp_path, capsys):
+    """A calibration measured where GEMMs ran at 0.85 of this H200 curve, refitted (CLI, no GPU) on a
+    base whose Pi(S) is 1.0625x higher: the same iterations are 0.80 of that curve; the base's
+    piecewise counts stay, the calibration's kernel counts come in."""
+    bench = FakeBench(efficiency=0.85)
+    run_calibration(bench, options(tmp_path), lambda _: None)
+    faster = replace(H200, compute_points=tuple((sms, rate * 0.85 / 0.80) for sms, rate in H200.compute_points),
+                     kernels_per_layer={PIECEWISE: 3}, kernels_per_forward={PIECEWISE: 16},
+                     provenance={**H200.provenance, "kernels_per_layer": "measured", "kernels_per_forward": "measured"})
+    (tmp_path / "faster.json").write_text(json.dumps(asdict(faster)))
+    out = tmp_path / "refit.json"
+    args = ["--gpu-name", "lab", "--out", str(out), "--base", str(tmp_path / "faster.json")]
+    assert calibrate_main([*args, "--refit", str(tmp_path / "p.json"), "--plot", str(tmp_path / "r.png")]) == 0
+    printed = capsys.readouterr().out
+    assert "BW(S) and Pi(S) measured" not in printed and "gemm_efficiency 0.80" in printed
+    refit = load_profile(out)
+    assert (refit.name, refit.gemm_efficiency, refit.compute_points) == ("lab", 0.80, faster.compute_points)
+    assert (refit.kernel_gpu_s, refit.launch_cpu_s) == (pytest.approx(G), pytest.approx(H))
+    assert refit.kernels_per_layer == {PIECEWISE: 3, "decode": 28, "prefill": 30, NARROW_DECODE: 26}
+    rows = json.loads(out.read_text())["calibration"]
+    # not exact: the base's faster Pi(S) speeds up prefill attention too (Pi x attention_efficiency)
+    assert 1e-3 < max(s.p90 for s in error_stats(rows, "predicted_s").values()) < 0.01
+    assert (tmp_path / "r.png").read_bytes()[:4] == b"\x89PNG"
+    # a profile without measured rows, GPU flags, and a non-profile file
+    assert calibrate_main([*args, "--refit", str(tmp_path / "faster.json")]) == 1
+    assert "no calibration rows with kernel counts" in capsys.readouterr().err
+    assert calibrate_main([*args, "--refit", str(tmp_path / "p.json"), "--quick"]) == 2
+    assert capsys.readouterr().err == "duetserve calibrate: error: --quick does not go with --refit\n"
+    (tmp_path / "bad.json").write_text('{"calibration": [{"kernels": 5}], "kernels_per_layer": {"decode": 1, '
+                                       '"prefill": 1}, "kernels_per_forward": {"decode": 1, "prefill": 1}}')
+    assert calibrate_main([*args, "--refit", str(tmp_path / "bad.json")]) == 1
+    assert "a calibration row has no 'kind'" in capsys.readouterr().err
 
 
 def test_profile_is_written_before_the_iterations(tmp_path):

@@ -173,7 +173,7 @@ def test_calibrate_iteration_log_writes_the_profile(tmp_path, capsys):
     # the GPU measurement's flags are refused with it (--plot wrote nothing, silently)
     assert main(["calibrate", "--gpu-name", "lab", "--out", str(out), "--iteration-log", str(log), "--quick",
                  "--plot", str(tmp_path / "c.png")]) == 2
-    assert capsys.readouterr().err == ("duetserve calibrate: error: --plot, --quick measure on a GPU: not with "
+    assert capsys.readouterr().err == ("duetserve calibrate: error: --plot, --quick do not go with "
                                        "--iteration-log\n") and not out.exists()
     assert main(["calibrate", "--gpu-name", "lab", "--out", str(out), "--iteration-log", str(log)]) == 0
     printed = capsys.readouterr().out

@@ -10,6 +10,11 @@ median and p90 relative error ``|pred - meas| / meas`` for prefill and decode: t
 before the fit, the calibrated profile after it, the held-out shapes before and after a fit
 on the other shapes, and the base profile; ``--plot`` draws predicted against measured.
 
+``--refit CALIBRATED.json`` instead fits ``gemm_efficiency`` and the per-kernel overheads
+again, on ``--base``'s ``Pi(S)`` and ``BW(S)``, to the iterations a calibration on a GPU measured
+(``runner.refit_calibration``), needs no GPU, and writes ``--base`` with them (and the re-predicted
+rows); the report and ``--plot`` as above, without the curves.
+
 ``--iteration-log LOG [LOG ...]`` instead fits the serving host time (``host_per_request_s``,
 ``host_eager_s``, ``host_piecewise_s``, and between iterations ``host_gap_s`` and
 ``host_gap_per_request_s``; ``duetserve.calibrate.host``) to the iteration logs
@@ -48,7 +53,8 @@ from duetserve.calibrate.report import (
     format_rows,
     plot_predictions,
 )
-from duetserve.calibrate.runner import Calibration, Options, run_calibration
+from duetserve.calibrate.profile import write_profile
+from duetserve.calibrate.runner import Calibration, Options, refit_calibration, run_calibration
 from duetserve.calibrate.workload import QWEN3_8B
 from duetserve.config import ATTENTION_BACKENDS
 from duetserve.jsonio import dumps
@@ -94,6 +100,9 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--iteration-log", type=existing_file, nargs="+", metavar="LOG.jsonl",
                    help="fit only the serving host time to these `serve --iteration-log` files (pooled; .gz "
                         "read gzipped) of servers that planned with --base (no GPU needed)")
+    p.add_argument("--refit", type=existing_file, metavar="CALIBRATED.json",
+                   help="fit gemm_efficiency and the per-kernel overheads again, on --base's curves, to the "
+                        "iterations a calibration measured (a profile calibrate wrote on a GPU; no GPU needed)")
 
 
 def model_folder(args: argparse.Namespace, scratch: Path) -> tuple[Path, ModelShape]:
@@ -133,12 +142,13 @@ def fit_summary(result: Calibration) -> str:
 
 
 def report(result: Calibration, base: HardwareProfile) -> str:
-    """The printed summary: measured curves beside the base profile's, shapes, errors, failures."""
+    """The printed summary: measured curves (if any) beside the base profile's, shapes, errors,
+    failures."""
     sms = sorted(s for curve in result.curves.values() for s in curve if s <= base.num_sms)
     parts = ["BW(S) and Pi(S) measured (base: " + base.name + ")",
              format_curves(result.curves, {s: float(base.bandwidth(s)) for s in sms},
-                           {s: float(base.compute_rate(s)) for s in sms}),
-             "", "iteration latency, measured and predicted", format_rows(result.rows),
+                           {s: float(base.compute_rate(s)) for s in sms}), ""] if result.curves else []
+    parts += ["iteration latency, measured and predicted", format_rows(result.rows),
              "", "relative error |pred - meas| / meas", format_errors(result.rows), "", fit_summary(result)]
     if result.skipped:
         parts += ["", "skipped (do not fit):", *result.skipped]
@@ -191,20 +201,48 @@ def fit_host(args: argparse.Namespace) -> int:
     return 0
 
 
+def refit(args: argparse.Namespace) -> int:
+    """``--refit``: fit again on ``--base``'s curves, write the profile, print the report; 0, or 1
+    (2 for a usage error) on an error."""
+    try:
+        calibrated = json.loads(args.refit.read_text())
+        with tempfile.TemporaryDirectory() as scratch:
+            shape = model_folder(args, Path(scratch))[1]
+        result = refit_calibration(calibrated, args.base, shape, args.gpu_name)
+        write_profile({**dataclasses.asdict(result.profile), "calibration": result.rows}, args.out)
+    except json.JSONDecodeError as exc:
+        print(f"duetserve calibrate: error: --refit {args.refit}: not JSON ({exc})", file=sys.stderr)
+        return 1
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:  # not a calibrated profile's layout
+        what = f"a calibration row has no {exc}" if isinstance(exc, KeyError) else str(exc)
+        print(f"duetserve calibrate: error: --refit {args.refit}: {what}", file=sys.stderr)
+        return 1
+    except OSError as exc:
+        return exit_status("calibrate", exc)
+    print(report(result, args.base))
+    print(f"\nprofile: {args.out}")
+    if args.plot:
+        plot_predictions(result.rows, args.plot, f"{args.gpu_name}: predicted vs measured iteration latency (refit)")
+        print(f"plot: {args.plot}")
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
     """Run ``duetserve calibrate`` with parsed arguments; 0 on success, 2 on a usage error, 1 on any
     other error (printed to stderr)."""
-    if args.iteration_log:
+    if args.iteration_log or args.refit:
         # flags of the GPU measurement mean nothing here: refused, not ignored (--plot wrote nothing)
+        mode = "--iteration-log" if args.iteration_log else "--refit"
         unused = [flag for flag, value, default in (
-            ("--model", args.model, None), ("--load-format", args.load_format, "dummy"),
+            ("--refit", args.refit, None), ("--model", args.model, None), ("--load-format", args.load_format, "dummy"),
             ("--partition-backend", args.partition_backend, "greenctx"), ("--attention-backend", args.attention_backend, "auto"),
-            ("--device", args.device, "cuda"), ("--plot", args.plot, None), ("--quick", args.quick, False)) if value != default]
+            ("--device", args.device, "cuda"), ("--plot", args.plot, None), ("--quick", args.quick, False))
+            if value != default and not (mode == "--refit" and flag in ("--refit", "--model", "--plot"))]
         if unused:
-            print(f"duetserve calibrate: error: {', '.join(unused)} measure on a GPU: not with --iteration-log",
-                  file=sys.stderr)
+            print(f"duetserve calibrate: error: {', '.join(unused)} {'do' if len(unused) > 1 else 'does'} not go "
+                  f"with {mode}", file=sys.stderr)
             return 2
-        return fit_host(args)
+        return fit_host(args) if args.iteration_log else refit(args)
     try:
         from duetserve.model.fused_ops import fused_mode
         from duetserve.model.layers import decode_gemm_mode

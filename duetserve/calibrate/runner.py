@@ -21,11 +21,11 @@ The GPU side is a ``Bench`` (``duetserve.calibrate.gpu.CudaBench`` on CUDA; test
 """
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field, replace
 from functools import partial
 from pathlib import Path
-from typing import Protocol, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import numpy as np
 
@@ -306,3 +306,38 @@ def run_calibration(bench: Bench, opts: Options, log: Callable[[str], None] = pr
                                                                    counts, narrow)
     write_profile({**asdict(result.profile), "calibration": result.rows}, opts.out)
     return result
+
+
+def refit_calibration(calibrated: Mapping[str, Any], base: HardwareProfile, model_shape: ModelShape,
+                      name: str) -> Calibration:
+    """Fit ``gemm_efficiency`` and the per-kernel overheads again, on ``base``'s curves, to the
+    iterations a calibration measured: ``calibrated`` is a profile written by
+    ``run_calibration`` as a JSON dict (its ``"calibration"`` rows and its kernel counts). No GPU.
+
+    Ships one machine's measurements against another profile's ``Pi(S)`` and ``BW(S)`` (e.g. the
+    shipped H200 probe's). Returns a ``Calibration`` without curves whose profile is ``base``
+    named ``name`` with the fitted terms and the calibrated kernel counts (``base``'s counts of
+    other kinds, e.g. ``PIECEWISE``, kept), and whose rows are re-predicted (roofline and
+    ``base`` columns on ``base``).
+
+    Raises ValueError: no ``"calibration"`` rows, rows without kernel counts, or no kernel counts
+    for decode and prefill.
+    """
+    rows = calibrated.get("calibration") or []
+    if not rows or any(r.get("kernels") is None for r in rows):
+        raise ValueError("no calibration rows with kernel counts (a profile written by duetserve calibrate on a GPU)")
+    per_layer, per_forward = calibrated.get("kernels_per_layer") or {}, calibrated.get("kernels_per_forward") or {}
+    if not set(ITERATION_KINDS) <= set(per_layer) & set(per_forward):
+        raise ValueError(f"no kernel counts for {', '.join(ITERATION_KINDS)}")
+    counts = {kind: (base.kernels_per_layer[kind], base.kernels_per_forward[kind]) for kind in base.kernels_per_layer}
+    counts.update({kind: (per_layer[kind], per_forward[kind]) for kind in per_layer})
+    narrow = int(calibrated.get("narrow_decode_batch", 0))
+    stripped = replace(base, name=name, kernel_gpu_s=0.0, launch_cpu_s=0.0, kernels_per_layer={},
+                       kernels_per_forward={}, narrow_decode_batch=0, gemm_efficiency=1.0)  # as build_profile
+    shapes = [Shape(r["kind"], r["batch"], r["q"], r["c"], r["sms"], r["k"], r["chunk"], r["chunk_cached"])
+              for r in rows]
+    roofline, base_model = CostModel(model_shape, stripped), CostModel(model_shape, base)
+    new_rows = [prediction_row(shape, r["measured_s"], r["graphs"], r["kernels"], roofline, base_model)
+                for shape, r in zip(shapes, rows)]
+    profile, full, half = apply_fit(shapes, new_rows, stripped, model_shape, counts, narrow)
+    return Calibration(profile, {}, new_rows, counts, narrow, full, half)
