@@ -417,6 +417,15 @@ def test_refit_on_another_profiles_curves(tmp_path, capsys):
     # not exact: the base's faster Pi(S) speeds up prefill attention too (Pi x attention_efficiency)
     assert 1e-3 < max(s.p90 for s in error_stats(rows, "predicted_s").values()) < 0.01
     assert (tmp_path / "r.png").read_bytes()[:4] == b"\x89PNG"
+    # two calibrations pool their rows (the same iterations twice: the same fit), unless their engines differ
+    assert calibrate_main([*args, "--refit", str(tmp_path / "p.json"), str(tmp_path / "p.json")]) == 0
+    assert "gemm_efficiency 0.80" in capsys.readouterr().out
+    assert len(json.loads(out.read_text())["calibration"]) == 2 * len(rows)
+    other = json.loads((tmp_path / "p.json").read_text())
+    other["kernels_per_layer"]["decode"] = 29
+    (tmp_path / "other.json").write_text(json.dumps(other))
+    assert calibrate_main([*args, "--refit", str(tmp_path / "p.json"), str(tmp_path / "other.json")]) == 1
+    assert "the calibrations counted different kernels" in capsys.readouterr().err
     # a profile without measured rows, GPU flags, and a non-profile file
     assert calibrate_main([*args, "--refit", str(tmp_path / "faster.json")]) == 1
     assert "no calibration rows with kernel counts" in capsys.readouterr().err

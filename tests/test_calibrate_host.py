@@ -14,12 +14,15 @@ from duetserve.calibrate.host import (
     fit_host_overheads,
     gap_summary,
     read_iteration_log,
+    repredict,
     temporal_rows,
 )
+from duetserve.planner.cost_model import CostModel, ModelShape
 from duetserve.cli import main
 from duetserve.planner.hardware import load_profile
 
 H200 = load_profile("h200")
+QWEN = ModelShape.preset("qwen3-8b")
 
 
 def log_records(h_r: float, h_e: float, h_r0: float = 0.0, h_e0: float = 0.0, noise: float = 0.0,
@@ -122,10 +125,86 @@ def test_the_terms_logged_with_each_record_are_the_baseline():
 
 def test_logs_that_cannot_be_fitted_raise():
     decode_only = [r for r in log_records(3e-4, 0.01) if r["num_prefill_tokens"] == 0]
-    with pytest.raises(ValueError, match="need both decode-only and eager or piecewise"):
+    with pytest.raises(ValueError, match="need eager or piecewise ones"):
         fit_host_overheads(decode_only, H200)
     with pytest.raises(ValueError, match="0 temporal iterations"):
         fit_host_overheads([], H200)
+    prefills = [{**r, "host_per_request_s": 1e-4 * (i % 2)} for i, r in enumerate(log_records(3e-4, 0.012))
+                if r["num_prefill_tokens"]]
+    with pytest.raises(ValueError, match="host_per_request_s differ: none to keep"):
+        fit_host_overheads(prefills, H200)
+
+
+def test_without_decode_only_iterations_the_per_request_term_is_kept():
+    """A multi-step server's log: every single-step iteration has prefill. Logged with h_r0 = 3e-4
+    (the truth) and h_e0 = 4 ms, the eager term comes back, h_r stays."""
+    base = dataclasses.replace(H200, host_per_request_s=3e-4, host_eager_s=0.004)
+    prefills = [r for r in log_records(3e-4, 0.012, 3e-4, 0.004) if r["num_prefill_tokens"]]
+    fit = fit_host_overheads(prefills, base)
+    assert (fit.per_request_fitted, fit.host_per_request_s) == (False, 3e-4)
+    assert fit.host_eager_s == pytest.approx(0.012) and fit.median_error_after == pytest.approx(0.0, abs=1e-9)
+    assert fit_host_overheads(log_records(3e-4, 0.012), base).per_request_fitted
+
+
+def served_log(truth):
+    """Iterations timed by ``truth`` (a profile; its host terms included), logged by a server that
+    planned with the shipped H200 profile at gemm_efficiency 1 and no host terms (other predictions):
+    decode-only steps, 2048-token prompts beside decodes (eager), 512-token ones (piecewise, the
+    server records up to 1024 tokens), a spatial round, a multi-step decode, one without requests."""
+    rng = np.random.default_rng(1)
+    other = CostModel(QWEN, dataclasses.replace(H200, host_per_request_s=0.0, host_eager_s=0.0, host_piecewise_s=0.0,
+                                                provenance={**H200.provenance, "host_piecewise_s": "measured"}),
+                      piecewise_tokens=1024)
+    served = CostModel(QWEN, truth, piecewise_tokens=1024)
+    recs = []
+    for i in range(90):
+        reqs = [[1, int(c)] for c in rng.integers(100, 4000, int(rng.integers(1, 64)))]
+        reqs += [[[2048, 0]], [[512, 0]], []][i % 3]
+        recs.append({"spatial": False, "k": 1, "num_decodes": len(reqs) - (i % 3 < 2),
+                     "num_prefills": int(i % 3 < 2), "num_prefill_tokens": [2048, 512, 0][i % 3],
+                     "piecewise_tokens": 1024, "cuda_graphs": True, "requests": reqs,
+                     "predicted_s": float(other.predict_total([tuple(r) for r in reqs], 132)),
+                     "measured_s": float(served.predict_total([tuple(r) for r in reqs], 132)),
+                     "host_per_request_s": 0.0, "host_eager_s": 0.0, "host_piecewise_s": 0.0})
+    recs += [{"spatial": True, "k": 8, "requests": [[1, 100]], "predicted_s": 0.2, "measured_s": 0.3},
+             {"spatial": False, "k": 1, "num_decodes": 3, "num_prefill_tokens": 0, "predicted_s": 0.01,
+              "measured_s": 0.5}]  # no requests logged: left out once re-predicted
+    return recs
+
+
+def test_repredict_prices_the_logged_requests_with_the_new_profile():
+    truth = dataclasses.replace(H200, gemm_efficiency=0.8, host_per_request_s=3e-4, host_eager_s=0.012,
+                                host_piecewise_s=0.002, provenance={**H200.provenance, "gemm_efficiency": "measured",
+                                                                    "host_piecewise_s": "measured"})
+    recs = served_log(truth)
+    new = repredict(recs, QWEN, truth)
+    assert new[0]["predicted_s"] == new[0]["measured_s"] and new[-2] == recs[-2]  # spatial: as it was
+    assert new[-1]["predicted_s"] is None and recs[-1]["predicted_s"] == 0.01  # the input is not changed
+    assert (new[0]["host_eager_s"], new[0]["host_piecewise_s"]) == (0.012, 0.002)
+    # the log as planned (other GPU terms) misfits; re-predicted with truth's GPU terms and host terms
+    # of 0, the fit finds truth's host terms
+    blank = dataclasses.replace(truth, host_per_request_s=0.0, host_eager_s=0.0, host_piecewise_s=0.0)
+    fit = fit_host_overheads(repredict(recs, QWEN, blank), blank)
+    assert fit.rows == 90 and fit.per_request_fitted
+    assert (fit.host_per_request_s, fit.host_eager_s, fit.host_piecewise_s) == (
+        pytest.approx(3e-4), pytest.approx(0.012), pytest.approx(0.002))
+    # fitted to the logged predictions instead, the eager term swallows the GEMMs' shortfall
+    assert fit_host_overheads(recs, blank).host_eager_s > 0.018
+
+
+def test_calibrate_repredict_flag(tmp_path, capsys):
+    truth = dataclasses.replace(H200, gemm_efficiency=0.8, provenance={**H200.provenance, "gemm_efficiency": "measured"})
+    log = tmp_path / "it.jsonl"
+    log.write_text("\n".join(json.dumps(r) for r in served_log(truth)))
+    (tmp_path / "base.json").write_text(json.dumps(dataclasses.asdict(truth)))
+    args = ["calibrate", "--gpu-name", "lab", "--out", str(tmp_path / "p.json"), "--base", str(tmp_path / "base.json")]
+    assert main([*args, "--iteration-log", str(log), "--repredict"]) == 0
+    assert "median |pred - meas| / meas" in capsys.readouterr().out
+    fitted = load_profile(tmp_path / "p.json")
+    assert (fitted.host_per_request_s, fitted.host_eager_s) == (pytest.approx(H200.host_per_request_s),
+                                                                pytest.approx(H200.host_eager_s))
+    assert main([*args, "--repredict"]) == 2
+    assert capsys.readouterr().err == "duetserve calibrate: error: --repredict goes with --iteration-log\n"
 
 
 def test_gap_summary_of_the_host_time_between_iterations():

@@ -10,15 +10,16 @@ median and p90 relative error ``|pred - meas| / meas`` for prefill and decode: t
 before the fit, the calibrated profile after it, the held-out shapes before and after a fit
 on the other shapes, and the base profile; ``--plot`` draws predicted against measured.
 
-``--refit CALIBRATED.json`` instead fits ``gemm_efficiency`` and the per-kernel overheads
-again, on ``--base``'s ``Pi(S)`` and ``BW(S)``, to the iterations a calibration on a GPU measured
-(``runner.refit_calibration``), needs no GPU, and writes ``--base`` with them (and the re-predicted
+``--refit CALIBRATED.json [...]`` instead fits ``gemm_efficiency`` and the per-kernel overheads
+again, on ``--base``'s ``Pi(S)`` and ``BW(S)``, to the iterations calibrations on a GPU measured
+(pooled; ``runner.refit_calibration``), needs no GPU, and writes ``--base`` with them (and the re-predicted
 rows); the report and ``--plot`` as above, without the curves.
 
 ``--iteration-log LOG [LOG ...]`` instead fits the serving host time (``host_per_request_s``,
 ``host_eager_s``, ``host_piecewise_s``, and between iterations ``host_gap_s`` and
 ``host_gap_per_request_s``; ``duetserve.calibrate.host``) to the iteration logs
-(pooled; ``.gz`` read gzipped) of servers that planned with ``--base``, needs no GPU, and writes
+(pooled; ``.gz`` read gzipped) of servers that planned with ``--base`` (``--repredict``: with another
+profile; their iterations are re-predicted with ``--base`` first), needs no GPU, and writes
 ``--base`` with the terms the logs' iterations fit replaced.
 
 Exit status: 0 on success (failed single measurements are listed); 2 on bad usage: a bad flag,
@@ -45,7 +46,7 @@ from duetserve.argtypes import (
     plot_file,
     write_output,
 )
-from duetserve.calibrate.host import fit_gap, fit_host_overheads, gap_summary, read_iteration_log
+from duetserve.calibrate.host import fit_gap, fit_host_overheads, gap_summary, read_iteration_log, repredict
 from duetserve.calibrate.overhead import OverheadFit
 from duetserve.calibrate.report import (
     format_curves,
@@ -100,9 +101,13 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--iteration-log", type=existing_file, nargs="+", metavar="LOG.jsonl",
                    help="fit only the serving host time to these `serve --iteration-log` files (pooled; .gz "
                         "read gzipped) of servers that planned with --base (no GPU needed)")
-    p.add_argument("--refit", type=existing_file, metavar="CALIBRATED.json",
+    p.add_argument("--repredict", action="store_true",
+                   help="with --iteration-log: re-predict the logged iterations with --base first (logs of "
+                        "servers that planned with another profile; --model gives the model, default Qwen3-8B)")
+    p.add_argument("--refit", type=existing_file, nargs="+", metavar="CALIBRATED.json",
                    help="fit gemm_efficiency and the per-kernel overheads again, on --base's curves, to the "
-                        "iterations a calibration measured (a profile calibrate wrote on a GPU; no GPU needed)")
+                        "iterations calibrations measured (profiles calibrate wrote on a GPU, rows pooled; no GPU "
+                        "needed)")
 
 
 def model_folder(args: argparse.Namespace, scratch: Path) -> tuple[Path, ModelShape]:
@@ -135,7 +140,7 @@ def fit_summary(result: Calibration) -> str:
     held = [f"{r['kind']} {r['batch']}x{r['q'] + r['c']} @{r['sms']}" for r in result.rows if r.get("split") == "holdout"]
     return "\n".join([
         f"kernels per iteration: {counts}",
-        f"per-kernel overheads and compute efficiency (written to the profile, fitted on all {len(result.rows)} "
+        f"per-kernel overheads and GEMM efficiency (written to the profile, fitted on all {len(result.rows)} "
         f"shapes): {_fitted(result.fit)}",
         f"fit half ({len(result.rows) - len(held)} shapes): {_fitted(result.holdout_fit)}",
         "held out (every second shape of each group): " + ", ".join(held)])
@@ -170,6 +175,9 @@ def fit_host(args: argparse.Namespace) -> int:
         print(f"duetserve calibrate: error: --iteration-log: {exc}", file=sys.stderr)
         return 1
     try:
+        if args.repredict:
+            with tempfile.TemporaryDirectory() as scratch:
+                records = repredict(records, model_folder(args, Path(scratch))[1], args.base)
         fit = fit_host_overheads(records, args.base)
     except ValueError as exc:
         print(f"duetserve calibrate: error: --iteration-log {logs}: {exc}", file=sys.stderr)
@@ -187,7 +195,9 @@ def fit_host(args: argparse.Namespace) -> int:
         print(f"duetserve calibrate: error: {exc}", file=sys.stderr)
         return 1
     print(f"host time fitted on {fit.rows} temporal iterations of {logs}: "
-          f"host_per_request_s {fit.host_per_request_s * 1e3:.3f} ms, {_ms(fit.host_eager_s, 'host_eager_s')}, "
+          f"host_per_request_s {fit.host_per_request_s * 1e3:.3f} ms"
+          f"{'' if fit.per_request_fitted else ' (kept: no single-step decode-only iteration logged)'}, "
+          f"{_ms(fit.host_eager_s, 'host_eager_s')}, "
           f"{_ms(fit.host_piecewise_s, 'host_piecewise_s')}\n"
           f"median |pred - meas| / meas: {100 * fit.median_error_before:.1f}% as logged, "
           f"{100 * fit.median_error_after:.1f}% with the fitted terms\nprofile: {args.out}")
@@ -204,18 +214,24 @@ def fit_host(args: argparse.Namespace) -> int:
 def refit(args: argparse.Namespace) -> int:
     """``--refit``: fit again on ``--base``'s curves, write the profile, print the report; 0, or 1
     (2 for a usage error) on an error."""
+    files = " ".join(map(str, args.refit))
+    calibrated = []
+    for path in args.refit:
+        try:
+            calibrated.append(json.loads(path.read_text()))
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            print(f"duetserve calibrate: error: --refit {path}: not JSON ({exc})", file=sys.stderr)
+            return 1
+        except OSError as exc:
+            return exit_status("calibrate", exc)
     try:
-        calibrated = json.loads(args.refit.read_text())
         with tempfile.TemporaryDirectory() as scratch:
             shape = model_folder(args, Path(scratch))[1]
         result = refit_calibration(calibrated, args.base, shape, args.gpu_name)
         write_profile({**dataclasses.asdict(result.profile), "calibration": result.rows}, args.out)
-    except json.JSONDecodeError as exc:
-        print(f"duetserve calibrate: error: --refit {args.refit}: not JSON ({exc})", file=sys.stderr)
-        return 1
     except (ValueError, KeyError, TypeError, AttributeError) as exc:  # not a calibrated profile's layout
         what = f"a calibration row has no {exc}" if isinstance(exc, KeyError) else str(exc)
-        print(f"duetserve calibrate: error: --refit {args.refit}: {what}", file=sys.stderr)
+        print(f"duetserve calibrate: error: --refit {files}: {what}", file=sys.stderr)
         return 1
     except OSError as exc:
         return exit_status("calibrate", exc)
@@ -230,14 +246,19 @@ def refit(args: argparse.Namespace) -> int:
 def run(args: argparse.Namespace) -> int:
     """Run ``duetserve calibrate`` with parsed arguments; 0 on success, 2 on a usage error, 1 on any
     other error (printed to stderr)."""
+    if args.repredict and not args.iteration_log:
+        print("duetserve calibrate: error: --repredict goes with --iteration-log", file=sys.stderr)
+        return 2
     if args.iteration_log or args.refit:
         # flags of the GPU measurement mean nothing here: refused, not ignored (--plot wrote nothing)
         mode = "--iteration-log" if args.iteration_log else "--refit"
+        allowed = {"--refit": {"--refit", "--model", "--plot"},
+                   "--iteration-log": {"--repredict", "--model"} if args.repredict else set()}[mode]
         unused = [flag for flag, value, default in (
             ("--refit", args.refit, None), ("--model", args.model, None), ("--load-format", args.load_format, "dummy"),
             ("--partition-backend", args.partition_backend, "greenctx"), ("--attention-backend", args.attention_backend, "auto"),
             ("--device", args.device, "cuda"), ("--plot", args.plot, None), ("--quick", args.quick, False))
-            if value != default and not (mode == "--refit" and flag in ("--refit", "--model", "--plot"))]
+            if value != default and flag not in allowed]
         if unused:
             print(f"duetserve calibrate: error: {', '.join(unused)} {'do' if len(unused) > 1 else 'does'} not go "
                   f"with {mode}", file=sys.stderr)

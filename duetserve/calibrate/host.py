@@ -15,6 +15,13 @@ compile, and aimed at the median error it reports), each term clamped at 0 (the 
 one set to 0 and the others refitted, until none is negative). A term no logged iteration
 carries (no piecewise iterations, say) is not fitted. Spatial iterations, multi-step decodes
 (``k > 1``) and pdmux rounds (``prefill_layers``) are left out: their host work overlaps the GPU.
+A log with no single-step decode-only iteration (a server with multi-step decode, the default,
+decodes alone only in multi-step iterations) cannot tell ``R h_r`` from the eager term: ``h_r``
+then stays the one the log was predicted with and only the others are fitted.
+
+A log of a server that planned with another profile (e.g. GPU terms changed since) is first
+re-predicted (``repredict``): each fitted iteration's ``predicted_s`` becomes the new profile's
+prediction for its logged requests, with that profile's host terms.
 """
 from __future__ import annotations
 
@@ -29,6 +36,7 @@ from typing import Any
 import numpy as np
 
 from duetserve.jsonio import loads_object
+from duetserve.planner.cost_model import CostModel, ModelShape
 from duetserve.planner.hardware import HardwareProfile
 
 
@@ -37,7 +45,8 @@ class HostFit:
     """Fitted host terms (seconds; ``host_eager_s`` / ``host_piecewise_s`` None when no logged
     iteration ran eagerly / from piecewise graphs) and the log's median relative error
     ``|pred - meas| / meas`` over the ``rows`` iterations used, with the log's predictions and
-    with the fitted terms."""
+    with the fitted terms. ``per_request_fitted`` False: ``host_per_request_s`` is the log's own
+    (no single-step decode-only iteration logged; module docstring)."""
 
     host_per_request_s: float
     host_eager_s: float | None
@@ -45,6 +54,7 @@ class HostFit:
     rows: int
     median_error_before: float
     median_error_after: float
+    per_request_fitted: bool = True
 
 
 def read_iteration_log(path: str | Path) -> list[dict[str, Any]]:
@@ -157,25 +167,57 @@ def temporal_rows(records: Iterable[Mapping[str, Any]], profile: HardwareProfile
     return np.array(rows, dtype=float).reshape(-1, 8)
 
 
+def repredict(records: Iterable[Mapping[str, Any]], shape: ModelShape, profile: HardwareProfile) -> list[dict]:
+    """``records`` as if logged by a server planning with ``profile``: each temporal single-step
+    iteration (``temporal_rows``' kind) gets ``predicted_s`` from ``CostModel.predict_total`` of its
+    logged ``requests`` (``[q, c]`` pairs) on all ``profile.num_sms`` SMs, with the record's
+    ``cuda_graphs`` and ``piecewise_tokens``, and ``profile``'s host terms; one without
+    ``requests`` gets ``predicted_s`` None (left out of the fit). Other records are copied as they are.
+
+    Raises ValueError on requests the cost model refuses (q < 1, c < 0).
+    """
+    models: dict[tuple[bool, int], CostModel] = {}
+    terms = dict(zip(_TERMS, (profile.host_per_request_s, profile.host_eager_s, profile.host_piecewise_s)))
+    out = []
+    for r in records:
+        r = dict(r)
+        if not r.get("spatial") and r.get("k", 1) == 1 and r.get("prefill_layers") is None:
+            key = (bool(r.get("cuda_graphs", True)), int(r.get("piecewise_tokens") or 0))
+            model = models.get(key) or models.setdefault(key, CostModel(shape, profile, cuda_graphs=key[0],
+                                                                        piecewise_tokens=key[1]))
+            reqs = r.get("requests")
+            r["predicted_s"] = float(model.predict_total([tuple(x) for x in reqs], profile.num_sms)) if reqs else None
+            r.update(terms)
+        out.append(r)
+    return out
+
+
 def fit_host_overheads(records: Iterable[Mapping[str, Any]], profile: HardwareProfile) -> HostFit:
     """Fit ``host_per_request_s``, ``host_eager_s`` and ``host_piecewise_s`` to ``records`` (an
     iteration log made by a server planning with ``profile``, whose terms count for records that
     do not carry their own); module docstring.
 
     Raises ValueError when fewer than 2 temporal iterations with predictions are logged (logs
-    written before every policy's records carried one: chunked's had none), or when they hold no
-    decode-only iteration or none with prefill (the terms cannot be told apart).
+    written before every policy's records carried one: chunked's had none), or when they hold none
+    with prefill (the terms cannot be told apart), or only those and the records carry different
+    per-request terms (none to keep).
     """
     rows = temporal_rows(records, profile)
     x, pred, meas, used = rows[:, :3], rows[:, 3], rows[:, 4], rows[:, 5:]
     with_prefill = x[:, 1:].any(axis=1)
-    if len(pred) < 2 or with_prefill.all() or not with_prefill.any():
+    if len(pred) < 2 or not with_prefill.any():
         raise ValueError(f"{len(pred)} temporal iterations with predictions ({int(with_prefill.sum())} eager or "
-                         "piecewise): need both decode-only and eager or piecewise ones (a log of a server that "
-                         "both decoded alone and prefilled)")
+                         "piecewise): need eager or piecewise ones (a log of a server that prefilled)")
     host = meas - pred + (x * used).sum(axis=1)  # the host time by the model: R h_r + e h_e + w h_pw
     fitted = [i for i in range(3) if x[:, i].any()]
     new = np.zeros(3)  # a term no row carries (x's column all 0) changes no prediction
+    if with_prefill.all():  # no single-step decode-only iteration: keep h_r as logged (module docstring)
+        if np.unique(used[:, 0]).size > 1:
+            raise ValueError("no single-step decode-only iteration logged, and the records' host_per_request_s "
+                             "differ: none to keep")
+        new[0] = used[0, 0]
+        host = host - x[:, 0] * new[0]
+        fitted.remove(0)
     active = list(fitted)
     while active:
         coef = _l1_fit(x[:, active], host, 1.0 / meas)
@@ -188,7 +230,7 @@ def fit_host_overheads(records: Iterable[Mapping[str, Any]], profile: HardwarePr
     after = pred + (x * (new - used)).sum(axis=1)
     eager, piecewise = (float(new[i]) if i in fitted else None for i in (1, 2))
     return HostFit(float(new[0]), eager, piecewise, len(pred), float(np.median(np.abs(pred - meas) / meas)),
-                   float(np.median(np.abs(after - meas) / meas)))
+                   float(np.median(np.abs(after - meas) / meas)), 0 in fitted)
 
 
 def _l1_fit(x: np.ndarray, y: np.ndarray, scale: np.ndarray, rounds: int = 50) -> np.ndarray:

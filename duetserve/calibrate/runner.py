@@ -21,7 +21,8 @@ The GPU side is a ``Bench`` (``duetserve.calibrate.gpu.CudaBench`` on CUDA; test
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+import json
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from functools import partial
 from pathlib import Path
@@ -308,30 +309,36 @@ def run_calibration(bench: Bench, opts: Options, log: Callable[[str], None] = pr
     return result
 
 
-def refit_calibration(calibrated: Mapping[str, Any], base: HardwareProfile, model_shape: ModelShape,
+def refit_calibration(calibrated: Sequence[Mapping[str, Any]], base: HardwareProfile, model_shape: ModelShape,
                       name: str) -> Calibration:
     """Fit ``gemm_efficiency`` and the per-kernel overheads again, on ``base``'s curves, to the
-    iterations a calibration measured: ``calibrated`` is a profile written by
-    ``run_calibration`` as a JSON dict (its ``"calibration"`` rows and its kernel counts). No GPU.
+    iterations calibrations measured: each of ``calibrated`` is a profile written by
+    ``run_calibration`` as a JSON dict (its ``"calibration"`` rows and its kernel counts); their
+    rows are pooled (e.g. two machines of one GPU model). No GPU.
 
-    Ships one machine's measurements against another profile's ``Pi(S)`` and ``BW(S)`` (e.g. the
-    shipped H200 probe's). Returns a ``Calibration`` without curves whose profile is ``base``
-    named ``name`` with the fitted terms and the calibrated kernel counts (``base``'s counts of
-    other kinds, e.g. ``PIECEWISE``, kept), and whose rows are re-predicted (roofline and
-    ``base`` columns on ``base``).
+    Ships measurements against another profile's ``Pi(S)`` and ``BW(S)`` (e.g. the shipped H200
+    probe's). Returns a ``Calibration`` without curves whose profile is ``base`` named ``name``
+    with the fitted terms and the calibrated kernel counts (``base``'s counts of other kinds,
+    e.g. ``PIECEWISE``, kept), and whose rows are re-predicted (roofline and ``base`` columns on
+    ``base``).
 
-    Raises ValueError: no ``"calibration"`` rows, rows without kernel counts, or no kernel counts
-    for decode and prefill.
+    Raises ValueError: no ``"calibration"`` rows, rows without kernel counts, no kernel counts
+    for decode and prefill, or profiles whose kernel counts differ (different engines).
     """
-    rows = calibrated.get("calibration") or []
+    rows = [r for c in calibrated for r in c.get("calibration") or []]
     if not rows or any(r.get("kernels") is None for r in rows):
         raise ValueError("no calibration rows with kernel counts (a profile written by duetserve calibrate on a GPU)")
-    per_layer, per_forward = calibrated.get("kernels_per_layer") or {}, calibrated.get("kernels_per_forward") or {}
+    engines = {json.dumps([c.get(k) for k in ("kernels_per_layer", "kernels_per_forward", "narrow_decode_batch")],
+                          sort_keys=True) for c in calibrated}
+    if len(engines) > 1:
+        raise ValueError(f"the calibrations counted different kernels (kernels_per_layer, kernels_per_forward, "
+                         f"narrow_decode_batch): {sorted(engines)}")
+    per_layer, per_forward = calibrated[0].get("kernels_per_layer") or {}, calibrated[0].get("kernels_per_forward") or {}
     if not set(ITERATION_KINDS) <= set(per_layer) & set(per_forward):
         raise ValueError(f"no kernel counts for {', '.join(ITERATION_KINDS)}")
     counts = {kind: (base.kernels_per_layer[kind], base.kernels_per_forward[kind]) for kind in base.kernels_per_layer}
     counts.update({kind: (per_layer[kind], per_forward[kind]) for kind in per_layer})
-    narrow = int(calibrated.get("narrow_decode_batch", 0))
+    narrow = int(calibrated[0].get("narrow_decode_batch", 0))
     stripped = replace(base, name=name, kernel_gpu_s=0.0, launch_cpu_s=0.0, kernels_per_layer={},
                        kernels_per_forward={}, narrow_decode_batch=0, gemm_efficiency=1.0)  # as build_profile
     shapes = [Shape(r["kind"], r["batch"], r["q"], r["c"], r["sms"], r["k"], r["chunk"], r["chunk_cached"])
