@@ -152,7 +152,8 @@ def served_log(truth):
     decode-only steps, 2048-token prompts beside decodes (eager), 512-token ones (piecewise, the
     server records up to 1024 tokens), a spatial round, a multi-step decode, one without requests."""
     rng = np.random.default_rng(1)
-    other = CostModel(QWEN, dataclasses.replace(H200, host_per_request_s=0.0, host_eager_s=0.0, host_piecewise_s=0.0,
+    other = CostModel(QWEN, dataclasses.replace(H200, gemm_efficiency=1.0, host_per_request_s=0.0, host_eager_s=0.0,
+                                                host_piecewise_s=0.0,
                                                 provenance={**H200.provenance, "host_piecewise_s": "measured"}),
                       piecewise_tokens=1024)
     served = CostModel(QWEN, truth, piecewise_tokens=1024)

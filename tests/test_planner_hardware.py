@@ -154,8 +154,11 @@ def test_shipped_h200_carries_the_measured_kernel_overheads():
     assert h200.kernel_count("decode", 36) == 36 * 11 + 21 == 417
     assert h200.kernel_count("narrow_decode", 36) == 36 * 9 + 26 == 350
     assert h200.kernel_count("prefill", 36) == 36 * 10 + 22 == 382
-    # serving host time, fitted to seven served runs' iteration logs (duetserve.calibrate.host)
-    assert (h200.host_per_request_s, h200.host_eager_s, h200.host_piecewise_s) == (5.43e-5, 6.95e-3, 3.54e-3)
+    # the share of Pi(S) the model's GEMMs reach, refitted from two calibrations (thirty-fifth session)
+    assert h200.gemm_efficiency == 0.81 and h200.provenance["gemm_efficiency"] == "measured"
+    # serving host time: per request fitted to seven served runs' iteration logs, the eager term refitted
+    # to a served log re-predicted with gemm_efficiency (duetserve.calibrate.host)
+    assert (h200.host_per_request_s, h200.host_eager_s) == (5.43e-5, 0.0)
     assert (h200.host_gap_s, h200.host_gap_per_request_s) == (7.99e-4, 1.098e-5)  # the same logs' gap_s
     assert h200.gap_s(100) == pytest.approx(7.99e-4 + 100 * 1.098e-5)
     assert h200.provenance["host_eager_s"] == "measured"

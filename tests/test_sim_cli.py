@@ -130,7 +130,10 @@ def test_clock_profile_reaches_the_simulator_and_must_match_the_sm_count(tmp_pat
     swept = rows("--clock-profile", slow_path, "--qps", "4,8")
     assert swept[1] == rows("--clock-profile", slow_path)[0] and swept[0]["qps"] == 4
     (biased,) = rows("--clock-profile", str(tmp_path / "slow.json"))
-    assert exact[0]["spatial_fraction"] > 0 and biased["mean_tbt_ms"] > 1.1 * exact[0]["mean_tbt_ms"]
+    # splits run slower than planned: duet's feedback backs off them (8.8% of the iterations against 0.8%
+    # on the shipped profile) and the token gaps lengthen
+    assert exact[0]["spatial_fraction"] > 5 * biased["spatial_fraction"] > 0
+    assert biased["mean_tbt_ms"] > exact[0]["mean_tbt_ms"]
     capsys.readouterr()
     assert main([*SMALL, "--qps", "2", "--clock-profile", "a100"]) == 2
     assert capsys.readouterr().err == ("duetserve simulate: error: --clock-profile: the clock profile 'a100' has "

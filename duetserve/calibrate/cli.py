@@ -211,6 +211,17 @@ def fit_host(args: argparse.Namespace) -> int:
     return 0
 
 
+def _print_result(args: argparse.Namespace, result: Calibration, title_suffix: str = "") -> int:
+    """Print the report (and draw ``--plot``) of a calibration written to ``--out``; 0."""
+    print(report(result, args.base))
+    print(f"\nprofile: {args.out}")
+    if args.plot:
+        plot_predictions(result.rows, args.plot,
+                         f"{args.gpu_name}: predicted vs measured iteration latency{title_suffix}")
+        print(f"plot: {args.plot}")
+    return 0
+
+
 def refit(args: argparse.Namespace) -> int:
     """``--refit``: fit again on ``--base``'s curves, write the profile, print the report; 0, or 1
     (2 for a usage error) on an error."""
@@ -235,12 +246,7 @@ def refit(args: argparse.Namespace) -> int:
         return 1
     except OSError as exc:
         return exit_status("calibrate", exc)
-    print(report(result, args.base))
-    print(f"\nprofile: {args.out}")
-    if args.plot:
-        plot_predictions(result.rows, args.plot, f"{args.gpu_name}: predicted vs measured iteration latency (refit)")
-        print(f"plot: {args.plot}")
-    return 0
+    return _print_result(args, result, " (refit)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -279,9 +285,4 @@ def run(args: argparse.Namespace) -> int:
             result = run_calibration(bench, opts)
     except (ValueError, RuntimeError, OSError) as exc:
         return exit_status("calibrate", exc)
-    print(report(result, args.base))
-    print(f"\nprofile: {args.out}")
-    if args.plot:
-        plot_predictions(result.rows, args.plot, f"{args.gpu_name}: predicted vs measured iteration latency")
-        print(f"plot: {args.plot}")
-    return 0
+    return _print_result(args, result)
