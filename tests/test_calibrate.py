@@ -394,6 +394,17 @@ def test_the_fit_finds_the_share_of_the_gemm_curve_the_model_reaches(tmp_path):
     assert "gemm_efficiency 0.85" in calibrate_cli.fit_summary(result)
 
 
+def test_the_base_profiles_piecewise_count_is_kept(tmp_path):
+    """Calibration does not count a piecewise-graph iteration's host launches; the base's count stays,
+    or a calibrated profile would price those iterations eager."""
+    base = replace(H200, kernels_per_layer={PIECEWISE: 3}, kernels_per_forward={PIECEWISE: 16},
+                   provenance={**H200.provenance, "kernels_per_layer": "measured", "kernels_per_forward": "measured"})
+    result = run_calibration(FakeBench(), options(tmp_path, base=base), lambda _: None)
+    assert result.kernel_counts[PIECEWISE] == (3, 16)
+    assert load_profile(tmp_path / "p.json").kernel_count(PIECEWISE, 36) == 36 * 3 + 16
+    assert load_profile(tmp_path / "p.json").kernels_per_layer["decode"] == 28  # the measured ones as counted
+
+
 def test_refit_on_another_profiles_curves(tmp_path, capsys):
     """A calibration measured where GEMMs ran at 0.85 of this H200 curve, refitted (CLI, no GPU) on a
     base whose Pi(S) is 1.0625x higher: the same iterations are 0.80 of that curve; the base's

@@ -54,7 +54,7 @@ from duetserve.calibrate.workload import (
     sm_levels,
 )
 from duetserve.planner.cost_model import CostModel, ModelShape
-from duetserve.planner.hardware import ITERATION_KINDS, NARROW_DECODE, HardwareProfile
+from duetserve.planner.hardware import ITERATION_KINDS, NARROW_DECODE, PIECEWISE, HardwareProfile
 
 PRIMITIVES = ("copy", "gemv", "gemm")
 """``copy``: bf16 tensor copy, bytes read + written per second; ``gemv``: bf16
@@ -224,6 +224,15 @@ def count_kernels(bench: Bench, shapes: list[Shape], layers: int, errors: list[s
     return counts, narrow if NARROW_DECODE in counts else 0
 
 
+def with_base_piecewise(counts: dict[str, tuple[int, int]], base: HardwareProfile) -> dict[str, tuple[int, int]]:
+    """``counts`` plus ``base``'s ``PIECEWISE`` count, which calibration does not measure (the host
+    launches of an iteration replayed from piecewise CUDA graphs): without it a calibrated profile
+    would price those iterations as eager ones."""
+    if PIECEWISE in counts or PIECEWISE not in base.kernels_per_layer:
+        return counts
+    return {**counts, PIECEWISE: (base.kernels_per_layer[PIECEWISE], base.kernels_per_forward[PIECEWISE])}
+
+
 def apply_fit(shapes: list[Shape], rows: list[dict], profile: HardwareProfile, model_shape: ModelShape,
               counts: dict[str, tuple[int, int]], narrow_decode_batch: int = 0
               ) -> tuple[HardwareProfile, OverheadFit, OverheadFit]:
@@ -289,6 +298,7 @@ def run_calibration(bench: Bench, opts: Options, log: Callable[[str], None] = pr
     shapes, skipped = plan_shapes(capacity, split_levels, opts.quick)
     result.skipped = [f"{shape.label}: {why}" for shape, why in skipped]
     counts, narrow = count_kernels(bench, shapes, opts.model_shape.layers, errors, log)
+    counts = with_base_piecewise(counts, opts.base) if counts else counts
     result.kernel_counts, result.narrow_decode_batch = counts, narrow
     roofline, base = CostModel(opts.model_shape, profile), CostModel(opts.model_shape, opts.base)
     counted = with_overheads(profile, OverheadFit(0.0, 0.0), counts, narrow) if counts else None
@@ -318,8 +328,8 @@ def refit_calibration(calibrated: Sequence[Mapping[str, Any]], base: HardwarePro
 
     Ships measurements against another profile's ``Pi(S)`` and ``BW(S)`` (e.g. the shipped H200
     probe's). Returns a ``Calibration`` without curves whose profile is ``base`` named ``name``
-    with the fitted terms and the calibrated kernel counts (``base``'s counts of other kinds,
-    e.g. ``PIECEWISE``, kept), and whose rows are re-predicted (roofline and ``base`` columns on
+    with the fitted terms and the calibrated kernel counts (``base``'s ``PIECEWISE`` count kept,
+    ``with_base_piecewise``), and whose rows are re-predicted (roofline and ``base`` columns on
     ``base``).
 
     Raises ValueError: no ``"calibration"`` rows, rows without kernel counts, no kernel counts
@@ -336,8 +346,7 @@ def refit_calibration(calibrated: Sequence[Mapping[str, Any]], base: HardwarePro
     per_layer, per_forward = calibrated[0].get("kernels_per_layer") or {}, calibrated[0].get("kernels_per_forward") or {}
     if not set(ITERATION_KINDS) <= set(per_layer) & set(per_forward):
         raise ValueError(f"no kernel counts for {', '.join(ITERATION_KINDS)}")
-    counts = {kind: (base.kernels_per_layer[kind], base.kernels_per_forward[kind]) for kind in base.kernels_per_layer}
-    counts.update({kind: (per_layer[kind], per_forward[kind]) for kind in per_layer})
+    counts = with_base_piecewise({kind: (per_layer[kind], per_forward[kind]) for kind in per_layer}, base)
     narrow = int(calibrated[0].get("narrow_decode_batch", 0))
     stripped = replace(base, name=name, kernel_gpu_s=0.0, launch_cpu_s=0.0, kernels_per_layer={},
                        kernels_per_forward={}, narrow_decode_batch=0, gemm_efficiency=1.0)  # as build_profile
