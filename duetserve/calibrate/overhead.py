@@ -22,8 +22,8 @@ calibration reports):
 Stage 0, beneath both: the profile's ``gemm_efficiency`` ``e`` (``HardwareProfile``: the share
 of ``Pi(S)``, the GEMM curve measured on one bf16 8192^3 product, that the model's token-level
 operators reach). The served model's GEMMs at a few thousand tokens reach less of that curve
-(on the H200 0.78-0.88 of it in eager iterations: other shapes, and a power-capped chip clocking
-down under a long prefill), a shortfall that grows with the tokens, which no per-kernel constant
+(two H200 calibrations fitted 0.80-0.85: other shapes, and a power-capped chip clocking down
+under a long prefill), a shortfall that grows with the tokens, which no per-kernel constant
 can carry. Each ``e`` of ``EFFICIENCY_GRID`` rescales the roofline (``fit_with_efficiency``'s
 ``roofline_at``), stages 1 and 2 fit at it, and the ``e`` whose fit has the least sum of
 relative errors over all rows wins (ties: the larger ``e``).

@@ -109,8 +109,8 @@ class HardwareProfile:
     ``gemm_efficiency`` (in (0, 1], default 1): the share of ``Pi(S)`` that the served model's
     token-level operators (its weight GEMMs, norms and lm_head) reach on their FLOPs, fitted by
     ``duetserve calibrate`` (``calibrate.overhead``): ``Pi(S)`` is measured on one square 8192^3
-    product, and on the H200 the model's GEMMs at 1-8k tokens of varied prompts ran 0.78-0.88 of it
-    in eager iterations (docs/benchmarks.md, thirty-fifth H200 session).
+    product, and two H200 calibrations of Qwen3-8B's iterations fitted 0.80-0.85 of it
+    (docs/benchmarks.md, thirty-fifth H200 session).
 
     ``provenance`` maps every number field to ``"measured"`` or ``"datasheet"``; the overhead
     fields, ``attention_efficiency`` and ``gemm_efficiency`` need an entry only when they differ
