@@ -448,6 +448,61 @@ def test_refit_on_another_profiles_curves(tmp_path, capsys):
     assert "a calibration row has no 'kind'" in capsys.readouterr().err
 
 
+def _edited(tmp_path, edit):
+    """A calibrated profile (the fake GPU's) changed by ``edit(profile_dict)``, as a file."""
+    run_calibration(FakeBench(), options(tmp_path), lambda _: None)
+    profile = json.loads((tmp_path / "p.json").read_text())
+    profile = edit(profile) or profile
+    (tmp_path / "bad.json").write_text(json.dumps(profile))
+    return tmp_path / "bad.json"
+
+
+def _set_row(field, value):
+    def edit(p):
+        p["calibration"][3][field] = value
+    return edit
+
+
+@pytest.mark.parametrize("edit, message", [
+    (_set_row("measured_s", "0.006"), "calibration row 3: measured_s must be seconds in (0, 3600), got '0.006'"),
+    (_set_row("measured_s", None), "calibration row 3: measured_s must be seconds in (0, 3600), got None"),
+    (_set_row("kind", None), "calibration row 3: kind must be decode, prefill or mixed, got None"),
+    (_set_row("batch", 10**12), "calibration row 3: batch must be an integer in 1..1048576, got 1000000000000"),
+    (_set_row("batch", 1.5), "calibration row 3: batch must be an integer in 1..1048576, got 1.5"),
+    (_set_row("kernels", "939"), "calibration row 3: kernels must be an integer in 1..1048576, got '939'"),
+    (_set_row("graphs", "yes"), "calibration row 3: graphs must be true or false, got 'yes'"),
+    (_set_row("sms", 140), "calibration row 3: measured on 140 SMs, --base has 132"),
+    (lambda p: p["calibration"], "not a profile (a JSON object) written by duetserve calibrate"),
+    (lambda p: p.update(calibration=[r for r in p["calibration"] if r["graphs"]]),
+     "the rows need both graph-replayed decodes and eager iterations (the per-kernel GPU and launch times are "
+     "told apart by them)"),
+    (lambda p: p.update(narrow_decode_batch="x"), "narrow_decode_batch must be an integer >= 0, got 'x'"),
+])
+def test_refit_refuses_bad_rows_naming_them(tmp_path, capsys, edit, message):
+    bad = _edited(tmp_path, edit)
+    out = tmp_path / "out.json"
+    out.write_text("kept")
+    assert calibrate_main(["--gpu-name", "x", "--out", str(out), "--refit", str(bad)]) == 1
+    assert capsys.readouterr().err == f"duetserve calibrate: error: --refit {bad}: {message}\n"
+    assert out.read_text() == "kept"
+
+
+def test_refit_usage_errors_and_output_in_place(tmp_path, capsys):
+    good = _edited(tmp_path, lambda p: None)
+    (tmp_path / "model.json").write_text("{not json")
+    assert calibrate_main(["--gpu-name", "x", "--out", str(tmp_path / "o.json"), "--refit", str(good),
+                           "--model", str(tmp_path / "model.json")]) == 2
+    assert capsys.readouterr().err.startswith(f"duetserve calibrate: error: --model {tmp_path / 'model.json'}: ")
+    assert calibrate_main(["--gpu-name", "x", "--out", str(tmp_path / "o.json"), "--refit", str(good),
+                           "--base", "a100"]) == 1
+    assert "calibration row 0: measured on 132 SMs, --base has 108" in capsys.readouterr().err
+    # --out through a link: the link stays, its target gets the profile
+    (tmp_path / "target.json").write_text("old")
+    (tmp_path / "link.json").symlink_to(tmp_path / "target.json")
+    assert calibrate_main(["--gpu-name", "x", "--out", str(tmp_path / "link.json"), "--refit", str(good)]) == 0
+    assert (tmp_path / "link.json").is_symlink() and load_profile(tmp_path / "target.json").name == "x"
+
+
 def test_profile_is_written_before_the_iterations(tmp_path):
     class NoModel(FakeBench):
         def load_model(self, folder, load_format):

@@ -193,6 +193,15 @@ def test_repredict_prices_the_logged_requests_with_the_new_profile():
     assert fit_host_overheads(recs, blank).host_eager_s > 0.018
 
 
+@pytest.mark.parametrize("requests", [[[1, 10**30]], [5], [["1", "5"]], [[True, False]], [[1]], [[0, 5]], [[1, -3]],
+                                      [[[1, 2], [3, 4]]], 7, [[1.5, 2]]])
+def test_repredict_refuses_requests_that_are_not_pairs(requests):
+    recs = served_log(H200)
+    recs[4]["requests"] = requests
+    with pytest.raises(ValueError, match=r"^record 5: requests must be \[q, c\] integer pairs"):
+        repredict(recs, QWEN, H200)
+
+
 def test_calibrate_repredict_flag(tmp_path, capsys):
     truth = dataclasses.replace(H200, gemm_efficiency=0.8, provenance={**H200.provenance, "gemm_efficiency": "measured"})
     log = tmp_path / "it.jsonl"
@@ -206,6 +215,13 @@ def test_calibrate_repredict_flag(tmp_path, capsys):
                                                                 pytest.approx(H200.host_eager_s))
     assert main([*args, "--repredict"]) == 2
     assert capsys.readouterr().err == "duetserve calibrate: error: --repredict goes with --iteration-log\n"
+    # a bad record names its log and record
+    recs = served_log(truth)
+    recs[1]["requests"] = [[1, "x"]]
+    (tmp_path / "bad.jsonl").write_text("\n".join(json.dumps(r) for r in recs))
+    assert main([*args, "--iteration-log", str(log), str(tmp_path / "bad.jsonl"), "--repredict"]) == 1
+    assert capsys.readouterr().err.startswith(f"duetserve calibrate: error: --iteration-log {tmp_path / 'bad.jsonl'}: "
+                                              "record 2: requests must be")
 
 
 def test_gap_summary_of_the_host_time_between_iterations():

@@ -47,14 +47,13 @@ from duetserve.argtypes import (
     write_output,
 )
 from duetserve.calibrate.host import fit_gap, fit_host_overheads, gap_summary, read_iteration_log, repredict
-from duetserve.calibrate.overhead import OverheadFit
+from duetserve.calibrate.overhead import EFFICIENCY_GRID, OverheadFit
 from duetserve.calibrate.report import (
     format_curves,
     format_errors,
     format_rows,
     plot_predictions,
 )
-from duetserve.calibrate.profile import write_profile
 from duetserve.calibrate.runner import Calibration, Options, refit_calibration, run_calibration
 from duetserve.calibrate.workload import QWEN3_8B
 from duetserve.config import ATTENTION_BACKENDS
@@ -126,8 +125,11 @@ def model_folder(args: argparse.Namespace, scratch: Path) -> tuple[Path, ModelSh
 
 
 def _fitted(fit: OverheadFit) -> str:
+    floor = fit.gemm_efficiency <= min(EFFICIENCY_GRID)  # nothing lower tried: the roofline cannot reach them
     return (f"kernel_gpu_s {fit.kernel_gpu_s * 1e6:.2f} us, launch_cpu_s {fit.launch_cpu_s * 1e6:.2f} us, "
-            f"gemm_efficiency {fit.gemm_efficiency:.2f}")
+            f"gemm_efficiency {fit.gemm_efficiency:.2f}"
+            + (" (the lowest tried: are the iterations of another model than the one priced, --model?)"
+               if floor else ""))
 
 
 def fit_summary(result: Calibration) -> str:
@@ -170,14 +172,19 @@ def fit_host(args: argparse.Namespace) -> int:
     """``--iteration-log``: fit the host terms, write the profile; 0, or 1 on an error."""
     logs = " ".join(map(str, args.iteration_log))
     try:
-        records = [r for path in args.iteration_log for r in read_iteration_log(path)]
-    except (ValueError, OSError) as exc:  # its message names the file
-        print(f"duetserve calibrate: error: --iteration-log: {exc}", file=sys.stderr)
-        return 1
+        shape = _model_shape(args) if args.repredict else None
+    except UsageError as exc:
+        return exit_status("calibrate", exc)
+    records = []
+    for path in args.iteration_log:
+        try:
+            logged = read_iteration_log(path)
+            records += repredict(logged, shape, args.base) if shape else logged
+        except (ValueError, OSError) as exc:  # read_iteration_log's message names the file
+            where = "" if str(exc).startswith(str(path)) else f" {path}"
+            print(f"duetserve calibrate: error: --iteration-log{where}: {exc}", file=sys.stderr)
+            return 1
     try:
-        if args.repredict:
-            with tempfile.TemporaryDirectory() as scratch:
-                records = repredict(records, model_folder(args, Path(scratch))[1], args.base)
         fit = fit_host_overheads(records, args.base)
     except ValueError as exc:
         print(f"duetserve calibrate: error: --iteration-log {logs}: {exc}", file=sys.stderr)
@@ -222,10 +229,20 @@ def _print_result(args: argparse.Namespace, result: Calibration, title_suffix: s
     return 0
 
 
+def _model_shape(args: argparse.Namespace) -> ModelShape:
+    """The served model's shape for the modes without a GPU (``model_folder``).
+
+    Raises UsageError "--model PATH: ..." for a config it cannot read."""
+    try:
+        with tempfile.TemporaryDirectory() as scratch:
+            return model_folder(args, Path(scratch))[1]
+    except (ValueError, KeyError, TypeError) as exc:
+        raise UsageError(f"--model {args.model}: {exc}") from exc
+
+
 def refit(args: argparse.Namespace) -> int:
     """``--refit``: fit again on ``--base``'s curves, write the profile, print the report; 0, or 1
     (2 for a usage error) on an error."""
-    files = " ".join(map(str, args.refit))
     calibrated = []
     for path in args.refit:
         try:
@@ -236,15 +253,18 @@ def refit(args: argparse.Namespace) -> int:
         except OSError as exc:
             return exit_status("calibrate", exc)
     try:
-        with tempfile.TemporaryDirectory() as scratch:
-            shape = model_folder(args, Path(scratch))[1]
+        shape = _model_shape(args)
         result = refit_calibration(calibrated, args.base, shape, args.gpu_name)
-        write_profile({**dataclasses.asdict(result.profile), "calibration": result.rows}, args.out)
+    except UsageError as exc:
+        return exit_status("calibrate", exc)
     except (ValueError, KeyError, TypeError, AttributeError) as exc:  # not a calibrated profile's layout
         what = f"a calibration row has no {exc}" if isinstance(exc, KeyError) else str(exc)
-        print(f"duetserve calibrate: error: --refit {files}: {what}", file=sys.stderr)
+        print(f"duetserve calibrate: error: --refit {' '.join(map(str, args.refit))}: {what}", file=sys.stderr)
         return 1
-    except OSError as exc:
+    profile = {**dataclasses.asdict(result.profile), "calibration": result.rows}
+    try:  # in place, as --iteration-log writes (a rename would replace a link or a device)
+        write_output(args.out, dumps(profile, indent=1) + "\n", "--out")
+    except OSError as exc:  # "--out PATH: REASON"
         return exit_status("calibrate", exc)
     return _print_result(args, result, " (refit)")
 

@@ -174,22 +174,37 @@ def repredict(records: Iterable[Mapping[str, Any]], shape: ModelShape, profile: 
     ``cuda_graphs`` and ``piecewise_tokens``, and ``profile``'s host terms; one without
     ``requests`` gets ``predicted_s`` None (left out of the fit). Other records are copied as they are.
 
-    Raises ValueError on requests the cost model refuses (q < 1, c < 0).
+    Raises ValueError "record N: ..." (N from 1, as the log's lines without blanks) for ``requests``
+    that are not a list of ``[q, c]`` integer pairs with ``1 <= q`` and ``0 <= c``, both below 2^31.
     """
     models: dict[tuple[bool, int], CostModel] = {}
     terms = dict(zip(_TERMS, (profile.host_per_request_s, profile.host_eager_s, profile.host_piecewise_s)))
     out = []
-    for r in records:
+    for i, r in enumerate(records, 1):
         r = dict(r)
         if not r.get("spatial") and r.get("k", 1) == 1 and r.get("prefill_layers") is None:
             key = (bool(r.get("cuda_graphs", True)), int(r.get("piecewise_tokens") or 0))
             model = models.get(key) or models.setdefault(key, CostModel(shape, profile, cuda_graphs=key[0],
                                                                         piecewise_tokens=key[1]))
-            reqs = r.get("requests")
-            r["predicted_s"] = float(model.predict_total([tuple(x) for x in reqs], profile.num_sms)) if reqs else None
+            reqs = _requests(i, r.get("requests"))
+            r["predicted_s"] = float(model.predict_total(reqs, profile.num_sms)) if reqs else None
             r.update(terms)
         out.append(r)
     return out
+
+
+def _requests(i: int, logged: Any) -> list[tuple[int, int]]:
+    """Record ``i``'s logged ``requests`` as ``(q, c)`` pairs ([] for None); ValueError otherwise."""
+    if logged is None:
+        return []
+    def whole(x: Any, low: int) -> bool:
+        return isinstance(x, int) and not isinstance(x, bool) and low <= x < 1 << 31
+
+    if not isinstance(logged, list) or not all(isinstance(p, list) and len(p) == 2 and whole(p[0], 1)
+                                               and whole(p[1], 0) for p in logged):
+        raise ValueError(f"record {i}: requests must be [q, c] integer pairs, q >= 1 and c >= 0 (below 2^31), "
+                         f"got {str(logged)[:80]}")
+    return [(p[0], p[1]) for p in logged]
 
 
 def fit_host_overheads(records: Iterable[Mapping[str, Any]], profile: HardwareProfile) -> HostFit:

@@ -319,6 +319,34 @@ def run_calibration(bench: Bench, opts: Options, log: Callable[[str], None] = pr
     return result
 
 
+ROW_LIMIT = 1 << 20
+"""The largest batch and token count a calibration row may name (calibrate's own are far below)."""
+
+
+def _is_int(value: Any, low: int, high: int = ROW_LIMIT) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and low <= value <= high
+
+
+def _check_row(i: int, row: Mapping[str, Any], num_sms: int) -> None:
+    """Raise ValueError naming row ``i`` and its field unless it is a measured iteration as
+    ``prediction_row`` writes it, on at most ``num_sms`` SMs (a missing field: KeyError)."""
+    def bad(name: str, want: str) -> ValueError:
+        return ValueError(f"calibration row {i}: {name} must be {want}, got {row[name]!r}")
+
+    if row["kind"] not in ("decode", "prefill", "mixed"):
+        raise bad("kind", "decode, prefill or mixed")
+    for name, low in (("batch", 1), ("q", 1), ("c", 0), ("k", 1), ("chunk", 0), ("chunk_cached", 0), ("kernels", 1)):
+        if not _is_int(row[name], low):
+            raise bad(name, f"an integer in {low}..{ROW_LIMIT}")
+    if not _is_int(row["sms"], 1, num_sms):
+        raise ValueError(f"calibration row {i}: measured on {row['sms']!r} SMs, --base has {num_sms}")
+    if not isinstance(row["graphs"], bool):
+        raise bad("graphs", "true or false")
+    m = row["measured_s"]
+    if isinstance(m, bool) or not isinstance(m, (int, float)) or not 0 < m < 3600:
+        raise bad("measured_s", "seconds in (0, 3600)")
+
+
 def refit_calibration(calibrated: Sequence[Mapping[str, Any]], base: HardwareProfile, model_shape: ModelShape,
                       name: str) -> Calibration:
     """Fit ``gemm_efficiency`` and the per-kernel overheads again, on ``base``'s curves, to the
@@ -332,22 +360,34 @@ def refit_calibration(calibrated: Sequence[Mapping[str, Any]], base: HardwarePro
     ``with_base_piecewise``), and whose rows are re-predicted (roofline and ``base`` columns on
     ``base``).
 
-    Raises ValueError: no ``"calibration"`` rows, rows without kernel counts, no kernel counts
-    for decode and prefill, or profiles whose kernel counts differ (different engines).
+    Raises ValueError: not JSON objects, no ``"calibration"`` rows, rows without kernel counts or
+    with a field of the wrong type or range (naming the row), rows measured on more SMs than
+    ``base`` has, no graph-replayed or no eager row, no kernel counts for decode and prefill, or
+    profiles whose kernel counts differ (different engines); KeyError: a row without a field.
     """
+    if not calibrated or not all(isinstance(c, Mapping) for c in calibrated):
+        raise ValueError("not a profile (a JSON object) written by duetserve calibrate")
     rows = [r for c in calibrated for r in c.get("calibration") or []]
-    if not rows or any(r.get("kernels") is None for r in rows):
+    if not rows or any(not isinstance(r, Mapping) or r.get("kernels") is None for r in rows):
         raise ValueError("no calibration rows with kernel counts (a profile written by duetserve calibrate on a GPU)")
+    for i, r in enumerate(rows):
+        _check_row(i, r, base.num_sms)
     engines = {json.dumps([c.get(k) for k in ("kernels_per_layer", "kernels_per_forward", "narrow_decode_batch")],
                           sort_keys=True) for c in calibrated}
     if len(engines) > 1:
         raise ValueError(f"the calibrations counted different kernels (kernels_per_layer, kernels_per_forward, "
                          f"narrow_decode_batch): {sorted(engines)}")
-    per_layer, per_forward = calibrated[0].get("kernels_per_layer") or {}, calibrated[0].get("kernels_per_forward") or {}
-    if not set(ITERATION_KINDS) <= set(per_layer) & set(per_forward):
+    per_layer, per_forward = calibrated[0].get("kernels_per_layer"), calibrated[0].get("kernels_per_forward")
+    narrow = calibrated[0].get("narrow_decode_batch", 0)
+    if not (isinstance(per_layer, Mapping) and isinstance(per_forward, Mapping)
+            and set(ITERATION_KINDS) <= set(per_layer) & set(per_forward)):
         raise ValueError(f"no kernel counts for {', '.join(ITERATION_KINDS)}")
+    if not _is_int(narrow, 0):
+        raise ValueError(f"narrow_decode_batch must be an integer >= 0, got {narrow!r}")
+    if all(r["graphs"] for r in rows) or not any(r["graphs"] for r in rows):
+        raise ValueError("the rows need both graph-replayed decodes and eager iterations (the per-kernel GPU and "
+                         "launch times are told apart by them)")
     counts = with_base_piecewise({kind: (per_layer[kind], per_forward[kind]) for kind in per_layer}, base)
-    narrow = int(calibrated[0].get("narrow_decode_batch", 0))
     stripped = replace(base, name=name, kernel_gpu_s=0.0, launch_cpu_s=0.0, kernels_per_layer={},
                        kernels_per_forward={}, narrow_decode_batch=0, gemm_efficiency=1.0)  # as build_profile
     shapes = [Shape(r["kind"], r["batch"], r["q"], r["c"], r["sms"], r["k"], r["chunk"], r["chunk_cached"])
