@@ -305,6 +305,9 @@ def test_calibrate_iteration_log_writes_the_profile(tmp_path, capsys):
                                        "(Expecting value at line 1 column 1)\n")
     with pytest.raises(ValueError, match="line 2"):
         read_iteration_log(log)
+    log.write_bytes(b'{"k": 1}\n\xff\xfe\n')  # not UTF-8: named, no traceback
+    assert main(["calibrate", "--gpu-name", "lab", "--out", str(out), "--iteration-log", str(log)]) == 1
+    assert capsys.readouterr().err.startswith(f"duetserve calibrate: error: --iteration-log: {log}: not UTF-8 text")
     for text, message in (("[1, 2]\n", "line 1: not a JSON object but list"),
                           ('{"k": "x", "measured_s": 0.1}\n', "line 1: k must be finite numbers >= 0"),
                           # NaN broke the least-squares fit (LAPACK noise, no line), inf fitted zeros

@@ -159,6 +159,8 @@ def test_shipped_h200_carries_the_measured_kernel_overheads():
     # serving host time: per request fitted to seven served runs' iteration logs, the eager term refitted
     # to a served log re-predicted with gemm_efficiency (duetserve.calibrate.host)
     assert (h200.host_per_request_s, h200.host_eager_s) == (5.43e-5, 0.0)
+    # no piecewise term of its own (five logged iterations): piecewise iterations are priced as eager ones
+    assert h200.host_piecewise_s is None and h200.piecewise_host_s == h200.host_eager_s
     assert (h200.host_gap_s, h200.host_gap_per_request_s) == (7.99e-4, 1.098e-5)  # the same logs' gap_s
     assert h200.gap_s(100) == pytest.approx(7.99e-4 + 100 * 1.098e-5)
     assert h200.provenance["host_eager_s"] == "measured"

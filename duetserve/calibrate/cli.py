@@ -179,10 +179,13 @@ def fit_host(args: argparse.Namespace) -> int:
     for path in args.iteration_log:
         try:
             logged = read_iteration_log(path)
+        except (ValueError, OSError) as exc:  # its message names the file
+            print(f"duetserve calibrate: error: --iteration-log: {exc}", file=sys.stderr)
+            return 1
+        try:
             records += repredict(logged, shape, args.base) if shape else logged
-        except (ValueError, OSError) as exc:  # read_iteration_log's message names the file
-            where = "" if str(exc).startswith(str(path)) else f" {path}"
-            print(f"duetserve calibrate: error: --iteration-log{where}: {exc}", file=sys.stderr)
+        except ValueError as exc:  # "record N: ..."
+            print(f"duetserve calibrate: error: --iteration-log {path}: {exc}", file=sys.stderr)
             return 1
     try:
         fit = fit_host_overheads(records, args.base)

@@ -70,7 +70,10 @@ def read_iteration_log(path: str | Path) -> list[dict[str, Any]]:
             data = gzip.decompress(data)
         except (EOFError, zlib.error, gzip.BadGzipFile) as exc:  # cut off, damaged, not gzip
             raise OSError(f"{path}: not a whole gzip file ({exc})") from None
-    text = data.decode()
+    try:
+        text = data.decode()
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{path}: not UTF-8 text ({exc})") from None
     records = []
     for i, line in enumerate(text.splitlines(), 1):
         if line.strip():
@@ -184,8 +187,9 @@ def repredict(records: Iterable[Mapping[str, Any]], shape: ModelShape, profile: 
         r = dict(r)
         if not r.get("spatial") and r.get("k", 1) == 1 and r.get("prefill_layers") is None:
             key = (bool(r.get("cuda_graphs", True)), int(r.get("piecewise_tokens") or 0))
-            model = models.get(key) or models.setdefault(key, CostModel(shape, profile, cuda_graphs=key[0],
-                                                                        piecewise_tokens=key[1]))
+            if key not in models:
+                models[key] = CostModel(shape, profile, cuda_graphs=key[0], piecewise_tokens=key[1])
+            model = models[key]
             reqs = _requests(i, r.get("requests"))
             r["predicted_s"] = float(model.predict_total(reqs, profile.num_sms)) if reqs else None
             r.update(terms)

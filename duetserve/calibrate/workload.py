@@ -178,7 +178,7 @@ def make_batch(engine, batch: int, ctx: int, q: int, extra_tokens: int = 0,
     Token ids are drawn uniformly from ``engine.model.dims.vocab_size``, seeded by the sequence
     number (reproducible). They must differ: with one repeated id every row of a prompt's
     activations stays equal through every layer (attention averages equal value rows), the
-    GEMMs' inputs barely toggle, and a power-capped H200 ran such prefills 1.10-1.22x faster
+    GEMMs' inputs barely toggle, and a power-capped H200 ran such prefills 1.09-1.19x faster
     than prompts of varied ids (docs/benchmarks.md, thirty-fifth H200 session).
 
     Raises RuntimeError when the cache runs out of blocks (``Capacity.misfit`` says beforehand).
