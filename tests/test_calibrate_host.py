@@ -309,11 +309,19 @@ def test_calibrate_iteration_log_writes_the_profile(tmp_path, capsys):
     assert main(["calibrate", "--gpu-name", "lab", "--out", str(out), "--iteration-log", str(log)]) == 1
     assert capsys.readouterr().err.startswith(f"duetserve calibrate: error: --iteration-log: {log}: not UTF-8 text")
     for text, message in (("[1, 2]\n", "line 1: not a JSON object but list"),
-                          ('{"k": "x", "measured_s": 0.1}\n', "line 1: k must be finite numbers >= 0"),
+                          ('{"k": "x", "measured_s": 0.1}\n', "line 1: k must be counts >= 0 and below 2^31"),
                           # NaN broke the least-squares fit (LAPACK noise, no line), inf fitted zeros
-                          ('{"measured_s": NaN}\n', "line 1: measured_s must be finite numbers >= 0"),
-                          ('{"measured_s": Infinity, "num_decodes": -1}\n',
-                           "line 1: measured_s, num_decodes must be finite numbers >= 0")):
+                          ('{"measured_s": NaN}\n', "line 1: measured_s must be seconds >= 0 and below 3600"),
+                          ('{"measured_s": Infinity, "gap_s": -1}\n',
+                           "line 1: measured_s, gap_s must be seconds >= 0 and below 3600"),
+                          ('{"num_decodes": -1, "k": 4294967296}\n',
+                           "line 1: k, num_decodes must be counts >= 0 and below 2^31"),
+                          # 1e300 made the L1 fit's residual floor swallow every row: all terms 0
+                          ('{"measured_s": 0.05, "predicted_s": 1e300}\n',
+                           "line 1: predicted_s must be seconds >= 0 and below 3600"),
+                          # strings were taken by truthiness: "false" read as a spatial iteration
+                          ('{"spatial": "false", "cuda_graphs": 0}\n',
+                           "line 1: spatial, cuda_graphs must be true, false or null")):
         log.write_text(text)
         assert main(["calibrate", "--gpu-name", "lab", "--out", str(out), "--iteration-log", str(log)]) == 1
         assert message in capsys.readouterr().err

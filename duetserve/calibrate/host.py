@@ -26,7 +26,6 @@ prediction for its logged requests, with that profile's host terms.
 from __future__ import annotations
 
 import gzip
-import math
 import zlib
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -62,8 +61,10 @@ def read_iteration_log(path: str | Path) -> list[dict[str, Any]]:
     read gzipped, as ``scripts/device_serving.sh`` keeps them).
 
     Raises OSError when unreadable (a bad gzip file too), ValueError on a line that is not a
-    JSON object or whose numbers are not finite numbers >= 0 (naming them; NaN broke the
-    least-squares fit and inf fitted zeros)."""
+    JSON object, whose numbers are not numbers >= 0 and below ``_LIMITS`` (seconds under an hour,
+    counts under 2^31; naming them: NaN broke the least-squares fit, inf and 1e300 fitted zeros),
+    or whose flags (``spatial``, ``cuda_graphs``) are not true, false or null (the string "false"
+    was taken as true)."""
     data = Path(path).read_bytes()
     if str(path).lower().endswith(".gz"):
         try:
@@ -81,11 +82,15 @@ def read_iteration_log(path: str | Path) -> list[dict[str, Any]]:
                 record = loads_object(line)
             except ValueError as exc:
                 raise ValueError(f"{path}: line {i}: {exc}") from exc
-            bad = [k for k in _NUMERIC if record.get(k) is not None and
-                   (isinstance(record[k], bool) or not isinstance(record[k], (int, float))
-                    or not 0 <= record[k] < math.inf)]
-            if bad:
-                raise ValueError(f"{path}: line {i}: {', '.join(bad)} must be finite numbers >= 0")
+            for kind, (limit, label) in _LIMITS.items():
+                bad = [k for k in _NUMERIC if k.endswith("_s") == (kind == "seconds") and record.get(k) is not None
+                       and (isinstance(record[k], bool) or not isinstance(record[k], (int, float))
+                            or not 0 <= record[k] < limit)]
+                if bad:
+                    raise ValueError(f"{path}: line {i}: {', '.join(bad)} must be {kind} >= 0 and below {label}")
+            flags = [k for k in _FLAGS if record.get(k) is not None and not isinstance(record[k], bool)]
+            if flags:
+                raise ValueError(f"{path}: line {i}: {', '.join(flags)} must be true, false or null")
             records.append(record)
     return records
 
@@ -93,6 +98,9 @@ def read_iteration_log(path: str | Path) -> list[dict[str, Any]]:
 _NUMERIC = ("k", "predicted_s", "measured_s", "num_decodes", "num_prefills", "num_prefill_tokens",
             "host_per_request_s", "host_eager_s", "host_piecewise_s", "piecewise_tokens", "gap_s")
 _TERMS = ("host_per_request_s", "host_eager_s", "host_piecewise_s")
+# bounds of the logged numbers: an iteration (or gap) of an hour is no served one
+_LIMITS = {"seconds": (3600.0, "3600"), "counts": (float(1 << 31), "2^31")}
+_FLAGS = ("spatial", "cuda_graphs")
 
 
 @dataclass(frozen=True)
