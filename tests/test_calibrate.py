@@ -128,7 +128,10 @@ def test_profile_round_trip_through_load_profile(tmp_path):
     assert loaded.decode_interference == H200.decode_interference and "method." in loaded.notes
     # between measured points BW(S) is the chord: 40 SMs halfway between 32 and 48
     assert loaded.bandwidth(40) == pytest.approx((2204e9 + 3029e9) / 2)
-    assert not (tmp_path / "p.json.tmp").exists()
+    link = tmp_path / "link.json"  # written in place: a link stays a link (a rename replaced it)
+    link.symlink_to(path)
+    write_profile(measured_profile(), link)
+    assert link.is_symlink() and "calibration" not in json.loads(path.read_text())
 
 
 def test_write_profile_keeps_the_old_file_when_the_new_one_does_not_load(tmp_path):
@@ -137,7 +140,7 @@ def test_write_profile_keeps_the_old_file_when_the_new_one_does_not_load(tmp_pat
     before = path.read_text()
     with pytest.raises(ValueError, match="datasheet peak"):
         write_profile(measured_profile({16: 1e12, 132: 9e12}), path)  # above the 4.8 TB/s of the base
-    assert path.read_text() == before and not (tmp_path / "p.json.tmp").exists()
+    assert path.read_text() == before and [p.name for p in tmp_path.iterdir()] == ["p.json"]
 
 
 # --- levels, rotation, shapes -----------------------------------------------------------------

@@ -16,8 +16,8 @@ from datetime import date
 from pathlib import Path
 
 from duetserve.calibrate.overhead import OverheadFit
-from duetserve.jsonio import dumps
-from duetserve.planner.hardware import HardwareProfile, Points, load_profile
+from duetserve.jsonio import dumps, loads_object
+from duetserve.planner.hardware import HardwareProfile, Points, profile_from_json
 
 Curve = dict[int, float]
 """Rate by SM count: ``{S: bytes/s or FLOP/s}``."""
@@ -115,19 +115,15 @@ def with_overheads(profile: HardwareProfile, fit: OverheadFit, counts: Mapping[s
 def write_profile(profile: dict, path: Path) -> HardwareProfile:
     """Write ``profile`` as JSON to ``path`` and return it as ``load_profile`` reads it back.
 
-    The file is replaced only if it loads, so a bad profile never overwrites a good one.
+    The JSON is checked before anything is written, so a bad profile never overwrites a good
+    one; the file is written in place (a link at ``path`` keeps pointing where it did).
 
     Raises:
         ValueError: the profile does not load (e.g. a measured rate above the base profile's
             datasheet peak: pick a ``--base`` for this GPU).
         OSError: the file cannot be written.
     """
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(dumps(profile, indent=1) + "\n")
-    try:
-        loaded = load_profile(tmp)
-    except ValueError:
-        tmp.unlink()
-        raise
-    tmp.replace(path)
+    text = dumps(profile, indent=1) + "\n"
+    loaded = profile_from_json(loads_object(text), path)
+    path.write_text(text)
     return loaded

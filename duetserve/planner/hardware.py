@@ -352,18 +352,28 @@ def load_profile(name_or_path: str | Path) -> HardwareProfile:
         raw = loads_object(text)
     except ValueError as exc:
         raise ValueError(f"profile {name_or_path!r}: {exc}") from exc
-    raw.pop("calibration", None)
+    return profile_from_json(raw, name_or_path)
+
+
+def profile_from_json(raw: dict, source: str | Path) -> HardwareProfile:
+    """The ``HardwareProfile`` a profile's parsed JSON object describes (``load_profile``'s checks;
+    ``source`` names it in errors). A ``"calibration"`` key is ignored; ``raw`` is not changed.
+
+    Raises ValueError on unknown or missing keys, curves that are not [SMs, rate] number pairs,
+    or values ``HardwareProfile`` refuses.
+    """
+    raw = {k: v for k, v in raw.items() if k != "calibration"}
     known = {f.name for f in fields(HardwareProfile)}
     if set(raw) - known:
-        raise ValueError(f"profile {name_or_path!r}: unknown keys {sorted(set(raw) - known)}")
+        raise ValueError(f"profile {source!r}: unknown keys {sorted(set(raw) - known)}")
     required = {f.name for f in fields(HardwareProfile) if f.default is MISSING and f.default_factory is MISSING}
     if required - set(raw):
-        raise ValueError(f"profile {name_or_path!r}: missing keys {sorted(required - set(raw))}")
+        raise ValueError(f"profile {source!r}: missing keys {sorted(required - set(raw))}")
     for key in ("compute_points", "bandwidth_points"):
         try:
             raw[key] = tuple((float(s), float(r)) for s, r in raw[key])
         except (TypeError, ValueError) as exc:
-            raise ValueError(f"profile {name_or_path!r}: {key} must be a list of [SMs, rate] number pairs") from exc
+            raise ValueError(f"profile {source!r}: {key} must be a list of [SMs, rate] number pairs") from exc
     return HardwareProfile(**raw)
 
 
