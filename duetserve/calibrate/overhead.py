@@ -40,6 +40,8 @@ from dataclasses import dataclass, replace
 import numpy as np
 from numpy.typing import ArrayLike
 
+from duetserve.planner.cost_model import kernel_bound
+
 
 @dataclass(frozen=True)
 class OverheadFit:
@@ -123,9 +125,7 @@ def predict_fitted(roofline: ArrayLike, kernels: ArrayLike, graphs: ArrayLike, f
     """Seconds the model gives iterations of ``roofline`` seconds and ``kernels`` launched,
     ``graphs`` True where replayed (module docstring: ``r + n g``, eager ``max(r + n g, n h)``).
     ``roofline`` must already carry ``fit.gemm_efficiency``."""
-    r, n = np.asarray(roofline, dtype=float), np.asarray(kernels, dtype=float)
-    gpu = r + n * fit.kernel_gpu_s
-    return np.where(np.asarray(graphs, dtype=bool), gpu, np.maximum(gpu, n * fit.launch_cpu_s))
+    return kernel_bound(roofline, kernels, kernels, graphs, fit.kernel_gpu_s, fit.launch_cpu_s)
 
 
 def fit_with_efficiency(roofline_at: Callable[[float], ArrayLike], kernels: ArrayLike, graphs: ArrayLike,

@@ -420,8 +420,7 @@ class CostModel:
         if graphs is None and self.cuda_graphs and self.piecewise_tokens and PIECEWISE in p.kernels_per_layer:
             piecewise = ~decode_only & (tokens <= self.piecewise_tokens)
             launches = np.where(piecewise, p.kernel_count(PIECEWISE, self.shape.layers), kernels) * (requests > 0)
-        gpu = roofline + kernels * p.kernel_gpu_s
-        launch = np.where(replayed, gpu, np.maximum(gpu, launches * p.launch_cpu_s)) - roofline
+        launch = kernel_bound(roofline, kernels, launches, replayed, p.kernel_gpu_s, p.launch_cpu_s) - roofline
         served = requests * host
         eager_host = np.where(piecewise, p.piecewise_host_s, p.host_eager_s) * ~replayed
         return launch + (served * p.host_per_request_s + eager_host) * (served > 0)
@@ -444,6 +443,17 @@ class CostModel:
         one = 2 * (N - 1) * p.allreduce_alpha_s + 2 * (N - 1) * out_bytes / (N * p.nvlink_bandwidth) \
             + N * (N - 1) * out_bytes / pi
         return 2 * one * (n > 0)
+
+
+def kernel_bound(roofline: ArrayLike, kernels: ArrayLike, launches: ArrayLike, replayed: ArrayLike,
+                 kernel_gpu_s: float, launch_cpu_s: float) -> np.ndarray:
+    """Seconds of iterations of ``roofline`` seconds that run ``kernels`` kernels, ``launches`` of
+    them launched from the host when not ``replayed`` from CUDA graphs: ``r + n g`` replayed,
+    ``max(r + n g, n' h)`` eager (the GPU or the launching host, whichever is slower; module
+    docstring, "Per-kernel overheads"). Arrays broadcast together."""
+    gpu = np.asarray(roofline, dtype=float) + np.asarray(kernels, dtype=float) * kernel_gpu_s
+    return np.where(np.asarray(replayed, dtype=bool), gpu,
+                    np.maximum(gpu, np.asarray(launches, dtype=float) * launch_cpu_s))
 
 
 def _columns(reqs: Sequence[Request] | np.ndarray) -> tuple[np.ndarray, np.ndarray]:
