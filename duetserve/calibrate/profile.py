@@ -81,8 +81,8 @@ def build_profile(base: HardwareProfile, name: str, facts: DeviceFacts, compute:
 
     Raises ValueError as ``curve_points``; ``write_profile`` checks the rest.
     """
-    profile = {k: v for k, v in dataclasses.asdict(base).items() if k not in OVERHEAD_FIELDS}
-    provenance = {k: v for k, v in base.provenance.items() if k not in OVERHEAD_FIELDS}
+    stripped = without_overheads(base)
+    profile = dataclasses.asdict(stripped)
     profile.update(
         name=name,
         description=f"{facts.name} ({facts.num_sms} SMs), calibrated by duetserve calibrate on {date.today()}",
@@ -92,10 +92,20 @@ def build_profile(base: HardwareProfile, name: str, facts: DeviceFacts, compute:
         compute_points=curve_points(compute, facts.num_sms, "gemm"),
         bandwidth_points=curve_points(bandwidth, facts.num_sms, "copy/gemv"),
         hbm_bytes=facts.hbm_bytes,
-        provenance={**provenance, **dict.fromkeys(MEASURED_FIELDS, "measured")},
+        provenance={**stripped.provenance, **dict.fromkeys(MEASURED_FIELDS, "measured")},
         notes=f"{method} Fields not measured come from the base profile {base.name!r}: {base.notes}",
     )
     return profile
+
+
+def without_overheads(profile: HardwareProfile) -> HardwareProfile:
+    """``profile`` with its ``OVERHEAD_FIELDS`` at ``HardwareProfile``'s defaults (no per-kernel
+    overheads or counts, ``gemm_efficiency`` 1) and without their provenance: the roofline that
+    calibration fits the overheads on."""
+    defaults = {f.name: f.default if f.default is not dataclasses.MISSING else f.default_factory()
+                for f in dataclasses.fields(HardwareProfile) if f.name in OVERHEAD_FIELDS}
+    provenance = {k: v for k, v in profile.provenance.items() if k not in OVERHEAD_FIELDS}
+    return dataclasses.replace(profile, **defaults, provenance=provenance)
 
 
 def with_overheads(profile: HardwareProfile, fit: OverheadFit, counts: Mapping[str, tuple[int, int]],

@@ -43,6 +43,7 @@ from duetserve.calibrate.profile import (
     build_profile,
     lower_envelope,
     with_overheads,
+    without_overheads,
     write_profile,
 )
 from duetserve.calibrate.report import group
@@ -388,8 +389,7 @@ def refit_calibration(calibrated: Sequence[Mapping[str, Any]], base: HardwarePro
         raise ValueError("the rows need both graph-replayed decodes and eager iterations (the per-kernel GPU and "
                          "launch times are told apart by them)")
     counts = with_base_piecewise({kind: (per_layer[kind], per_forward[kind]) for kind in per_layer}, base)
-    stripped = replace(base, name=name, kernel_gpu_s=0.0, launch_cpu_s=0.0, kernels_per_layer={},
-                       kernels_per_forward={}, narrow_decode_batch=0, gemm_efficiency=1.0)  # as build_profile
+    stripped = replace(without_overheads(base), name=name)
     shapes = [Shape(r["kind"], r["batch"], r["q"], r["c"], r["sms"], r["k"], r["chunk"], r["chunk_cached"])
               for r in rows]
     roofline, base_model = CostModel(model_shape, stripped), CostModel(model_shape, base)
