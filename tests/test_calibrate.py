@@ -24,6 +24,7 @@ from duetserve.calibrate.profile import (
 )
 from duetserve.calibrate.report import (
     error_stats,
+    group,
     format_errors,
     plot_predictions,
     relative_errors,
@@ -172,8 +173,8 @@ def test_plan_shapes_skips_what_does_not_fit_in_the_kv_cache():
     assert "decode 64x8192 @132" in labels and "prefill 8x1024 @132" in labels
     assert sum(s.kind == "decode" and s.sms == 132 for s in shapes) == 14
     assert [s.sms for s in shapes if s.sms < 132] == [16, 16, 16, 32, 32, 32, 64, 64, 64]
-    assert all(s.k == 8 for s in shapes if s.sms < 132)
-    assert "needs 65536 KV blocks" in skipped[0][1]
+    assert all(s.k == 8 for s in shapes if s.kind == "decode") and all(s.k == 1 for s in shapes if s.kind != "decode")
+    assert "needs 65664 KV blocks" in skipped[0][1]  # 128 x ceil((8192 + 7 look-ahead tokens) / 16)
     mixed = [s for s in shapes if s.kind == "mixed"]
     assert [s.label for s in mixed] == ["mixed 16x1024+2032/0 @132", "mixed 64x2048+1984/0 @132",
                                         "mixed 120x1024+1928/4096 @132", "mixed 120x2048+1024/0 @132"]
@@ -199,7 +200,7 @@ def test_plan_shapes_quick_none_backend_and_limits():
     reasons = {s.label: why for s, why in skipped}
     assert reasons["decode 64x512 @132"] == "batch 64 > max_num_seqs 32"
     assert reasons["prefill 1x8192 @132"] == "8192 tokens > max_num_batched_tokens 4096"
-    assert reasons["decode 1x8192 @132"] == "8192 tokens > max_model_len 4096"
+    assert reasons["decode 1x8192 @132"] == "8199 tokens > max_model_len 4096"  # 7 look-ahead slots
 
 
 def test_lookahead_steps_need_their_kv_slots():
@@ -313,7 +314,7 @@ def test_run_calibration_measures_writes_and_reports_failures(tmp_path):
     assert result.curves["gemv"].keys() == {16, 32, 48, 64, 96, 132}
     assert result.profile.compute_points[0][0] == 24  # the 16-SM GEMM failed
     assert result.profile.bandwidth_points == H200.bandwidth_points  # envelope = copy = the H200 curve
-    assert result.skipped == ["decode 128x8192 @132: needs 65536 KV blocks, the cache has 40960"]
+    assert result.skipped == ["decode 128x8192 @132: needs 65664 KV blocks, the cache has 40960"]
     written = json.loads((tmp_path / "p.json").read_text())
     assert written["calibration"] == result.rows and len(result.rows) == 14 + 4 + 4 + 9 - 2
     assert load_profile(tmp_path / "p.json") == result.profile
@@ -474,6 +475,7 @@ def _set_row(field, value):
     (_set_row("batch", 1.5), "calibration row 3: batch must be an integer in 1..1048576, got 1.5"),
     (_set_row("kernels", "939"), "calibration row 3: kernels must be an integer in 1..1048576, got '939'"),
     (_set_row("graphs", "yes"), "calibration row 3: graphs must be true or false, got 'yes'"),
+    (_set_row("spatial", 0), "calibration row 3: spatial must be true or false, got 0"),
     (_set_row("sms", 140), "calibration row 3: measured on 140 SMs, --base has 132"),
     (lambda p: p["calibration"], "not a profile (a JSON object) written by duetserve calibrate"),
     (lambda p: p.update(calibration=[r for r in p["calibration"] if r["graphs"]]),
@@ -525,7 +527,18 @@ def test_prediction_row_has_no_base_prediction_beyond_the_base_gpu():
     a100 = CostModel(QWEN, load_profile("a100"))  # 108 SMs
     r = prediction_row(Shape("decode", 1, 1, 511, 132), 1e-2, True, 1011, CostModel(QWEN, H200), a100)
     assert r["base_predicted_s"] is None and r["predicted_s"] == r["roofline_s"] > 0
-    assert (r["batch"], r["c"], r["graphs"], r["kernels"]) == (1, 511, True, 1011)
+    assert (r["batch"], r["c"], r["graphs"], r["kernels"], r["spatial"]) == (1, 511, True, 1011, False)
+    split = prediction_row(Shape("decode", 1, 1, 511, 64, 8), 1e-2, True, 1011, CostModel(QWEN, H200), a100)
+    assert split["spatial"] and split["base_predicted_s"] > 0
+
+
+def test_report_groups_split_decodes_by_spatial_and_old_rows_by_k():
+    # all-SM decodes run k = 8 steps as served multi-step decodes; rows written before ``spatial``
+    # ran them one step at a time and only split levels with k = 8
+    assert group({"kind": "decode", "k": 8, "spatial": False}) == "decode"
+    assert group({"kind": "decode", "k": 8, "spatial": True}) == "decode, split SMs"
+    assert group({"kind": "decode", "k": 8}) == "decode, split SMs" and group({"kind": "decode", "k": 1}) == "decode"
+    assert group({"kind": "mixed", "k": 1, "spatial": False}) == "mixed"
 
 
 def test_plot_draws_a_png(tmp_path):
@@ -633,8 +646,10 @@ def test_cuda_bench_rates_and_iterations(tiny_qwen3_folder):
               Shape("mixed", 4, 1, 63, n, chunk=100, chunk_cached=32)]
     if bench.facts.levels:
         shapes.append(Shape("decode", 8, 1, 63, bench.facts.levels[1], k=4))
+    shapes.append(Shape("decode", 8, 1, 63, n, k=4))  # multi-step, as served: the GPU's time a step
     times = [bench.iteration_seconds(s) for s in shapes]
     assert all(0 < t < 1 for t in times) and bench.engine.block_manager.num_free_blocks == cap.kv_blocks
+    assert times[-1] < times[0]  # the single step's wall time has its launch and sync too
     assert np.isfinite(times).all()
     assert bench.runs_graphs(shapes[0]) and not bench.runs_graphs(shapes[1]) and not bench.runs_graphs(shapes[2])
     with bench._temporal(shapes[2]) as out:  # the mixed shape: 4 decodes of 64 tokens and a chunk of 100 on 32

@@ -234,22 +234,26 @@ class CudaBench:
     def iteration_seconds(self, shape: Shape) -> float:
         """Median seconds of ``runner.execute`` on ``shape``.
 
-        All SMs: wall time of a temporal iteration (decode replays its CUDA graph), host sync
-        included, as the engine loop sees it. Fewer SMs (decode only): a spatial plan with
-        ``shape.k`` look-ahead steps and no prefill; the decode stream's event time over k.
+        ``shape.k == 1`` (prefill and mixed; all SMs): wall time of a temporal iteration, host
+        sync included, as the engine loop sees it. Decode with ``shape.k`` steps: a multi-step
+        decode on all SMs, or a spatial plan with no prefill on ``shape.sms``; the decode
+        stream's event time over k (the GPU's time per step, the host's work on the next step
+        hidden behind the one running, as in serving).
 
-        Raises ValueError for a prefill shape on fewer than all SMs.
+        Raises ValueError for a prefill or mixed shape on fewer than all SMs, or with ``k > 1``.
         """
         from duetserve.engine.policy import Plan
         from duetserve.engine.scheduler import SchedulerOutput
 
         runner = self.engine.runner
-        if shape.sms == self.facts.num_sms:
+        n = self.facts.num_sms
+        if shape.k == 1 and shape.sms == n:
             with self._temporal(shape) as out:
                 return median_wall_seconds(lambda: list(runner.execute(out)), self.warmup, self.repeats)
         if shape.kind != "decode":
-            raise ValueError("only decode is measured on fewer than all SMs")
-        plan = Plan(spatial=True, s_prefill=self.facts.num_sms - shape.sms, s_decode=shape.sms, k=shape.k)
+            raise ValueError("only decode is measured on fewer than all SMs or with k > 1")
+        spatial = shape.sms < n
+        plan = Plan(spatial=spatial, s_prefill=n - shape.sms if spatial else 0, s_decode=shape.sms, k=shape.k)
         with self._temporal(shape, shape.k - 1) as temporal:
             out = SchedulerOutput(temporal.decodes, [], plan, [])
             list(runner.execute(out))

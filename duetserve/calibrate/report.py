@@ -31,8 +31,10 @@ PREDICTIONS = {"roofline_s": "roofline", "predicted_s": "fitted", "holdout_predi
 
 
 def group(row: Mapping) -> str:
-    """The statistics group of ``row`` (a key of ``GROUPS``)."""
-    return "decode, split SMs" if row["kind"] == "decode" and row.get("k", 1) > 1 else row["kind"]
+    """The statistics group of ``row`` (a key of ``GROUPS``). Rows written before they carried
+    ``spatial`` measured only split levels' decodes with ``k > 1``."""
+    split = row.get("spatial", row.get("k", 1) > 1)
+    return "decode, split SMs" if row["kind"] == "decode" and split else row["kind"]
 
 
 @dataclass(frozen=True)

@@ -178,7 +178,8 @@ def measure_curves(bench: Bench, levels: list[int], log: Callable[[str], None] =
 
 def prediction_row(shape: Shape, measured_s: float, graphs: bool, kernels: int | None, roofline: CostModel,
                    base: CostModel) -> dict:
-    """One ``"calibration"`` entry before the fit: the shape, whether it ran from CUDA graphs,
+    """One ``"calibration"`` entry before the fit: the shape, whether it ran on fewer SMs than
+    ``roofline``'s profile has (``spatial``: a split level's decode), whether it ran from CUDA graphs,
     its kernel count (None: not counted), measured seconds, the roofline of the measured
     curves (no overheads) and the base profile's prediction, both without serving host time
     (the engine is timed alone; the calibrated profile keeps the base's host terms for
@@ -188,7 +189,7 @@ def prediction_row(shape: Shape, measured_s: float, graphs: bool, kernels: int |
     base_s = float(base.predict_total(shape.reqs, shape.sms, graphs=graphs, host=False)) \
         if shape.sms <= base.profile.num_sms else None
     return {"kind": shape.kind, "batch": shape.batch, "q": shape.q, "c": shape.c, "sms": shape.sms, "k": shape.k,
-            "chunk": shape.chunk, "chunk_cached": shape.chunk_cached, "graphs": graphs, "kernels": kernels, "measured_s": measured_s, "roofline_s": rooflined,
+            "spatial": shape.sms < roofline.profile.num_sms, "chunk": shape.chunk, "chunk_cached": shape.chunk_cached, "graphs": graphs, "kernels": kernels, "measured_s": measured_s, "roofline_s": rooflined,
             "predicted_s": rooflined, "base_predicted_s": base_s}
 
 
@@ -205,7 +206,7 @@ def count_kernels(bench: Bench, shapes: list[Shape], layers: int, errors: list[s
         wanted.append((NARROW_DECODE, lambda s: s.kind == "decode" and s.batch <= narrow, True))
     counts = {}
     for kind, fits, replay in wanted:
-        shape = next((s for s in shapes if fits(s) and s.k == 1 and s.sms == bench.facts.num_sms), None)
+        shape = next((s for s in shapes if fits(s) and s.sms == bench.facts.num_sms), None)
         names = None
         if shape is None:
             errors.append(f"kernel count: no {kind} shape fits the engine")
@@ -341,8 +342,9 @@ def _check_row(i: int, row: Mapping[str, Any], num_sms: int) -> None:
             raise bad(name, f"an integer in {low}..{ROW_LIMIT}")
     if not _is_int(row["sms"], 1, num_sms):
         raise ValueError(f"calibration row {i}: measured on {row['sms']!r} SMs, --base has {num_sms}")
-    if not isinstance(row["graphs"], bool):
-        raise bad("graphs", "true or false")
+    for name in ("graphs", "spatial"):  # spatial: absent in rows written before it
+        if not isinstance(row[name] if name == "graphs" else row.get(name, False), bool):
+            raise bad(name, "true or false")
     m = row["measured_s"]
     if isinstance(m, bool) or not isinstance(m, (int, float)) or not 0 < m < 3600:
         raise bad("measured_s", "seconds in (0, 3600)")

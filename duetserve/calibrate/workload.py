@@ -51,7 +51,11 @@ SPLIT_DECODES = ((8, 2048), (32, 2048), (128, 2048))
 keeps only the middle one."""
 
 LOOKAHEAD_K = 8
-"""Decode steps per measured spatial iteration; its decode stream time is divided by this."""
+"""Decode steps per measured decode iteration, as serving runs them: spatial plans' look-ahead,
+and on all SMs a multi-step decode (``serve --num-decode-steps``, default 8: each step's graph
+replay queued behind the one running). The decode stream's time is divided by this. Timed one
+step at a time with the host's sync between steps, the H200's decodes fitted 4.56 us a kernel
+where served multi-step decodes ran at 3.52 (docs/benchmarks.md, thirty-fifth session)."""
 
 MAX_CONTEXT = max(CONTEXTS) + LOOKAHEAD_K
 """Longest sequence any shape needs, tokens (the engine's ``max_model_len``)."""
@@ -62,8 +66,8 @@ class Shape:
     """One measured iteration: ``batch`` requests of ``q`` new tokens on ``c`` cached ones, on
     ``sms`` SMs. Decode has ``q == 1``; prefill ``c == 0``; mixed is ``batch`` decodes (``q ==
     1``) beside one prefill chunk of ``chunk`` tokens on ``chunk_cached`` cached ones. ``k > 1``
-    (decode on fewer than all SMs) runs ``k`` look-ahead steps, as spatial plans do, and reports
-    seconds per step.
+    (decode only) runs ``k`` steps back to back, as a multi-step decode on all SMs or a spatial
+    plan's look-ahead on fewer, and reports the GPU's seconds per step.
     """
 
     kind: Literal["decode", "prefill", "mixed"]
@@ -152,12 +156,13 @@ def plan_shapes(capacity: Capacity, split_levels: Iterable[int], quick: bool = F
                 ) -> tuple[list[Shape], list[tuple[Shape, str]]]:
     """The iteration shapes to measure and the ones skipped, each with its reason.
 
-    Temporal (all SMs): decode ``DECODE_BATCHES x CONTEXTS``, then ``PREFILLS``, then ``MIXED``. Then decode
-    ``SPLIT_DECODES`` on each SM count of ``SPLIT_SMS`` found in ``split_levels`` (the levels
-    the partition backend offers; empty for ``none``), with ``LOOKAHEAD_K`` steps.
+    All SMs: decode ``DECODE_BATCHES x CONTEXTS`` (``LOOKAHEAD_K`` steps), then ``PREFILLS``, then
+    ``MIXED`` (one temporal iteration each). Then decode ``SPLIT_DECODES`` on each SM count of
+    ``SPLIT_SMS`` found in ``split_levels`` (the levels the partition backend offers; empty for
+    ``none``), with ``LOOKAHEAD_K`` steps.
     """
     n = capacity.num_sms
-    shapes = [Shape("decode", b, 1, ctx - 1, n) for b in DECODE_BATCHES for ctx in CONTEXTS]
+    shapes = [Shape("decode", b, 1, ctx - 1, n, LOOKAHEAD_K) for b in DECODE_BATCHES for ctx in CONTEXTS]
     shapes += [Shape("prefill", b, length, 0, n) for b, length in PREFILLS]
     shapes += [Shape("mixed", d, 1, ctx - 1, n, chunk=p, chunk_cached=pc) for d, ctx, p, pc in MIXED]
     split_decodes = SPLIT_DECODES[1:2] if quick else SPLIT_DECODES
