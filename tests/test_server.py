@@ -1011,9 +1011,9 @@ class SlowPrefillEngine:
         yield []
 
 
-async def asgi_post(app, path: str, body: dict, gone: asyncio.Event) -> list[dict]:
+async def asgi_post(app, path: str, body: dict, gone: asyncio.Event, sent: list | None = None) -> list[dict]:
     """POST ``body`` to the ASGI ``app`` as a client that disconnects once ``gone`` is set;
-    returns the ASGI messages the app sent."""
+    returns the ASGI messages the app sent (appended to ``sent`` as they come, if given)."""
     pending = [{"type": "http.request", "body": json.dumps(body).encode(), "more_body": False}]
 
     async def receive():
@@ -1022,7 +1022,7 @@ async def asgi_post(app, path: str, body: dict, gone: asyncio.Event) -> list[dic
         await gone.wait()
         return {"type": "http.disconnect"}
 
-    sent = []
+    sent = [] if sent is None else sent
 
     async def send(message):
         sent.append(message)
@@ -1076,7 +1076,42 @@ def test_disconnect_before_the_first_token_aborts_the_request(stream):
     assert len(before) == 2 and sorted(fake.aborted) == sorted(before) and fake.queue == []
     assert elapsed < 2 * DISCONNECT_POLL_S + 0.5, elapsed
     for sent in (sent_a, sent_b):
-        assert sent[0] == {**sent[0], "type": "http.response.start", "status": 499}
+        # a stream's headers went out at once (200, as vLLM's); it ends with no event
+        assert sent[0] == {**sent[0], "type": "http.response.start", "status": 200 if stream else 499}
+        if stream:
+            assert b"".join(m.get("body", b"") for m in sent[1:]) == b"" and not sent[-1].get("more_body", False)
+
+
+def test_stream_headers_go_out_before_the_prefill_ends():
+    """A streamed response's status and headers are sent as soon as the request is accepted (a
+    client or proxy timing the response's start saw nothing for the whole prefill before)."""
+    from duetserve.engine.async_engine import AsyncEngine
+    from duetserve.server.api import create_app
+    from duetserve.server.metrics import ServerMetrics
+
+    fake = SlowPrefillEngine()
+    front = AsyncEngine(fake)
+    app = create_app(front, ServerMetrics("fake"), "fake")
+    front.start()
+
+    async def run():
+        gone, sent = asyncio.Event(), []
+        call = asyncio.create_task(asgi_post(app, "/v1/completions", {"prompt": [1] * 100, "stream": True}, gone, sent))
+        while not (fake.queue and fake.steps > 2):
+            await asyncio.sleep(0.005)
+        await asyncio.sleep(0.05)
+        during = list(sent)
+        gone.set()
+        await asyncio.wait_for(call, timeout=5)
+        return during
+
+    try:
+        during = asyncio.run(run())
+    finally:
+        front.shutdown()
+    assert len(during) == 1 and during[0]["status"] == 200
+    assert (b"content-type", b"text/event-stream; charset=utf-8") in during[0]["headers"]
+    assert fake.queue == [] and len(fake.aborted) == 1
 
 
 @pytest.mark.parametrize("stream", [False, True])

@@ -302,25 +302,24 @@ def create_app(engine: EngineFront, metrics: ServerMetrics, model_name: str, api
     async def _respond(request: Request, body, prompt_ids: list[int], params: SamplingParams, chat: bool):
         prefix = "chatcmpl" if chat else "cmpl"
         request_id = f"{prefix}-{uuid.uuid4().hex}"
-        stream = engine.generate(request_id, prompt_ids, params)
-        try:
-            # surfaces ParamError as HTTP 400 before any byte is sent; a client leaving while its
-            # request is queued or prefilling aborts it
-            first = await unless_disconnected(request, anext(stream))
+        try:  # a ParamError is HTTP 400, before any byte is sent
+            engine.check_request(prompt_ids, params)
         except ParamError as exc:
-            await stream.aclose()
             if chat and exc.param == "prompt":  # a chat request's prompt is its messages
                 exc.param = "messages"
             raise
+        stream = engine.generate(request_id, prompt_ids, params)
+        created = int(time.time())
+        if body.stream:  # the headers go out now, as OpenAI's and vLLM's do, not after the prefill
+            return StreamingResponse(_stream_chunks(request, request_id, created, len(prompt_ids), stream, chat,
+                                                    body.include_usage, body.continuous_usage), media_type="text/event-stream")
+        try:  # a client leaving while its request is queued or prefilling aborts it
+            first = await unless_disconnected(request, anext(stream))
         except EngineError as exc:
             return error_response(500, str(exc))
         except ClientGone:
             await stream.aclose()  # aborts the request if its first output came as the client left
             return Response(status_code=499)
-        created = int(time.time())
-        if body.stream:
-            return StreamingResponse(_stream_chunks(request_id, created, first, stream, chat, body.include_usage,
-                                                    body.continuous_usage), media_type="text/event-stream")
         return await _full_response(request, request_id, created, first, stream, chat)
 
     def _choice(chat: bool, text: str, out: RequestOutput, delta: bool) -> dict:
@@ -338,22 +337,31 @@ def create_app(engine: EngineFront, metrics: ServerMetrics, model_name: str, api
         return {"prompt_tokens": out.num_prompt_tokens, "completion_tokens": done,
                 "total_tokens": out.num_prompt_tokens + done}
 
-    async def _stream_chunks(request_id: str, created: int, first: RequestOutput, stream: AsyncIterator,
-                             chat: bool, include_usage: bool, continuous_usage: bool) -> AsyncIterator[str]:
+    async def _stream_chunks(request: Request, request_id: str, created: int, prompt_tokens: int,
+                             stream: AsyncIterator, chat: bool, include_usage: bool,
+                             continuous_usage: bool) -> AsyncIterator[str]:
+        """The SSE events of a streamed response of a ``prompt_tokens``-token prompt; the first
+        output is awaited here (the headers are sent already), and a client leaving before it
+        aborts the request."""
         obj = "chat.completion.chunk" if chat else "text_completion"
         head = {"id": request_id, "object": obj, "created": created, "model": model_name}
         # with include_usage every chunk has a usage field, null but in the last (OpenAI's stream_options);
         # with continuous_usage_stats too, each carries the usage so far (vLLM's)
         chunk = {**head, "usage": None} if include_usage else head
-        last = first
+        last = None
         try:
-            if chat:
+            if chat:  # the role first, before the prefill ends (as vLLM sends it)
                 role = {**chunk, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
                                               "logprobs": None, "finish_reason": None, "stop_reason": None}]}
                 if continuous_usage:
-                    role["usage"] = _usage(first, completion_tokens=0)  # sent before any token
+                    role["usage"] = {"prompt_tokens": prompt_tokens, "completion_tokens": 0,
+                                     "total_tokens": prompt_tokens}
                 yield _sse(role)
-            out = first
+            try:
+                out = last = await unless_disconnected(request, anext(stream))
+            except ClientGone:
+                await stream.aclose()  # aborts the request if its first output came as the client left
+                return
             while True:
                 # A completions client sees only text: no chunk for tokens whose text is held back
                 # (a possible stop string, an unfinished UTF-8 character)
@@ -373,7 +381,7 @@ def create_app(engine: EngineFront, metrics: ServerMetrics, model_name: str, api
             yield _sse({"error": {"message": str(exc), "type": "InternalServerError", "param": None, "code": 500}})
             yield _sse("[DONE]")
         finally:
-            if not last.finished:  # client went away: no await here, the task may be cancelled
+            if last is None or not last.finished:  # client went away: no await here, the task may be cancelled
                 engine.abort(request_id)
 
     async def _full_response(request: Request, request_id: str, created: int, first: RequestOutput,
