@@ -319,6 +319,12 @@ def test_model_config_file_that_is_not_a_json_config(tmp_path, capsys):
         assert exc.value.code == 2
         assert f"error: argument --model-config: {path} is not a JSON model config: {reason}\n" \
             in capsys.readouterr().err
+    presets = "llama3-8b, qwen3-14b, qwen3-8b, smollm2-135m"
+    for text, where in [("/nonexistent.json", ""), (str(tmp_path), " (a folder without config.json)")]:
+        with pytest.raises(SystemExit):  # was "unknown model preset '/nonexistent.json'"
+            main([*SMALL, "--qps", "2", "--model-config", text])
+        assert (f"error: argument --model-config: {text!r} is neither a model preset ({presets}) nor a file{where}\n"
+                in capsys.readouterr().err)
 
 
 def test_plot_format_is_checked_before_simulating(tmp_path, monkeypatch, capsys):

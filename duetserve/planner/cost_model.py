@@ -179,12 +179,17 @@ class ModelShape:
             max_positions=config.get("max_position_embeddings"),
         )
 
+    @staticmethod
+    def preset_names() -> list[str]:
+        """Names ``preset`` takes, sorted."""
+        return sorted(_PRESET_CONFIGS)
+
     @classmethod
     def preset(cls, name: str) -> ModelShape:
         """Shapes of known models: ``qwen3-8b``, ``qwen3-14b``, ``llama3-8b``, ``smollm2-135m``
         (values from their published config.json). Raises ValueError for other names."""
         if name.lower() not in _PRESET_CONFIGS:
-            raise ValueError(f"unknown model preset {name!r}; known {sorted(_PRESET_CONFIGS)}")
+            raise ValueError(f"unknown model preset {name!r}; known {cls.preset_names()}")
         return cls.from_hf_config(_PRESET_CONFIGS[name.lower()])
 
 

@@ -52,13 +52,19 @@ def _sigma(text: str) -> float:
 def _model_shape(text: str) -> ModelShape:
     """A preset name, or the path of a Hugging Face ``config.json`` (or its folder).
 
-    A file that is not one is "PATH is not a JSON model config: REASON" (the JSON error, or the missing key).
+    A file that is not one is "PATH is not a JSON model config: REASON" (the JSON error, or the missing key);
+    a name that is neither is "'TEXT' is neither a model preset (NAMES) nor a file".
     """
     path = Path(text)
     if path.is_dir():
         path = path / "config.json"
     if not path.is_file():
-        return ModelShape.preset(text)
+        try:
+            return ModelShape.preset(text)
+        except ValueError:
+            where = "" if path == Path(text) else f" (a folder without {path.name})"
+            raise ValueError(f"{text!r} is neither a model preset ({', '.join(ModelShape.preset_names())}) nor a file"
+                             f"{where}") from None
     try:
         config = json.loads(path.read_text())
         if not isinstance(config, dict):
