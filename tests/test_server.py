@@ -400,6 +400,7 @@ WRONG_TYPES = [
     ("/v1/completions", {"prompt": "hi", "seed": 1e30}, "seed",
      "Input should be an integer in [-2**63, 2**63), got 1e+30 (seed)"),
     ("/v1/completions", {"prompt": "hi", "stream": "yes"}, "stream", "Input should be a valid boolean (stream)"),
+    ("/v1/completions", {"prompt": "hi", "user": 5}, "user", "Input should be a valid string (user)"),  # was accepted
     ("/v1/completions", {"prompt": "hi", "ignore_eos": 1}, "ignore_eos", "Input should be a valid boolean (ignore_eos)"),
     ("/v1/completions", {"prompt": "hi", "stop_token_ids": [True]}, "stop_token_ids",
      "Input should be a valid integer, not a boolean (stop_token_ids.0)"),

@@ -10,6 +10,7 @@ from pydantic import (
     ConfigDict,
     Field,
     StrictBool,
+    StrictStr,
     ValidationInfo,
     WrapValidator,
     field_validator,
@@ -103,13 +104,13 @@ _UNSUPPORTED: dict[str, tuple] = {
 # OpenAI request fields that change nothing a server generates (bookkeeping for OpenAI's own
 # platform, or ``parallel_tool_calls`` without tools, which are refused above): accepted
 # without the warning other unknown fields get, as the official SDK and agent frameworks send them.
-_QUIET = frozenset({"user", "store", "metadata", "service_tier", "parallel_tool_calls", "request_id"})
+_QUIET = frozenset({"store", "metadata", "service_tier", "parallel_tool_calls", "request_id"})
 _CHAT_UNSUPPORTED = {**_UNSUPPORTED, "add_special_tokens": (None, False)}
 
 
 class _SamplingFields(BaseModel):
     """Fields shared by completions and chat completions (OpenAI + vLLM extensions). Other
-    fields are ignored, with a warning unless in ``_QUIET`` (e.g. ``user``), except those in
+    fields are ignored, with a warning unless in ``_QUIET`` (e.g. ``store``), except those in
     ``_UNSUPPORTED`` when they ask for something (``sampling_params`` refuses them)."""
 
     model_config = ConfigDict(extra="allow")
@@ -128,6 +129,7 @@ class _SamplingFields(BaseModel):
     n: Int = 1
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
+    user: StrictStr | None = None  # OpenAI's end-user id: checked (a string), changes nothing
 
     @model_validator(mode="before")
     @classmethod
