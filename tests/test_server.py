@@ -595,6 +595,7 @@ def test_api_key_required(server):
     assert models["data"][0]["id"] == "SmolLM2-135M-Instruct"
     card = httpx.get(f"{server}/v1/models/SmolLM2-135M-Instruct", headers=AUTH).json()
     assert card["id"] == "SmolLM2-135M-Instruct" and card["object"] == "model"
+    assert (card["root"], card["parent"]) == ("SmolLM2-135M-Instruct", None) and card["max_model_len"] > 0
     r = httpx.get(f"{server}/v1/models/gpt-4", headers=AUTH)
     assert r.status_code == 404 and r.json()["error"]["param"] == "model"
 

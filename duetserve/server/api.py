@@ -208,8 +208,9 @@ def create_app(engine: EngineFront, metrics: ServerMetrics, model_name: str, api
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     def model_card() -> dict:
+        # vLLM's card: root is the model the name serves (--served-model-name may rename it)
         return {"id": model_name, "object": "model", "created": int(time.time()), "owned_by": "duetserve",
-                "max_model_len": engine.max_model_len}
+                "root": engine.model_name, "parent": None, "max_model_len": engine.max_model_len}
 
     @app.get("/v1/models")
     async def models():
