@@ -475,7 +475,6 @@ def _set_row(field, value):
     (_set_row("batch", 1.5), "calibration row 3: batch must be an integer in 1..1048576, got 1.5"),
     (_set_row("kernels", "939"), "calibration row 3: kernels must be an integer in 1..1048576, got '939'"),
     (_set_row("graphs", "yes"), "calibration row 3: graphs must be true or false, got 'yes'"),
-    (_set_row("spatial", 0), "calibration row 3: spatial must be true or false, got 0"),
     (_set_row("sms", 140), "calibration row 3: measured on 140 SMs, --base has 132"),
     (lambda p: p["calibration"], "not a profile (a JSON object) written by duetserve calibrate"),
     (lambda p: p.update(calibration=[r for r in p["calibration"] if r["graphs"]]),

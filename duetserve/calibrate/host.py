@@ -82,10 +82,9 @@ def read_iteration_log(path: str | Path) -> list[dict[str, Any]]:
                 record = loads_object(line)
             except ValueError as exc:
                 raise ValueError(f"{path}: line {i}: {exc}") from exc
-            for kind, (limit, label) in _LIMITS.items():
-                bad = [k for k in _NUMERIC if k.endswith("_s") == (kind == "seconds") and record.get(k) is not None
-                       and (isinstance(record[k], bool) or not isinstance(record[k], (int, float))
-                            or not 0 <= record[k] < limit)]
+            for names, kind, limit, label in _LIMITS:
+                bad = [k for k in names if record.get(k) is not None and (isinstance(record[k], bool)
+                       or not isinstance(record[k], (int, float)) or not 0 <= record[k] < limit)]
                 if bad:
                     raise ValueError(f"{path}: line {i}: {', '.join(bad)} must be {kind} >= 0 and below {label}")
             flags = [k for k in _FLAGS if record.get(k) is not None and not isinstance(record[k], bool)]
@@ -95,11 +94,10 @@ def read_iteration_log(path: str | Path) -> list[dict[str, Any]]:
     return records
 
 
-_NUMERIC = ("k", "predicted_s", "measured_s", "num_decodes", "num_prefills", "num_prefill_tokens",
-            "host_per_request_s", "host_eager_s", "host_piecewise_s", "piecewise_tokens", "gap_s")
 _TERMS = ("host_per_request_s", "host_eager_s", "host_piecewise_s")
-# bounds of the logged numbers: an iteration (or gap) of an hour is no served one
-_LIMITS = {"seconds": (3600.0, "3600"), "counts": (float(1 << 31), "2^31")}
+# The logged numbers and their bounds: an iteration (or gap) of an hour is no served one.
+_LIMITS = ((("predicted_s", "measured_s", *_TERMS, "gap_s"), "seconds", 3600.0, "3600"),
+           (("k", "num_decodes", "num_prefills", "num_prefill_tokens", "piecewise_tokens"), "counts", 2.0**31, "2^31"))
 _FLAGS = ("spatial", "cuda_graphs")
 
 

@@ -189,7 +189,8 @@ def prediction_row(shape: Shape, measured_s: float, graphs: bool, kernels: int |
     base_s = float(base.predict_total(shape.reqs, shape.sms, graphs=graphs, host=False)) \
         if shape.sms <= base.profile.num_sms else None
     return {"kind": shape.kind, "batch": shape.batch, "q": shape.q, "c": shape.c, "sms": shape.sms, "k": shape.k,
-            "spatial": shape.sms < roofline.profile.num_sms, "chunk": shape.chunk, "chunk_cached": shape.chunk_cached, "graphs": graphs, "kernels": kernels, "measured_s": measured_s, "roofline_s": rooflined,
+            "spatial": shape.sms < roofline.profile.num_sms, "chunk": shape.chunk, "chunk_cached": shape.chunk_cached,
+            "graphs": graphs, "kernels": kernels, "measured_s": measured_s, "roofline_s": rooflined,
             "predicted_s": rooflined, "base_predicted_s": base_s}
 
 
@@ -342,9 +343,8 @@ def _check_row(i: int, row: Mapping[str, Any], num_sms: int) -> None:
             raise bad(name, f"an integer in {low}..{ROW_LIMIT}")
     if not _is_int(row["sms"], 1, num_sms):
         raise ValueError(f"calibration row {i}: measured on {row['sms']!r} SMs, --base has {num_sms}")
-    for name in ("graphs", "spatial"):  # spatial: absent in rows written before it
-        if not isinstance(row[name] if name == "graphs" else row.get(name, False), bool):
-            raise bad(name, "true or false")
+    if not isinstance(row["graphs"], bool):  # (a row's spatial is not read: prediction_row derives it from sms)
+        raise bad("graphs", "true or false")
     m = row["measured_s"]
     if isinstance(m, bool) or not isinstance(m, (int, float)) or not 0 < m < 3600:
         raise bad("measured_s", "seconds in (0, 3600)")
